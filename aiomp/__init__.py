@@ -1,0 +1,107 @@
+"""aiomp: torch.multiprocessing rebuilt async-first.
+
+Only this module is public. Names resolve lazily (PEP 562) so that a child process, which
+imports this package before ``aiomp._child``, loads neither anyio nor numpy unless it
+needs them.
+"""
+
+from __future__ import annotations
+
+# Not `from typing import TYPE_CHECKING`: children must not pay for importing typing.
+TYPE_CHECKING = False
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "BrokenWorkerError",
+    "Empty",
+    "Event",
+    "Full",
+    "Pool",
+    "ProcessContext",
+    "ProcessException",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "Queue",
+    "QueueClosed",
+    "SharedMemoryError",
+    "TransportError",
+    "cuda",
+    "empty",
+    "get_all_sharing_strategies",
+    "get_sharing_strategy",
+    "is_shared",
+    "set_sharing_strategy",
+    "share_memory",
+    "spawn",
+    "start_processes",
+    "zeros",
+)
+
+_WHERE = {
+    "BrokenWorkerError": "_errors",
+    "ProcessException": "_errors",
+    "ProcessExitedException": "_errors",
+    "ProcessRaisedException": "_errors",
+    "QueueClosed": "_errors",
+    "SharedMemoryError": "_errors",
+    "TransportError": "_errors",
+    "ProcessContext": "_context",
+    "spawn": "_context",
+    "start_processes": "_context",
+    "Queue": "_queue",
+    "Event": "_queue",
+    "Full": "_queue",
+    "Empty": "_queue",
+    "Pool": "_pool",
+    "share_memory": "_numpy",
+    "is_shared": "_numpy",
+    "empty": "_numpy",
+    "zeros": "_numpy",
+    "get_all_sharing_strategies": "_shm",
+    "get_sharing_strategy": "_shm",
+    "set_sharing_strategy": "_shm",
+    "cuda": "cuda",
+}
+
+if TYPE_CHECKING:
+    from queue import Empty as Empty
+    from queue import Full as Full
+
+    from . import cuda as cuda
+    from ._context import ProcessContext as ProcessContext
+    from ._context import spawn as spawn
+    from ._context import start_processes as start_processes
+    from ._errors import BrokenWorkerError as BrokenWorkerError
+    from ._errors import ProcessException as ProcessException
+    from ._errors import ProcessExitedException as ProcessExitedException
+    from ._errors import ProcessRaisedException as ProcessRaisedException
+    from ._errors import QueueClosed as QueueClosed
+    from ._errors import SharedMemoryError as SharedMemoryError
+    from ._errors import TransportError as TransportError
+    from ._numpy import empty as empty
+    from ._numpy import is_shared as is_shared
+    from ._numpy import share_memory as share_memory
+    from ._numpy import zeros as zeros
+    from ._pool import Pool as Pool
+    from ._queue import Event as Event
+    from ._queue import Queue as Queue
+    from ._shm import get_all_sharing_strategies as get_all_sharing_strategies
+    from ._shm import get_sharing_strategy as get_sharing_strategy
+    from ._shm import set_sharing_strategy as set_sharing_strategy
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiomp' has no attribute {name!r}")
+    import importlib
+
+    mod = importlib.import_module(f"aiomp.{module}")
+    value = mod if name == module else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted((*globals(), *__all__))

@@ -1,0 +1,540 @@
+"""spawn / start_processes / ProcessContext: start, sentinel-driven join, terminate.
+
+Each child is owned by one :class:`_Child`, which owns its OS resources: the
+``multiprocessing`` process, a pidfd (exit notification and race-free signals) and the
+parent end of its control socket. Exactly one task waits on each of those fds at a time;
+every other task waiting for the same thing waits on an :class:`anyio.Event` that the
+waiter sets (one waiter per process, fanning out).
+
+Nothing here polls or uses threads: a child's exit is its pidfd becoming readable on the
+event loop; its result or error is a datagram on its control socket. The error is sent
+before the child's interpreter shuts down, so it reaches the parent within milliseconds.
+
+Termination (on a failure, an exception in the ``async with`` body or cancellation) always
+runs shielded: SIGTERM to every live child, ``grace_period`` seconds, SIGKILL to the
+survivors (logged), then reap. It is bounded: a child that survives SIGKILL for
+:data:`KILL_TIMEOUT` seconds (uninterruptible sleep) is reported and left to init.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import warnings
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from . import _child, _reduction, _transport
+from ._errors import (
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    exit_description,
+)
+
+log = logging.getLogger("aiomp")
+
+START_METHODS = ("spawn", "forkserver", "fork")
+#: Seconds to wait for a SIGKILLed child to vanish before giving up on it.
+KILL_TIMEOUT = 5.0
+
+
+def check_start_method(start_method: str) -> None:
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(map(repr, START_METHODS))}, "
+            f"not {start_method!r}"
+        )
+
+
+def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
+    """Validate a function children will run; return whether it is a coroutine function.
+
+    Raises ``TypeError`` for a non-callable or a coroutine object, and
+    ``pickle.PicklingError`` when spawn/forkserver children could not import it.
+    """
+    if inspect.iscoroutine(fn):
+        fn.close()
+        raise TypeError(
+            f"{what} must be a function, not a coroutine object: pass the async function "
+            "itself (aiomp calls it in the child)"
+        )
+    if not callable(fn):
+        raise TypeError(f"{what} must be callable, not {type(fn).__name__}")
+    if start_method != "fork":
+        module = getattr(fn, "__module__", None)
+        main = sys.modules.get("__main__")
+        if module == "__main__" and not getattr(main, "__file__", None):
+            raise pickle.PicklingError(
+                f"{what}={fn!r} is defined in an interactive __main__ (a notebook or REPL), "
+                f"which {start_method} children cannot import: move it into a module, "
+                "or use start_method='fork'"
+            )
+        try:
+            _reduction.dumps(fn).close()
+        except Exception as exc:
+            raise pickle.PicklingError(
+                f"{what}={fn!r} cannot be pickled for start_method={start_method!r} ({exc}); "
+                "define it at module level (not a lambda or a local function), "
+                "or use start_method='fork'"
+            ) from exc
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)
+    )
+
+
+def check_fork_safe() -> None:
+    """R14: refuse fork with CUDA initialised; warn when other threads are running."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        from . import _cuda
+
+        if _cuda.cuda_initialized():
+            raise RuntimeError(
+                "cannot fork: CUDA is initialised in this process and a forked child "
+                "cannot use it; use start_method='spawn' or 'forkserver'"
+            )
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:
+        warnings.warn(
+            f"start_method='fork' with {len(others)} other thread(s) running "
+            f"({', '.join(others[:3])}): a lock held by one of them stays locked forever "
+            "in the child; prefer 'spawn' or 'forkserver'",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+class _Child:
+    """One child process and the fds aiomp holds for it. Owned by a ProcessContext."""
+
+    def __init__(self, rank: int, process: multiprocessing.process.BaseProcess,
+                 sock: socket.socket, start_method: str) -> None:
+        self.rank = rank
+        self.process = process
+        self.sock: socket.socket | None = sock
+        self.pid: int = process.pid  # type: ignore[assignment]
+        self.pidfd = os.pidfd_open(self.pid)
+        # forkserver children are not ours to reap: their status arrives on the sentinel.
+        self.exit_fd = process.sentinel if start_method == "forkserver" else self.pidfd
+        self.outcome: tuple[str, object] | None = None  # ("ok", value) / ("err", exc)
+        self.exitcode: int | None = None
+        self._exit_waiter: anyio.Event | None = None
+        self._msg_waiter: anyio.Event | None = None
+
+    # -- exit -----------------------------------------------------------------------
+    @property
+    def exited(self) -> bool:
+        return self.exitcode is not None
+
+    def poll_exit(self) -> bool:
+        if self.exitcode is None:
+            code = self.process.exitcode  # non-blocking waitpid / sentinel read
+            if code is not None:
+                self.exitcode = code
+                self.poll_message()
+                self._release()
+        return self.exitcode is not None
+
+    async def wait_exit(self) -> None:
+        """Wait until the child has exited and been reaped. One waiter; the rest fan out."""
+        while not self.poll_exit():
+            waiter = self._exit_waiter
+            if waiter is not None:
+                await waiter.wait()
+                continue
+            self._exit_waiter = waiter = anyio.Event()
+            try:
+                await anyio.wait_readable(self.exit_fd)
+            finally:
+                self._exit_waiter = None
+                waiter.set()
+
+    def signal(self, sig: int) -> None:
+        if self.exitcode is None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, sig)
+            except ProcessLookupError:
+                pass
+
+    def _release(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+    # -- messages -------------------------------------------------------------------
+    def poll_message(self) -> None:
+        """Read the child's report if it is there (never waits)."""
+        if self.outcome is not None or self.sock is None:
+            return
+        try:
+            got = _transport.try_recv(self.sock)
+        except _transport.Closed:
+            self.sock.close()
+            self.sock = None
+            return
+        except OSError as exc:
+            self.outcome = ("err", ProcessRaisedException(
+                f"process {self.rank} (pid {self.pid}) sent a report that could not be "
+                f"received: {exc}", self.rank, self.pid))
+            return
+        if got is None:
+            return
+        try:
+            _, body, fds = _transport.decode(*got)
+            msg: Any = _reduction.loads(body, fds)
+        except Exception as exc:
+            self.outcome = ("err", ProcessRaisedException(
+                f"process {self.rank} (pid {self.pid}) returned a value that could not be "
+                f"unpickled in the parent: {exc!r}", self.rank, self.pid))
+            return
+        if msg[0] == "ok":
+            self.outcome = ("ok", msg[1])
+        else:
+            self.outcome = ("err", ProcessRaisedException(
+                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1]}", self.rank, self.pid))
+
+    async def wait_message(self) -> None:
+        """Wait until the child's report has arrived or its socket has closed."""
+        while self.outcome is None and self.sock is not None:
+            self.poll_message()
+            if self.outcome is not None or self.sock is None:
+                return
+            waiter = self._msg_waiter
+            if waiter is not None:
+                await waiter.wait()
+                continue
+            self._msg_waiter = waiter = anyio.Event()
+            try:
+                await anyio.wait_readable(self.sock)
+            finally:
+                self._msg_waiter = None
+                waiter.set()
+
+    def failure(self) -> ProcessException | None:
+        """The failure this child stands for, if any, as soon as it is known."""
+        if self.outcome is not None and self.outcome[0] == "err":
+            return self.outcome[1]  # type: ignore[return-value]
+        if self.exitcode is not None and self.exitcode != 0:
+            what, name = exit_description(self.exitcode)
+            return ProcessExitedException(
+                f"process {self.rank} {what}", self.rank, self.pid, self.exitcode, name
+            )
+        return None
+
+    async def watch(self, on_failure: Callable[[], None]) -> None:
+        """Return once the child has exited; call ``on_failure`` as soon as it fails."""
+        async def messages() -> None:
+            await self.wait_message()
+            if self.failure() is not None:
+                on_failure()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(messages)
+            await self.wait_exit()
+            tg.cancel_scope.cancel()
+        if self.failure() is not None:
+            on_failure()
+
+
+class ProcessContext:
+    """The processes started by :func:`spawn`: join them, read results, terminate them."""
+
+    def __init__(self, children: list[_Child], grace_period: float) -> None:
+        self._children = children
+        self.grace_period = grace_period
+        self._failure: ProcessException | None = None
+        self._results: list[object] | None = None
+        self._lock = anyio.Lock()
+
+    @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The ``multiprocessing`` process objects, by rank (closed once reaped)."""
+        return [c.process for c in self._children]
+
+    def pids(self) -> list[int]:
+        return [c.pid for c in self._children]
+
+    @property
+    def results(self) -> list[object]:
+        """Each rank's return value, once every process has exited successfully."""
+        if self._results is None:
+            raise RuntimeError("results are available once join() has returned True")
+        return self._results
+
+    def _first_failure(self) -> ProcessException | None:
+        if self._failure is None:
+            for c in self._children:
+                exc = c.failure()
+                if exc is not None:
+                    self._failure = exc
+                    break
+        return self._failure
+
+    def _finish(self) -> bool:
+        if self._results is None and all(c.exited for c in self._children):
+            if self._first_failure() is None:
+                self._results = [c.outcome[1] if c.outcome else None for c in self._children]
+        return self._results is not None
+
+    async def _watch_all(self) -> None:
+        """Return once every child has exited, or as soon as one has failed."""
+        async with anyio.create_task_group() as tg:
+            def failed() -> None:
+                self._first_failure()
+                tg.cancel_scope.cancel()
+
+            for c in self._children:
+                if not c.exited:
+                    tg.start_soon(c.watch, failed)
+
+    async def join(self, timeout: float | None = None) -> bool:
+        """Wait for every process to exit successfully: True, or False if ``timeout`` passes.
+
+        On the first failure the others are terminated (SIGTERM, the grace period, SIGKILL)
+        and the failure is raised: a :class:`ProcessRaisedException` or a
+        :class:`ProcessExitedException`. Calling it again raises the same failure.
+
+        On cancellation every process is terminated and reaped before the cancellation
+        goes on.
+        """
+        async with self._lock:
+            if self._finish():
+                return True
+            if self._first_failure() is None:
+                try:
+                    with anyio.move_on_after(timeout):
+                        await self._watch_all()
+                except BaseException:
+                    await self.terminate()
+                    raise
+            if self._first_failure() is not None:
+                await self.terminate()
+                assert self._failure is not None
+                raise self._failure
+            return self._finish()
+
+    async def terminate(self, grace_period: float | None = None) -> None:
+        """SIGTERM every live process, wait ``grace_period`` seconds, SIGKILL survivors, reap.
+
+        Shielded from cancellation and bounded: it returns within about
+        ``grace_period + KILL_TIMEOUT`` seconds whatever the children do.
+        """
+        grace = self.grace_period if grace_period is None else grace_period
+        with anyio.CancelScope(shield=True):
+            await terminate_all(self._children, grace)
+
+    def _sync_kill(self) -> None:
+        for c in self._children:
+            c.signal(signal.SIGKILL)
+
+
+async def terminate_all(children: Sequence[_Child], grace: float) -> None:
+    live = [c for c in children if not c.poll_exit()]
+    if not live:
+        return
+    for c in live:
+        c.signal(signal.SIGTERM)
+    if not await _wait_all(live, grace):
+        survivors = [c for c in live if not c.exited]
+        log.warning(
+            "aiomp: %d process(es) (pids %s) ignored SIGTERM for %.3g s; sending SIGKILL",
+            len(survivors), [c.pid for c in survivors], grace,
+        )
+        for c in survivors:
+            c.signal(signal.SIGKILL)
+        if not await _wait_all(survivors, KILL_TIMEOUT):
+            log.error("aiomp: pids %s survived SIGKILL for %s s (uninterruptible sleep?)",
+                      [c.pid for c in survivors if not c.exited], KILL_TIMEOUT)
+
+
+async def _wait_all(children: Sequence[_Child], timeout: float) -> bool:
+    with anyio.move_on_after(timeout):
+        async with anyio.create_task_group() as tg:
+            for c in children:
+                tg.start_soon(c.wait_exit)
+    return all(c.exited for c in children)
+
+
+# -- starting ----------------------------------------------------------------------
+
+
+async def start_children(
+    fn: object,
+    nprocs: int,
+    args: tuple[object, ...],
+    start_method: str,
+    daemon: bool,
+    grace_period: float,
+) -> ProcessContext:
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be an int >= 1, not {nprocs!r}")
+    check_start_method(start_method)
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, not {type(args).__name__}")
+    is_async = check_function(fn, start_method)
+    # Pickle once, before any process starts: an unpicklable argument raises here.
+    payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
+    try:
+        datagram, fds, extra = _transport.encode(payload.body, payload.fds)
+    except BaseException:
+        payload.close()
+        raise
+    if start_method == "fork":
+        check_fork_safe()
+    mp = multiprocessing.get_context(start_method)
+    children: list[_Child] = []
+    try:
+        if start_method == "forkserver":
+            # The first start launches the fork server and waits for it: off the loop.
+            await anyio.to_thread.run_sync(_ensure_forkserver)
+        for rank in range(nprocs):
+            parent_sock, child_sock = _transport.socketpair()
+            try:
+                target_fn = fn if start_method == "fork" else None
+                proc = mp.Process(
+                    target=_child.main,
+                    args=(rank, child_sock, os.getpid(), target_fn),
+                    daemon=daemon,
+                    name=f"aiomp-{rank}",
+                )
+                proc.start()
+            except BaseException:
+                parent_sock.close()
+                raise
+            finally:
+                child_sock.close()
+            children.append(_Child(rank, proc, parent_sock, start_method))
+        for c in children:
+            assert c.sock is not None
+            try:
+                await _transport.send_async(c.sock, datagram, fds)
+            except _transport.Closed:
+                pass  # it died already; join reports how
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            for c in children:
+                c.signal(signal.SIGKILL)
+            await _wait_all(children, KILL_TIMEOUT)
+        raise
+    finally:
+        if extra >= 0:
+            os.close(extra)
+        payload.close()
+    return ProcessContext(children, grace_period)
+
+
+def _ensure_forkserver() -> None:
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+class SpawnHandle:
+    """What :func:`spawn` returns: await it for a ProcessContext, or use ``async with``.
+
+    ``async with`` supervises the children while the body runs: the first failure
+    terminates the others and cancels the body, and leaving the block raises that failure.
+    Leaving normally joins every process. Leaving by an exception or a cancellation
+    terminates them (SIGTERM, the grace period, SIGKILL), reaps them and re-raises.
+    """
+
+    def __init__(self, fn: object, nprocs: int, args: tuple[object, ...], start_method: str,
+                 daemon: bool, grace_period: float) -> None:
+        self._params = (fn, nprocs, args, start_method, daemon, grace_period)
+        self._ctx: ProcessContext | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def __await__(self) -> Generator[Any, None, ProcessContext]:
+        return start_children(*self._params).__await__()
+
+    async def __aenter__(self) -> ProcessContext:
+        ctx = self._ctx = await start_children(*self._params)
+        tg = self._tg = anyio.create_task_group()
+        await tg.__aenter__()
+        tg.start_soon(self._supervise, ctx, tg.cancel_scope)
+        return ctx
+
+    @staticmethod
+    async def _supervise(ctx: ProcessContext, body: anyio.CancelScope) -> None:
+        await ctx._watch_all()
+        if ctx._first_failure() is not None:
+            await ctx.terminate()
+            body.cancel()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool:
+        ctx, tg = self._ctx, self._tg
+        assert ctx is not None and tg is not None
+        swallowed = False
+        try:
+            try:
+                swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
+            except BaseExceptionGroup as group:
+                if exc is None or list(_leaves(group)) != [exc]:
+                    raise
+            if exc is None:
+                await ctx.join()
+        finally:
+            if exc is not None or ctx._failure is not None:
+                await ctx.terminate()
+        if ctx._failure is not None and (exc is None or swallowed):
+            raise ctx._failure
+        return False
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Generator[BaseException, None, None]:
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
+
+
+def spawn(
+    fn: Callable[..., object] | Callable[..., Awaitable[object]],
+    nprocs: int = 1,
+    *,
+    args: tuple[object, ...] = (),
+    start_method: str = "spawn",
+    daemon: bool = False,
+    grace_period: float = 5.0,
+) -> SpawnHandle:
+    """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
+
+    ``await aiomp.spawn(...)`` returns a started :class:`ProcessContext`;
+    ``async with aiomp.spawn(...) as ctx:`` supervises them (see :class:`SpawnHandle`).
+    ``fn`` may be an ``async def`` function: the child runs it on a fresh event loop
+    (uvloop when installed). Numpy arrays in ``args`` travel through shared memory.
+
+    Raises ``ValueError`` for an unknown ``start_method`` or ``nprocs < 1``, and
+    ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` children could not run, before
+    any process starts. Starting never blocks the event loop.
+    """
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+
+
+def start_processes(
+    fn: Callable[..., object] | Callable[..., Awaitable[object]],
+    nprocs: int = 1,
+    *,
+    args: tuple[object, ...] = (),
+    start_method: str = "spawn",
+    daemon: bool = False,
+    grace_period: float = 5.0,
+) -> SpawnHandle:
+    """The torch-compatible name of :func:`spawn`."""
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)

@@ -1,0 +1,121 @@
+"""The exceptions aiomp raises, and who raises them.
+
+::
+
+    Exception
+     +-- ProcessException               a child process failed (spawn, join)
+     |    +-- ProcessRaisedException    ...by raising; the message holds its traceback
+     |    +-- ProcessExitedException    ...by dying or exiting non-zero without a Python error
+     |    +-- BrokenWorkerError         a Pool worker died while it held the task
+     +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
+     +-- OSError
+          +-- SharedMemoryError         shared memory could not be allocated (raised at put)
+          +-- TransportError            a message could not travel (fd limit, truncation)
+    queue.Full, queue.Empty             put_nowait / get_nowait (re-exported as aiomp.Full/Empty)
+
+Every exception here pickles with its attributes, so a child can send it to its parent
+and a parent can hand it on to another process.
+
+This module is imported by every child: it imports nothing but the standard library.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+
+__all__ = (
+    "BrokenWorkerError",
+    "ProcessException",
+    "ProcessExitedException",
+    "ProcessRaisedException",
+    "QueueClosed",
+    "SharedMemoryError",
+    "TransportError",
+)
+
+
+class ProcessException(Exception):
+    """A child process of a :class:`aiomp.ProcessContext` failed.
+
+    Raised by ``join()`` and by leaving ``async with aiomp.spawn(...)``; ``error_index``
+    is the failed process's rank and ``pid`` its process id.
+    """
+
+    def __init__(self, msg: str, error_index: int, pid: int | None) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.error_index = error_index
+        self.pid = pid
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.msg, self.error_index, self.pid), self.__dict__
+
+
+class ProcessRaisedException(ProcessException):
+    """The child's function raised; the message holds the child's formatted traceback."""
+
+    def __init__(self, msg: str, error_index: int, error_pid: int | None) -> None:
+        super().__init__(msg, error_index, error_pid)
+
+
+class ProcessExitedException(ProcessException):
+    """The child died by a signal or exited non-zero without a Python exception.
+
+    ``exit_code`` is the process's exit status (negative for a signal, as in
+    :attr:`multiprocessing.Process.exitcode`); ``signal_name`` is e.g. ``"SIGSEGV"``.
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int | None,
+        exit_code: int,
+        signal_name: str | None = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid)
+        self.exit_code = exit_code
+        self.signal_name = signal_name
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
+        return type(self), args, self.__dict__
+
+
+class BrokenWorkerError(ProcessExitedException):
+    """A :class:`aiomp.Pool` worker died while it held this task.
+
+    Only the tasks that worker held fail with it; the pool starts a replacement.
+    """
+
+
+class QueueClosed(Exception):
+    """The queue was closed: no more items can be put, and a drained queue yields none."""
+
+
+class SharedMemoryError(OSError):
+    """Shared memory for an array could not be allocated (``/dev/shm`` or memory is full).
+
+    Raised at the call that needed the memory (``put``, ``share_memory``, ``zeros``),
+    never later as a SIGBUS when the memory is touched.
+    """
+
+
+class TransportError(OSError):
+    """A message could not be sent or received whole (the file-descriptor limit, mostly)."""
+
+
+for _cls in (BrokenWorkerError, ProcessException, ProcessExitedException, ProcessRaisedException,
+             QueueClosed, SharedMemoryError, TransportError):
+    _cls.__module__ = "aiomp"  # printed and pickled under the public name
+
+
+def exit_description(exit_code: int) -> tuple[str, str | None]:
+    """Return ``("terminated with signal SIGSEGV", "SIGSEGV")`` or ``("... exit code 7", None)``."""
+    if exit_code < 0:
+        try:
+            name = _signal.Signals(-exit_code).name
+        except ValueError:
+            name = f"<unknown signal {-exit_code}>"
+        return f"terminated with signal {name}", name
+    return f"terminated with exit code {exit_code}", None

@@ -1,0 +1,168 @@
+"""Pickling for aiomp messages: objects that carry file descriptors, and array reducers.
+
+``dumps(obj)`` returns an :class:`Outgoing`: the pickle bytes, the fds that must travel in
+the same datagram, and cleanups to run once it has been sent (or has failed). ``loads``
+takes the bytes and the received fds.
+
+Objects that own OS resources (queues, events, shared-memory segments) reduce themselves
+through :func:`add_fd` and rebuild through :func:`take_fd`: they only pickle inside an
+aiomp message. Arrays are reduced by type, through reducers registered lazily the first
+time a message is pickled after numpy (or cupy) has been imported; importing aiomp loads
+neither.
+
+Standard library only: children import this module.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import sys
+import threading
+
+from . import _transport
+
+_local = threading.local()
+_reducers: dict[type, object] = {}
+_dispatch: dict[type, object] = dict(copyreg.dispatch_table)
+_hooked: set[str] = set()
+
+#: module name -> "package.module:function" returning {type: reducer}; loaded on first use.
+_LAZY = {
+    "numpy": "aiomp._numpy:reducers",
+    "cupy": "aiomp._cuda:reducers",
+}
+
+
+class Outgoing:
+    """A pickled message and the fds that must travel with it.
+
+    Call :meth:`close` once it has been sent (or will not be): it closes the fds that were
+    opened for this message only.
+    """
+
+    __slots__ = ("body", "fds", "_cleanups")
+
+    def __init__(self, body: bytes, fds: list[int], cleanups: list[object]) -> None:
+        self.body = body
+        self.fds = fds
+        self._cleanups = cleanups
+
+    def close(self) -> None:
+        cleanups, self._cleanups = self._cleanups, []
+        for fn in reversed(cleanups):
+            fn()  # type: ignore[operator]
+
+    def __del__(self) -> None:
+        if self._cleanups:
+            self.close()
+
+
+class _State:
+    __slots__ = ("fds", "fd_index", "cleanups", "memo")
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.fd_index: dict[int, int] = {}
+        self.cleanups: list[object] = []
+        self.memo: dict[object, object] = {}
+
+
+def _install_lazy() -> None:
+    for mod, target in _LAZY.items():
+        if mod in sys.modules and mod not in _hooked:
+            _hooked.add(mod)
+            modname, fn = target.split(":")
+            __import__(modname)
+            _dispatch.update(getattr(sys.modules[modname], fn)())
+
+
+def register(cls: type, reducer: object) -> None:
+    """Reduce instances of exactly ``cls`` with ``reducer(obj)`` in aiomp messages."""
+    _dispatch[cls] = reducer
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = _dispatch
+
+
+def dumps(obj: object) -> Outgoing:
+    """Pickle ``obj`` for an aiomp message. Raises in the caller if it cannot be pickled."""
+    _install_lazy()
+    state = _State()
+    prev = getattr(_local, "out", None)
+    _local.out = state
+    buf = io.BytesIO()
+    try:
+        _Pickler(buf, protocol=5).dump(obj)
+    except BaseException:
+        for fn in reversed(state.cleanups):
+            fn()  # type: ignore[operator]
+        raise
+    finally:
+        _local.out = prev
+    return Outgoing(buf.getvalue(), state.fds, state.cleanups)
+
+
+def current() -> _State:
+    """The message being pickled; raises if called outside :func:`dumps`."""
+    state = getattr(_local, "out", None)
+    if state is None:
+        raise pickle.PicklingError(
+            "this aiomp object can only travel inside aiomp (spawn args, a Queue, a Pool task)"
+        )
+    return state  # type: ignore[no-any-return]
+
+
+def add_fd(fd: int) -> int:
+    """Attach ``fd`` to the message being pickled; returns its index for :func:`take_fd`."""
+    state = current()
+    index = state.fd_index.get(fd)
+    if index is None:
+        if len(state.fds) >= _transport.MAX_FDS - 1:
+            raise pickle.PicklingError(
+                f"a message can carry at most {_transport.MAX_FDS - 1} file descriptors "
+                "(queues, events and shared segments); send fewer objects per message"
+            )
+        index = state.fd_index[fd] = len(state.fds)
+        state.fds.append(fd)
+    return index
+
+
+def on_sent(fn: object) -> None:
+    """Run ``fn()`` once the message being pickled has been sent or discarded."""
+    current().cleanups.append(fn)
+
+
+class _InState:
+    __slots__ = ("fds", "taken")
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+        self.taken: set[int] = set()
+
+
+def loads(body: bytes | memoryview, fds: list[int]) -> object:
+    """Unpickle a message; fds that no object took are closed, also on error."""
+    state = _InState(fds)
+    prev = getattr(_local, "inc", None)
+    _local.inc = state
+    try:
+        return pickle.loads(body)
+    finally:
+        _local.inc = prev
+        _transport.close_fds([fd for i, fd in enumerate(fds) if i not in state.taken])
+
+
+def take_fd(index: int) -> int:
+    """Take ownership of the message's ``index``-th fd while unpickling."""
+    state: _InState = _local.inc
+    state.taken.add(index)
+    return state.fds[index]
+
+
+def peek_fd(index: int) -> int:
+    """The message's ``index``-th fd, left for :func:`loads` to close."""
+    state: _InState = _local.inc
+    return state.fds[index]

@@ -1,0 +1,233 @@
+"""Message channels between processes: unix ``SOCK_SEQPACKET`` sockets, one datagram a message.
+
+Why datagrams: every ``sendmsg`` is delivered whole to exactly one ``recvmsg``, file
+descriptors (``SCM_RIGHTS``) included. So many producers and many consumers can share one
+socket with no lock, no feeder thread and no interleaving, and a message whose fds travel
+with it cannot be split from them.
+
+A message is one byte of kind followed by its body. A body larger than
+:data:`MAX_INLINE` travels in an anonymous memfd whose fd rides in the same datagram
+(kind ``LARGE``), so a datagram never outgrows the socket buffer.
+
+The socket itself always stays in blocking mode (the flag would be shared by every process
+holding it); non-blocking calls pass ``MSG_DONTWAIT``. Async callers wait for readiness
+through anyio, so asyncio, uvloop and trio all work. anyio is imported only by the async
+functions: a child running a sync function never loads it.
+
+This module is imported by children: standard library only.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import os
+import select
+import socket
+import time
+
+from ._errors import TransportError
+
+#: Largest body sent inside the datagram; larger bodies go through a memfd.
+MAX_INLINE = 64 * 1024
+#: The kernel's limit on fds in one ``SCM_RIGHTS`` message (``SCM_MAX_FD``).
+MAX_FDS = 253
+
+KIND_DATA = 0
+KIND_LARGE = 1
+KIND_CLOSED = 2
+
+_FD_SIZE = array.array("i").itemsize
+_ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * _FD_SIZE)
+_RECV_SIZE = MAX_INLINE + 64
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+_RECV_FLAGS = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+
+
+def socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of ``SOCK_SEQPACKET`` sockets with large buffers."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (a, b):
+        _grow_buffers(s)
+    return a, b
+
+
+def _grow_buffers(s: socket.socket) -> None:
+    # A queue of small items is bounded by the sender's buffer (each datagram costs its
+    # size plus ~1 KiB of kernel overhead). Ask for 4 MiB; root may force past wmem_max.
+    for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):  # SO_*BUFFORCE
+        try:
+            s.setsockopt(socket.SOL_SOCKET, force, 4 << 20)
+        except OSError:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+            except OSError:
+                pass
+
+
+def close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def encode(body: bytes | bytearray | memoryview, fds: list[int]) -> tuple[bytes, list[int], int]:
+    """Frame ``body`` as a datagram. Returns ``(datagram, fds, extra_fd)``.
+
+    A large body is written to a fresh memfd, appended to ``fds``; ``extra_fd`` is that
+    memfd (the caller closes it once sent) or -1.
+    """
+    if len(body) <= MAX_INLINE:
+        return b"\x00" + bytes(body), fds, -1
+    fd = os.memfd_create("aiomp-msg", os.MFD_CLOEXEC)
+    try:
+        _write_all(fd, body)
+    except BaseException:
+        os.close(fd)
+        raise
+    return bytes((KIND_LARGE,)) + len(body).to_bytes(8, "little"), [*fds, fd], fd
+
+
+def decode(datagram: bytes, fds: list[int]) -> tuple[int, bytes | memoryview, list[int]]:
+    """Inverse of :func:`encode`: ``(kind, body, fds)``; a LARGE body's memfd is consumed."""
+    kind = datagram[0]
+    if kind == KIND_LARGE:
+        size = int.from_bytes(datagram[1:9], "little")
+        fd = fds.pop()
+        try:
+            with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as m:
+                body: bytes | memoryview = m[:]
+        finally:
+            os.close(fd)
+        return KIND_DATA, body, fds
+    return kind, memoryview(datagram)[1:], fds
+
+
+def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    try:
+        os.posix_fallocate(fd, 0, len(view))
+    except OSError as exc:
+        raise TransportError(exc.errno, f"no memory for a {len(view)}-byte message: {exc}") from exc
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class Closed(Exception):
+    """The other end of a point-to-point channel has gone (EOF)."""
+
+
+def try_send(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
+    """Send without waiting: True if sent, False if the socket buffer is full."""
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    try:
+        sock.sendmsg((datagram,), anc, _SEND_FLAGS)
+    except BlockingIOError:
+        return False
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise Closed from exc
+    except OSError as exc:
+        if exc.errno in (24, 23, 109):  # EMFILE, ENFILE, ETOOMANYREFS: too many fds in flight
+            raise TransportError(
+                exc.errno,
+                f"cannot send {len(fds)} file descriptor(s): too many are in flight or open "
+                f"(RLIMIT_NOFILE={_nofile()}): receive pending messages or raise the limit",
+            ) from exc
+        raise
+    return True
+
+
+def try_recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """Receive one datagram without waiting: ``(datagram, fds)``, or None when empty.
+
+    Raises :class:`Closed` at end of stream.
+    """
+    try:
+        data, anc, flags, _ = sock.recvmsg(_RECV_SIZE, _ANC_SIZE, _RECV_FLAGS)
+    except BlockingIOError:
+        return None
+    except ConnectionResetError as exc:
+        raise Closed from exc
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
+    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        close_fds(fds)
+        if flags & socket.MSG_TRUNC:
+            raise TransportError(0, "a message was truncated (corrupt sender?); it is lost")
+        raise TransportError(
+            24,
+            "a message arrived without its file descriptors: this process is at its fd "
+            f"limit (RLIMIT_NOFILE={_nofile()}); close arrays or raise the limit. "
+            "The message is lost.",
+        )
+    if not data:
+        close_fds(fds)
+        raise Closed
+    return data, fds
+
+
+def _nofile() -> int:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _poll(fd: int, events: int, timeout: float | None) -> bool:
+    p = select.poll()
+    p.register(fd, events)
+    ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
+    return bool(p.poll(ms))
+
+
+def wait_fd_sync(fd: int, *, write: bool = False, deadline: float | None = None) -> bool:
+    """Block until ``fd`` is ready; False if ``deadline`` (a ``time.monotonic()``) passes."""
+    events = select.POLLOUT if write else select.POLLIN
+    while True:
+        timeout = None if deadline is None else deadline - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            return _poll(fd, events, 0)
+        if _poll(fd, events, timeout):
+            return True
+
+
+def send_sync(
+    sock: socket.socket, datagram: bytes, fds: list[int], deadline: float | None = None
+) -> bool:
+    """Send, blocking while the buffer is full; False if ``deadline`` passes first."""
+    while not try_send(sock, datagram, fds):
+        if not wait_fd_sync(sock.fileno(), write=True, deadline=deadline):
+            return False
+    return True
+
+
+def recv_sync(sock: socket.socket, deadline: float | None = None) -> tuple[bytes, list[int]] | None:
+    """Receive, blocking while empty; None if ``deadline`` passes first."""
+    while (got := try_recv(sock)) is None:
+        if not wait_fd_sync(sock.fileno(), deadline=deadline):
+            return None
+    return got
+
+
+async def send_async(sock: socket.socket, datagram: bytes, fds: list[int]) -> None:
+    """Send, waiting on the event loop while the buffer is full.
+
+    On cancellation nothing has been sent. Only one task per process may wait on one
+    socket at a time (callers serialise with a lock).
+    """
+    import anyio
+
+    while not try_send(sock, datagram, fds):
+        await anyio.wait_writable(sock)
+
+
+async def recv_async(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """Receive, waiting on the event loop while empty. On cancellation nothing is consumed."""
+    import anyio
+
+    while (got := try_recv(sock)) is None:
+        await anyio.wait_readable(sock)
+    return got
