@@ -119,8 +119,11 @@ class _Child:
     """One child process and the fds aiomp holds for it. Owned by a ProcessContext."""
 
     def __init__(self, rank: int, process: multiprocessing.process.BaseProcess,
-                 sock: socket.socket, start_method: str) -> None:
+                 sock: socket.socket, start_method: str, report: bool = True) -> None:
         self.rank = rank
+        # report: the socket carries one final report that poll_message reads. A Pool
+        # worker's socket carries a stream of messages its owner reads instead.
+        self.report = report
         self.process = process
         self.sock: socket.socket | None = sock
         self.pid: int = process.pid  # type: ignore[assignment]
@@ -178,7 +181,7 @@ class _Child:
     # -- messages -------------------------------------------------------------------
     def poll_message(self) -> None:
         """Read the child's report if it is there (never waits)."""
-        if self.outcome is not None or self.sock is None:
+        if self.outcome is not None or self.sock is None or not self.report:
             return
         try:
             got = _transport.try_recv(self.sock)
@@ -395,29 +398,13 @@ async def start_children(
         raise
     if start_method == "fork":
         check_fork_safe()
-    mp = multiprocessing.get_context(start_method)
     children: list[_Child] = []
     try:
         if start_method == "forkserver":
-            # The first start launches the fork server and waits for it: off the loop.
-            await anyio.to_thread.run_sync(_ensure_forkserver)
+            await prepare_forkserver()
         for rank in range(nprocs):
-            parent_sock, child_sock = _transport.socketpair()
-            try:
-                target_fn = fn if start_method == "fork" else None
-                proc = mp.Process(
-                    target=_child.main,
-                    args=(rank, child_sock, os.getpid(), target_fn),
-                    daemon=daemon,
-                    name=f"aiomp-{rank}",
-                )
-                proc.start()
-            except BaseException:
-                parent_sock.close()
-                raise
-            finally:
-                child_sock.close()
-            children.append(_Child(rank, proc, parent_sock, start_method))
+            target_fn = fn if start_method == "fork" else None
+            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,)))
         for c in children:
             assert c.sock is not None
             try:
@@ -437,10 +424,37 @@ async def start_children(
     return ProcessContext(children, grace_period)
 
 
-def _ensure_forkserver() -> None:
+async def prepare_forkserver() -> None:
+    """Start the fork server off the event loop (its first start waits for an interpreter)."""
     from multiprocessing import forkserver
 
-    forkserver.ensure_running()
+    await anyio.to_thread.run_sync(forkserver.ensure_running)
+
+
+def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
+           extra: tuple[object, ...] = (), name: str | None = None,
+           report: bool = True) -> _Child:
+    """Start one process running ``target(rank, control_socket, parent_pid, *extra)``.
+
+    Returns at once (the child boots concurrently). Call :func:`prepare_forkserver` first
+    for ``"forkserver"``.
+    """
+    mp = multiprocessing.get_context(start_method)
+    parent_sock, child_sock = _transport.socketpair()
+    try:
+        proc = mp.Process(
+            target=target,
+            args=(rank, child_sock, os.getpid(), *extra),
+            daemon=daemon,
+            name=name or f"aiomp-{rank}",
+        )
+        proc.start()
+    except BaseException:
+        parent_sock.close()
+        raise
+    finally:
+        child_sock.close()
+    return _Child(rank, proc, parent_sock, start_method, report)
 
 
 class SpawnHandle:

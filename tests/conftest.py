@@ -1,0 +1,92 @@
+"""Shared fixtures: every async test runs on asyncio, uvloop and trio; every test is
+checked for leaked children, file descriptors and ``/dev/shm`` names."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import sys
+import time
+
+import pytest
+
+BACKENDS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> object:
+    return request.param
+
+
+def child_pids() -> set[int]:
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+def open_fds() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
+def shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("aiomp")}
+
+
+# Helpers that outlive tests by design (multiprocessing's resource tracker, the fork
+# server) are started once, before any test, so they are not counted as leaks.
+_PERSISTENT: set[int] = set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _warm_up() -> None:
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    forkserver.ensure_running()
+    _PERSISTENT.update(child_pids())
+
+
+def _settle() -> None:
+    multiprocessing.active_children()  # reaps finished multiprocessing children
+    gc.collect()
+    shm = sys.modules.get("aiomp._shm")
+    if shm is not None:
+        shm.purge_pool()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> object:
+    _settle()
+    fds_before = open_fds()
+    shm_before = shm_names()
+    yield
+    if request.node.get_closest_marker("leaks_ok"):
+        return
+    deadline = time.monotonic() + 5
+    while True:
+        _settle()
+        children = child_pids() - _PERSISTENT
+        new_fds = {fd: t for fd, t in open_fds().items() if fds_before.get(fd) != t}
+        new_shm = shm_names() - shm_before
+        if not (children or new_fds or new_shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)  # handshake-free: polling the kernel's view of our resources
+    assert not children, f"test left live child processes: {sorted(children)}"
+    assert not new_fds, f"test leaked file descriptors: {new_fds}"
+    assert not new_shm, f"test left shared-memory names: {sorted(new_shm)}"
