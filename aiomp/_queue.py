@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import os
 import queue as _stdqueue
-import secrets
 import select
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator
-from typing import Any
 
 from . import _reduction, _transport
 from ._errors import QueueClosed
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from typing import Any
 
 Full = _stdqueue.Full
 Empty = _stdqueue.Empty
@@ -72,25 +74,29 @@ class _Waiters:
     __slots__ = ("_events",)
 
     def __init__(self) -> None:
+        # (fd, write) -> None while one task waits alone, an anyio.Event once others join
         self._events: dict[tuple[int, bool], Any] = {}
 
     async def wait(self, fd: int, write: bool = False) -> None:
         import anyio
 
         key = (fd, write)
-        event = self._events.get(key)
-        if event is not None:
+        if key in self._events:
+            event = self._events[key]
+            if event is None:
+                event = self._events[key] = anyio.Event()
             await event.wait()
             return
-        self._events[key] = event = anyio.Event()
+        self._events[key] = None
         try:
             if write:
                 await anyio.wait_writable(fd)
             else:
                 await anyio.wait_readable(fd)
         finally:
-            del self._events[key]
-            event.set()
+            event = self._events.pop(key)
+            if event is not None:
+                event.set()
 
 
 class Queue:
@@ -108,7 +114,7 @@ class Queue:
         send, recv = _transport.socketpair()
         items = os.eventfd(0, _EFD | os.EFD_SEMAPHORE)
         slots = os.eventfd(maxsize, _EFD | os.EFD_SEMAPHORE) if maxsize else -1
-        self._setup(secrets.token_bytes(16), maxsize, send, recv, items, slots)
+        self._setup(os.urandom(16), maxsize, send, recv, items, slots)
 
     def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
                items: int, slots: int) -> None:
@@ -347,7 +353,7 @@ class Event:
     """
 
     def __init__(self) -> None:
-        self._setup(secrets.token_bytes(16), os.eventfd(0, _EFD))
+        self._setup(os.urandom(16), os.eventfd(0, _EFD))
 
     def _setup(self, token: bytes, fd: int) -> None:
         self._token = token

@@ -87,28 +87,48 @@ class _Pickler(pickle.Pickler):
     dispatch_table = _dispatch
 
 
+_PENDING = object()  # a message is being pickled; its state is made on first use
+
+
 def dumps(obj: object) -> Outgoing:
     """Pickle ``obj`` for an aiomp message. Raises in the caller if it cannot be pickled."""
-    _install_lazy()
-    state = _State()
+    if len(_hooked) < len(_LAZY):
+        _install_lazy()
+    # One pickler per thread, reused: building one costs more than pickling a small item.
+    cached = _local.__dict__.pop("pickler", None)
+    if cached is None:
+        buf = io.BytesIO()
+        cached = (buf, _Pickler(buf, protocol=5))
+    buf, pickler = cached
     prev = getattr(_local, "out", None)
-    _local.out = state
-    buf = io.BytesIO()
+    _local.out = _PENDING
     try:
-        _Pickler(buf, protocol=5).dump(obj)
+        pickler.dump(obj)
+        body = buf.getvalue()
     except BaseException:
-        for fn in reversed(state.cleanups):
-            fn()  # type: ignore[operator]
+        state = _local.out
+        if isinstance(state, _State):
+            for fn in reversed(state.cleanups):
+                fn()  # type: ignore[operator]
         raise
     finally:
+        state = _local.out
         _local.out = prev
-    return Outgoing(buf.getvalue(), state.fds, state.cleanups)
+        pickler.clear_memo()
+        buf.seek(0)
+        buf.truncate()
+        _local.pickler = cached
+    if isinstance(state, _State):
+        return Outgoing(body, state.fds, state.cleanups)
+    return Outgoing(body, [], [])
 
 
 def current() -> _State:
     """The message being pickled; raises if called outside :func:`dumps`."""
     state = getattr(_local, "out", None)
-    if state is None:
+    if state is _PENDING:
+        state = _local.out = _State()
+    elif state is None:
         raise pickle.PicklingError(
             "this aiomp object can only travel inside aiomp (spawn args, a Queue, a Pool task)"
         )
@@ -145,6 +165,8 @@ class _InState:
 
 def loads(body: bytes | memoryview, fds: list[int]) -> object:
     """Unpickle a message; fds that no object took are closed, also on error."""
+    if not fds:
+        return pickle.loads(body)
     state = _InState(fds)
     prev = getattr(_local, "inc", None)
     _local.inc = state

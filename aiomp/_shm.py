@@ -34,7 +34,6 @@ import ctypes
 import errno
 import mmap
 import os
-import secrets
 import threading
 import weakref
 from collections import deque
@@ -154,7 +153,7 @@ class BlockRef:
         if seg.name is not None:
             if seg.owned:
                 seg.sends[index] += 1
-            return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index)
+            return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index, None)
         state = _reduction.current()
         memo_key = ("aiomp-seg", seg.key)
         handoff = state.memo.get(memo_key)
@@ -163,7 +162,7 @@ class BlockRef:
             _reduction.on_sent(lambda: os.close(fd))
             handoff = state.memo[memo_key] = (fd, _reduction.add_fd(fd))
         _lease.hold(handoff[0], seg.offset(index), seg.block_size)  # held while in flight
-        return _rebuild_block, (None, handoff[1], seg.size, seg.block_size, index)
+        return _rebuild_block, (None, handoff[1], seg.size, seg.block_size, index, seg.key)
 
 
 # -- registries (per process) ------------------------------------------------------
@@ -211,11 +210,16 @@ def block_of(exporter: object) -> BlockRef | None:
 
 
 def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
-                   index: int) -> ctypes.Array[ctypes.c_char]:
+                   index: int, key: tuple[int, int] | None) -> ctypes.Array[ctypes.c_char]:
     with _lock:
         if name is None:
+            # The key (device, inode) names the segment; the fd travelled with it in the
+            # same datagram, so it cannot be another segment's.
             fd = _reduction.peek_fd(fd_index)
-            key = _lease.identity(fd)
+            if key is None:
+                key = _lease.identity(fd)
+            else:
+                key = tuple(key)  # type: ignore[assignment]
         else:
             fd = -1
             try:
@@ -324,7 +328,7 @@ class _Pool:
         size = HEADER + (SLAB if bs <= LARGEST_SMALL else bs)
         name = None
         if _strategy == "file_system":
-            name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+            name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
             fd = os.open(os.path.join(SHM_DIR, name),
                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         else:

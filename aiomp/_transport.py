@@ -9,8 +9,9 @@ A message is one byte of kind followed by its body. A body larger than
 :data:`MAX_INLINE` travels in an anonymous memfd whose fd rides in the same datagram
 (kind ``LARGE``), so a datagram never outgrows the socket buffer.
 
-The socket itself always stays in blocking mode (the flag would be shared by every process
-holding it); non-blocking calls pass ``MSG_DONTWAIT``. Async callers wait for readiness
+aiomp never changes a socket's blocking mode (the flag is shared by every process holding
+it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
+``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async callers wait for readiness
 through anyio, so asyncio, uvloop and trio all work. anyio is imported only by the async
 functions: a child running a sync function never loads it.
 
@@ -139,13 +140,15 @@ def try_send(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
     return True
 
 
-def try_recv(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+def try_recv(sock: socket.socket, blocking: bool = False) -> tuple[bytes, list[int]] | None:
     """Receive one datagram without waiting: ``(datagram, fds)``, or None when empty.
 
-    Raises :class:`Closed` at end of stream.
+    With ``blocking``, wait in the kernel (unless another process's event loop made the
+    socket non-blocking: then it may still return None). Raises :class:`Closed` at EOF.
     """
+    flags = socket.MSG_CMSG_CLOEXEC if blocking else _RECV_FLAGS
     try:
-        data, anc, flags, _ = sock.recvmsg(_RECV_SIZE, _ANC_SIZE, _RECV_FLAGS)
+        data, anc, flags, _ = sock.recvmsg(_RECV_SIZE, _ANC_SIZE, flags)
     except BlockingIOError:
         return None
     except ConnectionResetError as exc:
@@ -198,14 +201,34 @@ def send_sync(
     sock: socket.socket, datagram: bytes, fds: list[int], deadline: float | None = None
 ) -> bool:
     """Send, blocking while the buffer is full; False if ``deadline`` passes first."""
+    if deadline is None:
+        # One blocking syscall. The socket may have been switched to non-blocking by an
+        # event loop in any process holding it (uvloop does): then poll below.
+        if _send_blocking(sock, datagram, fds):
+            return True
     while not try_send(sock, datagram, fds):
         if not wait_fd_sync(sock.fileno(), write=True, deadline=deadline):
             return False
     return True
 
 
+def _send_blocking(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    try:
+        sock.sendmsg((datagram,), anc, socket.MSG_NOSIGNAL)
+    except BlockingIOError:
+        return False
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise Closed from exc
+    return True
+
+
 def recv_sync(sock: socket.socket, deadline: float | None = None) -> tuple[bytes, list[int]] | None:
     """Receive, blocking while empty; None if ``deadline`` passes first."""
+    if deadline is None:
+        got = try_recv(sock, blocking=True)
+        if got is not None:
+            return got
     while (got := try_recv(sock)) is None:
         if not wait_fd_sync(sock.fileno(), deadline=deadline):
             return None
