@@ -2,7 +2,8 @@
 
 The child:
 
-1. asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``), then checks
+1. asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``; a forkserver
+   child's parent is the fork server, which it lets exit with our process), then checks
    that the parent has not already gone;
 2. receives ``(fn, args, is_async)`` on its control socket (fds for shared arrays and
    queues travel in the same message);
@@ -29,7 +30,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """``prctl(PR_SET_PDEATHSIG, sig)``, via ``_ctypes`` (a fifth of the cost of ctypes)."""
+    """``prctl(PR_SET_PDEATHSIG, sig)``, via ``_ctypes`` (a fifth of the cost of ctypes).
+
+    Also lets go of the fork server (:func:`release_forkserver`), without which a
+    forkserver child's death signal would not follow our parent's death.
+    """
+    release_forkserver()
     try:
         import _ctypes
 
@@ -40,6 +46,25 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def release_forkserver() -> None:
+    """Close the fd by which this process keeps multiprocessing's fork server alive.
+
+    The fork server exits when every holder of its "alive" pipe's write end has gone, and
+    multiprocessing hands that end to each child it forks (a fork child inherits it too).
+    Held here, it would keep the server running after our parent died, and a forkserver
+    child's death signal watches the server, its real parent: no SIGKILL would come (R8).
+    """
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        server._forkserver_alive_fd = None  # type: ignore[union-attr]
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _parent_alive(parent_pid: int) -> bool:

@@ -171,7 +171,9 @@ class _Child:
                 pass
 
     def _release(self) -> None:
-        if self.sock is not None:
+        # A task still waiting on the socket closes it when it wakes (see wait_message):
+        # closing it under the waiter would leave the loop watching a dead fd number.
+        if self.sock is not None and self._msg_waiter is None:
             self.sock.close()
             self.sock = None
         if self.pidfd >= 0:
@@ -226,6 +228,9 @@ class _Child:
             finally:
                 self._msg_waiter = None
                 waiter.set()
+                if self.exitcode is not None:
+                    self.poll_message()
+                    self._release()
 
     def failure(self) -> ProcessException | None:
         """The failure this child stands for, if any, as soon as it is known."""
@@ -265,7 +270,7 @@ class ProcessContext:
 
     @property
     def processes(self) -> list[multiprocessing.process.BaseProcess]:
-        """The ``multiprocessing`` process objects, by rank (closed once reaped)."""
+        """The ``multiprocessing`` process objects, by rank; ``exitcode`` stays readable."""
         return [c.process for c in self._children]
 
     def pids(self) -> list[int]:
@@ -314,21 +319,23 @@ class ProcessContext:
         On cancellation every process is terminated and reaped before the cancellation
         goes on.
         """
-        async with self._lock:
-            if self._finish():
-                return True
-            if self._first_failure() is None:
-                try:
+        # The lock's acquire is a checkpoint too: a join cancelled there (or in an
+        # already-cancelled scope) must terminate the children like one cancelled mid-wait.
+        try:
+            async with self._lock:
+                if self._finish():
+                    return True
+                if self._first_failure() is None:
                     with anyio.move_on_after(timeout):
                         await self._watch_all()
-                except BaseException:
-                    await self.terminate()
-                    raise
-            if self._first_failure() is not None:
-                await self.terminate()
-                assert self._failure is not None
-                raise self._failure
-            return self._finish()
+        except BaseException:
+            await self.terminate()
+            raise
+        if self._first_failure() is not None:
+            await self.terminate()
+            assert self._failure is not None
+            raise self._failure
+        return self._finish()
 
     async def terminate(self, grace_period: float | None = None) -> None:
         """SIGTERM every live process, wait ``grace_period`` seconds, SIGKILL survivors, reap.
@@ -389,6 +396,8 @@ async def start_children(
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, not {type(args).__name__}")
     is_async = check_function(fn, start_method)
+    if start_method == "fork":
+        check_fork_safe()
     # Pickle once, before any process starts: an unpicklable argument raises here.
     payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
     try:
@@ -396,8 +405,6 @@ async def start_children(
     except BaseException:
         payload.close()
         raise
-    if start_method == "fork":
-        check_fork_safe()
     children: list[_Child] = []
     try:
         if start_method == "forkserver":
@@ -428,7 +435,11 @@ async def prepare_forkserver() -> None:
     """Start the fork server off the event loop (its first start waits for an interpreter)."""
     from multiprocessing import forkserver
 
-    await anyio.to_thread.run_sync(forkserver.ensure_running)
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        forkserver.ensure_running()  # already up: a non-blocking liveness check
+    else:
+        await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
 def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
@@ -473,7 +484,12 @@ class SpawnHandle:
         self._tg: anyio.abc.TaskGroup | None = None
 
     def __await__(self) -> Generator[Any, None, ProcessContext]:
-        return start_children(*self._params).__await__()
+        return self._start().__await__()
+
+    async def _start(self) -> ProcessContext:
+        # The same frame depth as __aenter__, so that a warning's stacklevel points at the
+        # caller's line for `await spawn(...)` as it does for `async with spawn(...)`.
+        return await start_children(*self._params)
 
     async def __aenter__(self) -> ProcessContext:
         ctx = self._ctx = await start_children(*self._params)
@@ -552,3 +568,7 @@ def start_processes(
 ) -> SpawnHandle:
     """The torch-compatible name of :func:`spawn`."""
     return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+
+
+for _obj in (ProcessContext, spawn, start_processes):
+    _obj.__module__ = "aiomp"  # printed and pickled under the public name

@@ -45,7 +45,20 @@ def open_fds() -> dict[str, str]:
 
 
 def shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("aiomp")}
+    """aiomp names made by this test process or by processes that are gone (its children);
+    names of other live processes (a concurrent test run) are not ours to judge."""
+    names = set()
+    for n in os.listdir("/dev/shm"):
+        if not n.startswith("aiomp"):
+            continue
+        try:
+            pid = int(n.split("-")[1])
+        except (IndexError, ValueError):
+            names.add(n)
+            continue
+        if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+            names.add(n)
+    return names
 
 
 # Helpers that outlive tests by design (multiprocessing's resource tracker, the fork
@@ -60,6 +73,13 @@ def _warm_up() -> None:
     resource_tracker.ensure_running()
     forkserver.ensure_running()
     _PERSISTENT.update(child_pids())
+    # The first uvloop loop of a process opens a pipe that lives as long as the process.
+    import anyio
+
+    async def _noop() -> None:
+        pass
+
+    anyio.run(_noop, backend_options={"use_uvloop": True})
 
 
 def _settle() -> None:

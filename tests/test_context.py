@@ -1,0 +1,916 @@
+"""Contract tests for spawning: ``aiomp.spawn`` / ``start_processes`` / ``ProcessContext``.
+
+DESIGN.md section 1 "Spawning" and R7-R10, R12-R14, through the public API only, on
+asyncio, uvloop and trio. Children never get slept on: each one that must be waited for
+meets the test at a :class:`Gate` (a unix socket), and every await on a child is bounded
+by ``anyio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import multiprocessing
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aiomp
+from tests import _funcs as funcs
+
+#: Bound on every await on a child. Generous: two shared cores, cold interpreters.
+TIMEOUT = 20
+GRACE = 0.5
+METHODS = ["spawn", "forkserver", "fork"]
+REPO = Path(__file__).resolve().parent.parent
+
+# trio keeps idle worker threads for a while (forkserver starts off the loop, in one), so
+# a later fork test may see a thread and warn (R14); test_fork_with_threads_running_warns
+# checks the warning itself.
+pytestmark = pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
+
+_gate_ids = itertools.count()
+
+
+class Gate:
+    """A rendezvous with children over an abstract unix socket (nothing on disk to clean up).
+
+    A child connects and says ``"<rank> <pid>"`` (see ``_funcs.gate_connect``); the test
+    waits for that with :meth:`ready` and lets a waiting child go on with :meth:`release`.
+    """
+
+    def __init__(self) -> None:
+        self.address = f"\0aiomp-test-{os.getpid()}-{next(_gate_ids)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.address)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._conns: dict[int, socket.socket] = {}
+        self.pids: dict[int, int] = {}
+
+    async def ready(self, n: int) -> dict[int, int]:
+        """Wait until ``n`` children in all have said ready; return ``{rank: pid}``."""
+        while len(self._conns) < n:
+            await anyio.wait_readable(self._listener)
+            try:
+                conn, _ = self._listener.accept()
+            except BlockingIOError:
+                continue
+            try:
+                conn.setblocking(False)
+                line = b""
+                while not line.endswith(b"\n"):
+                    await anyio.wait_readable(conn)
+                    chunk = conn.recv(64)
+                    assert chunk, "a child hung up before it said ready"
+                    line += chunk
+            except BaseException:
+                conn.close()
+                raise
+            rank, pid = map(int, line.split())
+            self._conns[rank] = conn
+            self.pids[rank] = pid
+        return self.pids
+
+    def ready_sync(self, n: int, timeout: float) -> dict[int, int]:
+        """:meth:`ready` for sync tests."""
+        self._listener.settimeout(timeout)
+        while len(self._conns) < n:
+            conn, _ = self._listener.accept()
+            conn.settimeout(timeout)
+            with conn.makefile("rb") as f:
+                rank, pid = map(int, f.readline().split())
+            self._conns[rank] = conn
+            self.pids[rank] = pid
+        return self.pids
+
+    def release(self, *ranks: int) -> None:
+        for rank in ranks or tuple(self._conns):
+            self._conns[rank].send(b"x")
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._listener.close()
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    g = Gate()
+    yield g
+    g.close()
+
+
+def exitcodes(ctx: aiomp.ProcessContext) -> list[int | None]:
+    return [p.exitcode for p in ctx.processes]
+
+
+#: A failed child is terminated along with the others if it has not exited yet (as torch
+#: does): its error has already arrived, so its exit status is either.
+FAILED = (1, -signal.SIGTERM)
+
+
+def gone(pid: int) -> bool:
+    """Whether our child ``pid`` has exited and been reaped (a zombie has not been)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    except FileNotFoundError:
+        return True
+    return ppid != os.getpid()  # the pid was reused by a process that is not ours
+
+
+# -- success -------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_async_with_returns_results_by_rank() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.echo, 3, args=(1, "a"), grace_period=GRACE) as ctx:
+            assert isinstance(ctx, aiomp.ProcessContext)
+            assert len(ctx.pids()) == 3
+        assert ctx.results == [(0, (1, "a")), (1, (1, "a")), (2, (1, "a"))]
+        assert exitcodes(ctx) == [0, 0, 0]
+        assert await ctx.join() is True  # callable again once done
+        assert await ctx.join(timeout=0) is True
+
+
+@pytest.mark.anyio
+async def test_start_processes_is_spawn() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.start_processes(funcs.echo, 2, args=("x",), grace_period=GRACE) as ctx:
+            pass
+        assert ctx.results == [(0, ("x",)), (1, ("x",))]
+        ctx = await aiomp.start_processes(funcs.echo, 1, grace_period=GRACE)
+        assert await ctx.join() is True
+        assert ctx.results == [(0, ())]
+
+
+@pytest.mark.anyio
+async def test_async_fn_runs_on_a_fresh_loop() -> None:
+    try:
+        import uvloop  # noqa: F401
+
+        loop_module = "uvloop"
+    except ImportError:
+        loop_module = "asyncio.unix_events"
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.async_echo, 2, args=("x",), grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results == [(0, ("x",), loop_module), (1, ("x",), loop_module)]
+
+
+@pytest.mark.anyio
+async def test_partial_of_async_fn_is_async() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(functools.partial(funcs.async_echo), 1, args=("y",),
+                               grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results[0][:2] == (0, ("y",))  # type: ignore[index]
+
+
+@pytest.mark.anyio
+async def test_await_spawn_then_join_with_timeout(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,),
+                                grace_period=GRACE)
+        assert isinstance(ctx, aiomp.ProcessContext)
+        pids = await gate.ready(2)
+        assert ctx.pids() == [pids[0], pids[1]]
+        assert [p.pid for p in ctx.processes] == ctx.pids()
+        with pytest.raises(RuntimeError, match="join"):
+            ctx.results  # noqa: B018 - not filled before join() returns True
+
+        assert await ctx.join(timeout=0) is False  # both ranks are held at the gate
+        assert await ctx.join(timeout=0.05) is False  # and a timeout terminates nothing
+        gate.release(0)
+        assert await ctx.join(timeout=0.05) is False  # rank 1 still is
+        gate.release(1)
+        assert await ctx.join() is True
+        assert ctx.results == [0, 10]
+        assert await ctx.join(timeout=0.05) is True
+
+
+@pytest.mark.anyio
+async def test_concurrent_joins_all_return(gate: Gate) -> None:
+    results: list[bool] = []
+
+    async def join(ctx: aiomp.ProcessContext) -> None:
+        results.append(await ctx.join())
+
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(2)
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(join, ctx)
+            await anyio.wait_all_tasks_blocked()
+            gate.release()
+    assert results == [True, True, True]
+    assert ctx.results == [0, 10]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+@pytest.mark.parametrize("fn", [funcs.echo, funcs.async_echo], ids=["sync", "async"])
+async def test_start_methods(start_method: str, fn: object) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(fn, 2, args=(b"abc",), start_method=start_method,  # type: ignore[arg-type]
+                               grace_period=GRACE) as ctx:
+            pass
+    assert [r[:2] for r in ctx.results] == [(0, (b"abc",)), (1, (b"abc",))]  # type: ignore[index]
+
+
+@pytest.mark.anyio
+async def test_fork_runs_unpicklable_functions() -> None:
+    offset = 5
+
+    def local(rank: int) -> int:
+        return rank + offset
+
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(local, 2, start_method="fork", grace_period=GRACE) as ctx:
+            pass
+        assert ctx.results == [5, 6]
+        async with aiomp.spawn(lambda rank: -rank, 2, start_method="fork",
+                               grace_period=GRACE) as ctx:
+            pass
+        assert ctx.results == [0, -1]
+
+
+@pytest.mark.anyio
+async def test_large_args_travel() -> None:
+    data = os.urandom(256 * 1024)  # larger than a datagram: goes through a memfd
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.echo, 2, args=(data,), grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results == [(0, (data,)), (1, (data,))]
+
+
+@pytest.mark.anyio
+async def test_daemon() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.echo, 1, daemon=True, grace_period=GRACE) as ctx:
+            assert ctx.processes[0].daemon
+    assert ctx.results == [(0, ())]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("code", [0, None])
+async def test_sys_exit_zero_is_success(code: object) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.sys_exit, 2, args=(code,), grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results == [None, None]
+    assert exitcodes(ctx) == [0, 0]
+
+
+@pytest.mark.anyio
+async def test_join_notices_exit_quickly(gate: Gate) -> None:
+    """A child's exit wakes join() at once (generous bound; latency is for benchmarks)."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.wait_then_return, 1, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(1)
+        start = time.monotonic()
+        gate.release()
+        assert await ctx.join() is True
+        assert time.monotonic() - start < 0.5
+
+
+@pytest.mark.anyio
+async def test_raise_is_noticed_quickly(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.wait_then_raise, 1, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(1)
+        start = time.monotonic()
+        gate.release()
+        with pytest.raises(aiomp.ProcessRaisedException):
+            await ctx.join()
+        assert time.monotonic() - start < 0.5
+
+
+# -- child failures ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_raise(start_method: str) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.raise_on, 2, args=(1,), start_method=start_method,
+                                   grace_period=GRACE) as ctx:
+                pass
+    exc = info.value
+    assert type(exc) is aiomp.ProcessRaisedException
+    assert exc.error_index == 1
+    assert exc.pid == ctx.pids()[1]
+    assert exc.msg == str(exc)
+    assert "Traceback (most recent call last)" in exc.msg
+    assert "ValueError: boom from rank 1" in exc.msg
+    assert "in raise_on" in exc.msg
+    assert exitcodes(ctx)[1] in FAILED
+    with pytest.raises(RuntimeError):
+        ctx.results  # noqa: B018
+
+
+@pytest.mark.anyio
+async def test_join_raises_the_same_failure_again() -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.raise_on, 1, args=(0,), grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessRaisedException) as first:
+            await ctx.join()
+        with pytest.raises(aiomp.ProcessRaisedException) as second:
+            await ctx.join(timeout=1)
+    assert second.value is first.value
+
+
+@pytest.mark.anyio
+async def test_async_fn_raise() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            await (await aiomp.spawn(funcs.async_raise, 1, grace_period=GRACE)).join()
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert "RuntimeError: async boom from rank 0" in info.value.msg
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_exit_code(start_method: str) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.exit_on, 3, args=(2, 7), start_method=start_method,
+                                   grace_period=GRACE) as ctx:
+                pass
+    exc = info.value
+    assert type(exc) is aiomp.ProcessExitedException
+    assert str(exc) == "process 2 terminated with exit code 7"
+    assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
+        2, ctx.pids()[2], 7, None)
+
+
+@pytest.mark.anyio
+async def test_sys_exit_nonzero_is_failure() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            await (await aiomp.spawn(funcs.sys_exit, 1, args=(3,), grace_period=GRACE)).join()
+    assert type(info.value) is aiomp.ProcessExitedException
+    assert str(info.value) == "process 0 terminated with exit code 3"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("start_method", "sig"), [
+    ("spawn", signal.SIGSEGV),
+    ("spawn", signal.SIGABRT),
+    ("forkserver", signal.SIGSEGV),
+    ("fork", signal.SIGABRT),
+])
+async def test_killed_by_signal(start_method: str, sig: signal.Signals) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.kill_self, 1, args=(int(sig),),
+                                   start_method=start_method, grace_period=GRACE) as ctx:
+                pass
+    exc = info.value
+    assert type(exc) is aiomp.ProcessExitedException
+    assert str(exc) == f"process 0 terminated with signal {sig.name}"
+    assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
+        0, ctx.pids()[0], -sig, sig.name)
+
+
+@pytest.mark.anyio
+async def test_keyboard_interrupt_in_child_is_failure() -> None:
+    """R9: Ctrl-C in a child is never reported as success."""
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.raise_keyboard_interrupt, 1, grace_period=GRACE):
+                pass
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert "KeyboardInterrupt" in info.value.msg
+
+
+@pytest.mark.anyio
+async def test_cancelled_async_fn_is_failure() -> None:
+    """R9: a coroutine that ends cancelled is never reported as success."""
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.async_cancel_self, 1, grace_period=GRACE):
+                pass
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert "CancelledError" in info.value.msg
+
+
+@pytest.mark.anyio
+async def test_unpicklable_return_value_is_failure() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.return_unpicklable, 1, grace_period=GRACE):
+                pass
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert "could not be pickled" in info.value.msg
+    assert "Unpicklable refuses to be pickled" in info.value.msg
+
+
+@pytest.mark.anyio
+async def test_unpicklable_exception_still_reports_its_traceback() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            await (await aiomp.spawn(funcs.raise_unpicklable, 1, grace_period=GRACE)).join()
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert "UnpicklableError: unpicklable boom from rank 0" in info.value.msg
+
+
+@pytest.mark.anyio
+async def test_sigint_in_child_is_failure(gate: Gate) -> None:
+    """R9: Ctrl-C reaches the whole process group; a child it interrupts has failed."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                grace_period=GRACE)
+        pids = await gate.ready(2)
+        os.kill(pids[0], signal.SIGINT)
+        with pytest.raises(aiomp.ProcessException) as info:
+            await ctx.join()
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert info.value.error_index == 0
+    assert "KeyboardInterrupt" in info.value.msg
+    assert exitcodes(ctx)[1] == -signal.SIGTERM
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_child_killed_from_outside(start_method: str, gate: Gate) -> None:
+    """A child that dies without a word (the OOM killer) fails the context at once."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                start_method=start_method, grace_period=GRACE)
+        pids = await gate.ready(2)
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(aiomp.ProcessException) as info:
+            await ctx.join()
+    exc = info.value
+    assert type(exc) is aiomp.ProcessExitedException
+    assert str(exc) == "process 1 terminated with signal SIGKILL"
+    assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
+        1, pids[1], -signal.SIGKILL, "SIGKILL")
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGKILL]
+
+
+def _same_error(a: aiomp.ProcessException, b: aiomp.ProcessException) -> None:
+    assert type(a) is type(b)
+    assert str(a) == str(b)
+    assert vars(a) == vars(b)
+
+
+def test_errors_pickle() -> None:
+    """R10: every attribute survives a pickle round trip, under the public name."""
+    errors = [
+        aiomp.ProcessException("process 0 failed", 0, 11),
+        aiomp.ProcessRaisedException("process 1 raised: ...", 1, 12),
+        aiomp.ProcessExitedException(
+            "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV"),
+        aiomp.ProcessExitedException("process 3 terminated with exit code 7", 3, None, 7),
+    ]
+    for exc in errors:
+        data = pickle.dumps(exc)
+        assert b"aiomp._errors" not in data
+        _same_error(pickle.loads(data), exc)
+    exited = pickle.loads(pickle.dumps(errors[2]))
+    assert (exited.msg, exited.error_index, exited.pid, exited.exit_code, exited.signal_name) == (
+        "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV")
+
+
+@pytest.mark.anyio
+async def test_raised_errors_pickle() -> None:
+    caught: list[aiomp.ProcessException] = []
+    with anyio.fail_after(TIMEOUT):
+        for fn, args in ((funcs.raise_on, (0,)), (funcs.exit_on, (0, 3))):
+            with pytest.raises(aiomp.ProcessException) as info:
+                await (await aiomp.spawn(fn, 1, args=args, grace_period=GRACE)).join()
+            caught.append(info.value)
+    for exc in caught:
+        copy = pickle.loads(pickle.dumps(exc))
+        _same_error(copy, exc)
+        assert copy.pid == exc.pid is not None
+
+
+# -- one failure ends the rest -------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_failure_terminates_others_and_cancels_body(start_method: str, gate: Gate) -> None:
+    reached = False
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.fail_or_block, 3, args=(1, gate.address),
+                                   start_method=start_method, grace_period=GRACE) as ctx:
+                await gate.ready(3)
+                gate.release(1)
+                await anyio.sleep_forever()
+                reached = True
+    assert not reached
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert info.value.error_index == 1
+    codes = exitcodes(ctx)
+    assert codes[1] in FAILED
+    assert codes[0] == codes[2] == -signal.SIGTERM
+
+
+@pytest.mark.anyio
+async def test_failure_in_join_terminates_others(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.fail_or_block, 3, args=(2, gate.address),
+                                grace_period=GRACE)
+        await gate.ready(3)
+        gate.release(2)
+        with pytest.raises(aiomp.ProcessException) as info:
+            await ctx.join()
+    assert type(info.value) is aiomp.ProcessRaisedException
+    assert info.value.error_index == 2
+    codes = exitcodes(ctx)
+    assert codes[2] in FAILED
+    assert codes[0] == codes[1] == -signal.SIGTERM
+
+
+@pytest.mark.anyio
+async def test_failure_after_body_finished(gate: Gate) -> None:
+    """The body ends first; leaving the block joins, sees the failure, terminates the rest."""
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessException) as info:
+            async with aiomp.spawn(funcs.fail_or_block, 2, args=(0, gate.address),
+                                   grace_period=GRACE) as ctx:
+                await gate.ready(2)
+                gate.release(0)
+    assert type(info.value) is aiomp.ProcessRaisedException
+    codes = exitcodes(ctx)
+    assert codes[0] in FAILED
+    assert codes[1] == -signal.SIGTERM
+
+
+@pytest.mark.anyio
+async def test_terminate_then_join_reports_the_signal(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(2)
+        await ctx.terminate()
+        assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+        with pytest.raises(aiomp.ProcessException) as info:
+            await ctx.join()
+        await ctx.terminate()  # nothing left: a no-op
+    assert type(info.value) is aiomp.ProcessExitedException
+    assert info.value.signal_name == "SIGTERM"
+
+
+# -- cancellation and exceptions in the body -----------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_cancelled_body_terminates_children(start_method: str, gate: Gate) -> None:
+    reached = False
+    with anyio.fail_after(TIMEOUT):
+        with anyio.CancelScope() as scope:
+            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                   start_method=start_method, grace_period=GRACE) as ctx:
+                await gate.ready(2)
+                scope.cancel()
+                await anyio.sleep_forever()
+            reached = True  # the cancellation must go on past the block
+    assert scope.cancelled_caught
+    assert not reached
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+    assert all(gone(pid) for pid in ctx.pids())
+
+
+@pytest.mark.anyio
+async def test_body_timeout_terminates_children(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with anyio.move_on_after(0.2) as scope:
+            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                   grace_period=GRACE) as ctx:
+                await gate.ready(2)
+                await anyio.sleep_forever()
+    assert scope.cancelled_caught
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+
+
+@pytest.mark.anyio
+async def test_cancelled_join_terminates_children(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(2)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ctx.join)
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+    assert all(gone(pid) for pid in ctx.pids())
+
+
+@pytest.mark.anyio
+async def test_join_timed_out_by_caller_terminates_children(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(1)
+        with anyio.move_on_after(0.05) as scope:
+            await ctx.join()
+    assert scope.cancelled_caught
+    assert exitcodes(ctx) == [-signal.SIGTERM]
+
+
+@pytest.mark.anyio
+async def test_join_in_cancelled_scope_terminates_children(gate: Gate) -> None:
+    """Regression: a join() cancelled before its first wait left the children running."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
+                                grace_period=GRACE)
+        await gate.ready(1)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await ctx.join()
+    assert scope.cancelled_caught
+    assert exitcodes(ctx) == [-signal.SIGTERM]
+
+
+@pytest.mark.anyio
+async def test_async_with_in_cancelled_scope_terminates_children(gate: Gate) -> None:
+    reached = False
+    with anyio.fail_after(TIMEOUT):
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            async with aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
+                                   grace_period=GRACE) as ctx:
+                await anyio.sleep_forever()
+            reached = True
+    assert scope.cancelled_caught
+    assert not reached
+    # Each child was terminated whether or not it had got as far as the gate.
+    assert all(code is not None and code < 0 for code in exitcodes(ctx))
+
+
+@pytest.mark.anyio
+async def test_body_exception_propagates_unwrapped(gate: Gate) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(KeyError) as info:
+            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                   grace_period=GRACE) as ctx:
+                await gate.ready(2)
+                raise KeyError("from the body")
+    assert type(info.value) is KeyError
+    assert info.value.args == ("from the body",)
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+
+
+@pytest.mark.anyio
+async def test_body_exception_wins_over_child_failure(gate: Gate) -> None:
+    """An exception the body raises (here while a child failure cancels it) leaves the block."""
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(KeyError) as info:
+            async with aiomp.spawn(funcs.fail_or_block, 2, args=(0, gate.address),
+                                   grace_period=GRACE) as ctx:
+                await gate.ready(2)
+                gate.release(0)
+                try:
+                    await anyio.sleep_forever()
+                finally:
+                    raise KeyError("cleanup failed")
+    assert type(info.value) is KeyError
+    codes = exitcodes(ctx)
+    assert codes[0] in FAILED
+    assert codes[1] == -signal.SIGTERM
+
+
+# -- grace period and escalation (R7) ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_sigterm_ignored_escalates_to_sigkill(
+        gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    grace = 0.3
+    with anyio.fail_after(TIMEOUT):
+        with anyio.CancelScope() as scope:
+            async with aiomp.spawn(funcs.ignore_sigterm_then_block, 2, args=(gate.address,),
+                                   grace_period=grace) as ctx:
+                await gate.ready(2)
+                start = time.monotonic()
+                scope.cancel()
+                await anyio.sleep_forever()
+        elapsed = time.monotonic() - start
+    assert elapsed >= grace
+    assert elapsed < grace + 2
+    assert exitcodes(ctx) == [-signal.SIGKILL, -signal.SIGKILL]
+    assert all(gone(pid) for pid in ctx.pids())
+    assert "ignored SIGTERM" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_terminate_grace_period_argument(gate: Gate) -> None:
+    """``terminate(grace_period=...)`` overrides the context's own (30 s here)."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(funcs.ignore_sigterm_then_block, 1, args=(gate.address,),
+                                grace_period=30)
+        try:
+            await gate.ready(1)
+        finally:
+            start = time.monotonic()
+            await ctx.terminate(grace_period=0.2)
+        elapsed = time.monotonic() - start
+    assert 0.2 <= elapsed < 5
+    assert exitcodes(ctx) == [-signal.SIGKILL]
+
+
+# -- parent death (R8) ---------------------------------------------------------------------
+
+_PARENT = textwrap.dedent("""
+    import sys
+
+    import anyio
+
+    import aiomp
+    from tests import _funcs
+
+    async def main():
+        address = "\\0" + sys.argv[1]  # abstract socket: argv cannot hold the NUL
+        ctx = await aiomp.spawn(_funcs.ready_then_block, 2, args=(address,),
+                                start_method=sys.argv[2])
+        await ctx.join()
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_children_die_with_a_sigkilled_parent(start_method: str, gate: Gate) -> None:
+    """R8. Regression (forkserver): each child held the fork server's "alive" pipe, so the
+    server, the child's real parent, outlived ours and no death signal came."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, gate.address[1:], start_method],
+                              cwd=REPO)
+    pidfds: list[int] = []
+    try:
+        pids = gate.ready_sync(2, timeout=TIMEOUT)
+        # pidfds work for processes that are not our children, and their readiness is the
+        # exit: no /proc polling. Opened while the parent lives, so the pids are not reused.
+        pidfds = [os.pidfd_open(pid) for pid in pids.values()]
+        os.kill(parent.pid, signal.SIGKILL)
+        assert parent.wait(timeout=TIMEOUT) == -signal.SIGKILL
+        poller = select.poll()
+        for fd in pidfds:
+            poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + 5
+        exited: set[int] = set()
+        while len(exited) < len(pidfds) and time.monotonic() < deadline:
+            exited.update(fd for fd, _ in poller.poll(100))
+        assert len(exited) == 2, "children outlived their SIGKILLed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for fd in pidfds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)  # no orphans, even on failure
+            except ProcessLookupError:
+                pass
+            os.close(fd)
+
+
+# -- bad input, refused before any process starts (R13) ------------------------------------
+
+
+def _no_process_started() -> None:
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", ["threads", "Spawn", ""])
+async def test_unknown_start_method(start_method: str) -> None:
+    with pytest.raises(ValueError, match="start_method"):
+        await aiomp.spawn(funcs.echo, 1, start_method=start_method)
+    with pytest.raises(ValueError, match="start_method"):
+        async with aiomp.spawn(funcs.echo, 1, start_method=start_method):
+            pytest.fail("the body must not run")
+    _no_process_started()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("nprocs", [0, -1])
+async def test_nprocs_below_one(nprocs: int) -> None:
+    with pytest.raises(ValueError, match="nprocs"):
+        await aiomp.spawn(funcs.echo, nprocs)
+    with pytest.raises(ValueError, match="nprocs"):
+        async with aiomp.start_processes(funcs.echo, nprocs):
+            pytest.fail("the body must not run")
+    _no_process_started()
+
+
+def _local_function(rank: int) -> int:
+    return rank
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+async def test_unpicklable_function(start_method: str) -> None:
+    def local(rank: int) -> int:
+        return rank
+
+    for fn in (lambda rank: rank, local):
+        with pytest.raises(pickle.PicklingError, match="cannot be pickled") as info:
+            await aiomp.spawn(fn, 1, start_method=start_method)
+        assert "module level" in str(info.value)
+        assert start_method in str(info.value)
+    _no_process_started()
+
+
+@pytest.mark.anyio
+async def test_function_from_interactive_main(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A notebook's or REPL's ``__main__`` has no file for children to import."""
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    fn = types.FunctionType(_local_function.__code__, {}, "notebook_fn")
+    fn.__module__ = "__main__"
+    with pytest.raises(pickle.PicklingError, match="interactive"):
+        await aiomp.spawn(fn, 1)
+    _no_process_started()
+
+
+@pytest.mark.anyio
+async def test_coroutine_object_instead_of_function() -> None:
+    coro = funcs.async_echo(0)
+    with pytest.raises(TypeError, match="coroutine"):
+        await aiomp.spawn(coro, 1)  # type: ignore[arg-type]
+    assert coro.cr_frame is None  # closed by aiomp: no "never awaited" warning later
+    _no_process_started()
+
+
+@pytest.mark.anyio
+async def test_not_callable() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        await aiomp.spawn(42, 1)  # type: ignore[arg-type]
+    _no_process_started()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("args", [[1, 2], 1, "ab", None])
+async def test_args_must_be_a_tuple(args: object) -> None:
+    with pytest.raises(TypeError, match="tuple"):
+        await aiomp.spawn(funcs.echo, 1, args=args)  # type: ignore[arg-type]
+    _no_process_started()
+
+
+@pytest.mark.anyio
+async def test_unpicklable_args() -> None:
+    with pytest.raises((TypeError, pickle.PicklingError)):
+        await aiomp.spawn(funcs.echo, 2, args=(threading.Lock(),))
+    _no_process_started()
+
+
+# -- fork safety (R14) ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["async with", "await"])
+async def test_fork_with_threads_running_warns(how: str) -> None:
+    async def fork() -> aiomp.ProcessContext:
+        if how == "await":
+            ctx = await aiomp.spawn(funcs.echo, 1, start_method="fork", grace_period=GRACE)
+            await ctx.join()
+        else:
+            async with aiomp.spawn(funcs.echo, 1, start_method="fork",
+                                   grace_period=GRACE) as ctx:
+                pass
+        return ctx
+
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, name="aiomp-test-waiter")
+    thread.start()
+    try:
+        with anyio.fail_after(TIMEOUT):
+            with pytest.warns(RuntimeWarning, match="thread") as record:
+                ctx = await fork()
+    finally:
+        stop.set()
+        thread.join()
+    assert ctx.results == [(0, ())]
+    mine = [w for w in record if "aiomp-test-waiter" in str(w.message)]
+    assert mine
+    # Regression: for `await spawn(...)` the warning pointed into anyio's runner.
+    assert all(w.filename == __file__ for w in mine), [w.filename for w in mine]
+
+
