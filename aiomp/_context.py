@@ -147,6 +147,8 @@ class _Child:
                 self.exitcode = code
                 self.poll_message()
                 self._release()
+                if code != 0:
+                    sweep_shared_memory()
         return self.exitcode is not None
 
     async def wait_exit(self) -> None:
@@ -256,6 +258,18 @@ class _Child:
             tg.cancel_scope.cancel()
         if self.failure() is not None:
             on_failure()
+
+
+def sweep_shared_memory() -> None:
+    """A child that died abnormally may have left named segments (``file_system``
+    strategy): remove those whose creator is dead and that nobody holds (R5)."""
+    try:
+        if any(n.startswith("aiomp-") for n in os.listdir("/dev/shm")):
+            from . import _shm
+
+            _shm.janitor()
+    except OSError:
+        pass
 
 
 class ProcessContext:
