@@ -18,6 +18,7 @@ __all__ = (
     "Event",
     "Full",
     "Pool",
+    "PoolStatistics",
     "ProcessContext",
     "ProcessException",
     "ProcessExitedException",
@@ -54,6 +55,7 @@ _WHERE = {
     "Full": "_queue",
     "Empty": "_queue",
     "Pool": "_pool",
+    "PoolStatistics": "_pool",
     "share_memory": "_numpy",
     "is_shared": "_numpy",
     "empty": "_numpy",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
     from ._numpy import share_memory as share_memory
     from ._numpy import zeros as zeros
     from ._pool import Pool as Pool
+    from ._pool import PoolStatistics as PoolStatistics
     from ._queue import Event as Event
     from ._queue import Queue as Queue
     from ._shm import get_all_sharing_strategies as get_all_sharing_strategies

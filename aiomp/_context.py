@@ -164,6 +164,8 @@ class _Child:
             finally:
                 self._exit_waiter = None
                 waiter.set()
+                if self.exitcode is not None:
+                    self._release()  # deferred while we were waiting on the pidfd
 
     def signal(self, sig: int) -> None:
         if self.exitcode is None:
@@ -173,12 +175,12 @@ class _Child:
                 pass
 
     def _release(self) -> None:
-        # A task still waiting on the socket closes it when it wakes (see wait_message):
-        # closing it under the waiter would leave the loop watching a dead fd number.
+        # A task still waiting on an fd releases it when it wakes (wait_exit, wait_message):
+        # closing an fd under its waiter would leave that waiter asleep forever.
         if self.sock is not None and self._msg_waiter is None:
             self.sock.close()
             self.sock = None
-        if self.pidfd >= 0:
+        if self.pidfd >= 0 and self._exit_waiter is None:
             os.close(self.pidfd)
             self.pidfd = -1
 

@@ -41,8 +41,15 @@ KIND_CLOSED = 2
 _FD_SIZE = array.array("i").itemsize
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * _FD_SIZE)
 _RECV_SIZE = MAX_INLINE + 64
-_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
-_RECV_FLAGS = socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+# Plain ints: socket's IntFlag arithmetic costs microseconds on a hot path.
+_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+_RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+_RECV_BLOCKING = int(socket.MSG_CMSG_CLOEXEC)
+_TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+_MSG_NOSIGNAL = int(socket.MSG_NOSIGNAL)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
@@ -122,7 +129,7 @@ class Closed(Exception):
 
 def try_send(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
     """Send without waiting: True if sent, False if the socket buffer is full."""
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
         sock.sendmsg((datagram,), anc, _SEND_FLAGS)
     except BlockingIOError:
@@ -146,7 +153,7 @@ def try_recv(sock: socket.socket, blocking: bool = False) -> tuple[bytes, list[i
     With ``blocking``, wait in the kernel (unless another process's event loop made the
     socket non-blocking: then it may still return None). Raises :class:`Closed` at EOF.
     """
-    flags = socket.MSG_CMSG_CLOEXEC if blocking else _RECV_FLAGS
+    flags = _RECV_BLOCKING if blocking else _RECV_FLAGS
     try:
         data, anc, flags, _ = sock.recvmsg(_RECV_SIZE, _ANC_SIZE, flags)
     except BlockingIOError:
@@ -155,11 +162,11 @@ def try_recv(sock: socket.socket, blocking: bool = False) -> tuple[bytes, list[i
         raise Closed from exc
     fds: list[int] = []
     for level, kind, payload in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
             fds.extend(array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
-    if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+    if flags & _TRUNCATED:
         close_fds(fds)
-        if flags & socket.MSG_TRUNC:
+        if flags & _MSG_TRUNC:
             raise TransportError(0, "a message was truncated (corrupt sender?); it is lost")
         raise TransportError(
             24,
@@ -213,9 +220,9 @@ def send_sync(
 
 
 def _send_blocking(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
-        sock.sendmsg((datagram,), anc, socket.MSG_NOSIGNAL)
+        sock.sendmsg((datagram,), anc, _MSG_NOSIGNAL)
     except BlockingIOError:
         return False
     except (BrokenPipeError, ConnectionResetError) as exc:

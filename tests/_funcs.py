@@ -382,7 +382,7 @@ def shm_send_then_exit(rank: int, q: object, n: int, strategy: str) -> None:
     q.sync.put(np.arange(n, dtype=np.float64))  # type: ignore[attr-defined]
     shared = aiomp.share_memory(np.full(n, 7, np.int32))
     q.sync.put(shared)  # type: ignore[attr-defined]
-    q.sync.put([np.arange(n, dtype=np.int16)[::2], "tail"])  # type: ignore[attr-defined]
+    q.sync.put([np.arange(2 * n, dtype=np.int16)[::2], "tail"])  # type: ignore[attr-defined]
 
 
 def shm_send_and_wait(rank: int, q: object, received: object, n: int) -> None:
@@ -1059,3 +1059,15 @@ async def pool_async_exit(code: int) -> None:
 def pool_returns_coroutine(x: int) -> object:
     """A sync function whose result is a coroutine: the worker awaits it."""
     return pool_async_square(x)
+
+
+async def pool_async_len(data: bytes) -> int:
+    import asyncio
+
+    await asyncio.sleep(0)
+    return len(data)
+
+
+def pool_log_square_or_raise(path: str, x: int) -> int:
+    pool_append(path, str(x))
+    return pool_square_or_raise(x)

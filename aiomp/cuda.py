@@ -1,0 +1,135 @@
+"""CuPy arrays between processes, as CUDA IPC handles: ``aiomp.cuda``.
+
+A ``cupy.ndarray`` anywhere in an aiomp message (a :class:`aiomp.Queue` item,
+``aiomp.spawn(args=...)``, a Pool task's arguments or result) travels as a CUDA IPC handle
+of the allocation holding it, plus its offset, shape, strides, dtype and device, and an
+event recorded on the sender's current stream. The receiver gets a ``cupy.ndarray`` on
+the *same device memory* (no copy), and its current stream waits for that event, so
+kernels the sender launched before ``put`` have finished before the receiver's work on
+the array runs. Importing aiomp never imports cupy: this machinery loads the first time a
+message is pickled after your program has imported cupy.
+
+Lifetime: who keeps what alive
+-------------------------------
+CUDA requires an exported allocation to stay valid while other processes use it. aiomp
+handles that for you, with reference counts kept by the kernel:
+
+- The **producer** (the sending process) keeps every block it sent alive, even when you
+  drop your own array, until every process that received it has released it. Blocks
+  whose consumers have released them are freed at the next send, or when you call
+  :func:`ipc_collect`.
+- A **consumer** releases a block when the last array view it got from it is garbage
+  collected, or when it exits (SIGKILL included: the kernel drops its references).
+  Before releasing, it synchronises its current stream, so that kernels still reading
+  the memory finish before the producer may reuse it.
+
+Best practices
+--------------
+- **Keep the producer alive** until its consumers are done with what it sent. If a
+  producer exits first, the consumers' arrays become invalid (aiomp warns at exit with
+  the number of blocks still held). In particular, do not *return* a CuPy array from a
+  spawned function or a Pool task whose process then exits: return ``cupy.asnumpy(x)``,
+  or send the array on a queue and keep the process alive until the receiver replies.
+- **Consumers: drop received arrays promptly** (``del batch`` once used), or copy what
+  you keep (``x.copy()``). A held view pins the producer's memory. At most
+  :func:`get_ipc_limit` blocks (1000 by default) may be outstanding per producer; past
+  that, ``put`` raises :class:`IpcLimitError` rather than letting GPU memory grow
+  without bound. A request/reply protocol (send the result back, and let the producer
+  wait for it before sending more than a window of batches) keeps this bounded.
+- **Stream order**: the event is recorded on the producer's *current stream* at ``put``;
+  if you filled the array on another stream, ``put`` inside ``with that_stream:`` (or
+  synchronise it first). The consumer's *current stream* waits for that event; if you
+  use the array on another stream, make that stream wait on the current one first, and
+  synchronise any non-current stream that used the array before dropping it (aiomp
+  synchronises only the current stream before releasing).
+- **Do not send a received array onward** (a pipeline stage forwarding its input):
+  the memory belongs to the original producer, which tracks only the consumers it sent
+  to. aiomp raises :class:`CudaIpcError`; send a copy, or have the producer send it.
+- **Never fork with CUDA initialised**: ``start_method="fork"`` raises in a process that
+  has initialised CUDA. Use ``"spawn"`` (the default) or ``"forkserver"``, and create
+  CUDA state in the children.
+- **Every receiver must see the device**: arrays are matched to devices by PCI bus id,
+  so different ``CUDA_VISIBLE_DEVICES`` orders are fine, but a process that cannot see
+  the device raises :class:`CudaIpcError` on ``get``.
+- Only memory from ``cudaMalloc`` can be exported: CuPy's default ``MemoryPool`` works;
+  ``MemoryAsyncPool`` (``cudaMallocAsync``), managed memory and virtual-memory
+  allocators cannot (``put`` raises :class:`CudaIpcError`); copy into a default-pool
+  array first.
+- Sending the same producer array again costs an IPC handle and an event, not a copy;
+  a consumer opens each allocation once however many arrays in it arrive, and several
+  arrays from one allocation in one message share one reference.
+
+Limits
+------
+- :data:`DEFAULT_IPC_LIMIT` outstanding blocks per producer (change with
+  :func:`set_ipc_limit`).
+- :data:`MAX_IPC_EVENTS` live interprocess events per producer (as torch): past it a
+  send synchronises the producer's current stream instead of recording an event.
+
+Errors
+------
+::
+
+    RuntimeError
+     +-- CudaIpcError      an array could not be sent (put) or received (get)
+          +-- IpcLimitError    too many sent blocks still held by consumers (put)
+"""
+
+from __future__ import annotations
+
+from ._cuda import (
+    DEFAULT_IPC_LIMIT,
+    MAX_IPC_EVENTS,
+    CudaIpcError,
+    IpcLimitError,
+    IpcStatistics,
+)
+from ._cuda import get_ipc_limit as _get_ipc_limit
+from ._cuda import ipc_collect as _ipc_collect
+from ._cuda import set_ipc_limit as _set_ipc_limit
+from ._cuda import statistics as _statistics
+
+__all__ = (
+    "DEFAULT_IPC_LIMIT",
+    "MAX_IPC_EVENTS",
+    "CudaIpcError",
+    "IpcLimitError",
+    "IpcStatistics",
+    "get_ipc_limit",
+    "ipc_collect",
+    "set_ipc_limit",
+    "statistics",
+)
+
+
+def ipc_collect() -> int:
+    """Free the CUDA blocks this process sent that every consumer has released.
+
+    Returns the number of sent blocks still held by some consumer (or still in flight).
+    aiomp also collects at every send; call this to free memory sooner, or to check that
+    consumers are done (0) before this process exits. Never blocks; costs a few
+    syscalls, no CUDA calls.
+    """
+    return _ipc_collect()
+
+
+def get_ipc_limit() -> int:
+    """The most blocks this process may have sent and not seen released."""
+    return _get_ipc_limit()
+
+
+def set_ipc_limit(limit: int) -> None:
+    """Set the outstanding-block limit (an int >= 1; default :data:`DEFAULT_IPC_LIMIT`).
+
+    Past the limit, sending a CuPy array raises :class:`IpcLimitError` at ``put``.
+    """
+    _set_ipc_limit(limit)
+
+
+def statistics() -> IpcStatistics:
+    """A snapshot of this process's CUDA IPC state, as sender and as receiver.
+
+    ``sent_held`` is as of the last collection: call :func:`ipc_collect` first for a
+    current figure.
+    """
+    return _statistics()

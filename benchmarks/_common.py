@@ -1,0 +1,243 @@
+"""What every comparison shares: CPU pinning, timing, result rows, the table.
+
+Standard library only, and cheap to import: the spawn children of every benchmark
+import the comparison module (as ``__mp_main__``) and so this one.
+
+Pinning: on this 2-vCPU machine a wake-up across cores costs far more than on one core,
+so latency comparisons put the parent on one core and every child on the other, for
+aiomp and its baselines alike. The parent calls :func:`pin_parent`; it sets
+:data:`CHILD_CPU_ENV`, which children inherit, and every function a child runs
+(``benchmarks/_targets.py``) calls :func:`pin_child` first. A child pins itself, whichever
+library started it, so no baseline needs a hook for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+# Not `typing`/`statistics`/`json` at the top: every benchmark child imports this module,
+# and what it imports would be added to aiomp's spawn time and the baseline's alike.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from typing import Any
+
+#: Environment variable naming the core children pin themselves to.
+CHILD_CPU_ENV = "AIOMP_BENCH_CHILD_CPU"
+
+_child_pinned = False
+
+
+def _set_affinity_all_threads(cpus: set[int]) -> None:
+    # sched_setaffinity(0) moves only the calling thread; move every thread of the
+    # process (a feeder or resource-sharer thread may already exist). Threads created
+    # later inherit their creator's mask.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+
+def pin_parent() -> str:
+    """Pin this process to the first core and tell children to use the second.
+
+    Returns a description for the results. With one core, nothing is pinned.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        os.environ.pop(CHILD_CPU_ENV, None)
+        return "unpinned (one core available)"
+    _set_affinity_all_threads({cpus[0]})
+    os.environ[CHILD_CPU_ENV] = str(cpus[1])
+    return f"parent on core {cpus[0]}, children on core {cpus[1]}"
+
+
+def unpin_parent() -> str:
+    """Let this process and its future children run on every core again."""
+    cpus = set(range(os.cpu_count() or 1))
+    _set_affinity_all_threads(cpus)
+    os.environ.pop(CHILD_CPU_ENV, None)
+    return "unpinned"
+
+
+def pin_child() -> None:
+    """In a child: move to the core the parent named (once per process)."""
+    global _child_pinned
+    if _child_pinned:
+        return
+    _child_pinned = True
+    cpu = os.environ.get(CHILD_CPU_ENV)
+    if cpu is not None:
+        _set_affinity_all_threads({int(cpu)})
+
+
+def allow_bytecode() -> None:
+    """Let children read and write ``__pycache__`` (for aiomp and the baselines alike).
+
+    This environment sets ``PYTHONDONTWRITEBYTECODE=1``, so without this every spawned
+    child compiles aiomp's modules (and the benchmark's) from source, while the standard
+    library's bytecode is precompiled: an installed aiomp has its bytecode too. The caches
+    land in ``__pycache__`` folders, which git ignores.
+    """
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
+
+# -- timing -----------------------------------------------------------------------------
+
+now = time.perf_counter
+
+
+def median(xs: Iterable[float]) -> float:
+    import statistics
+
+    return statistics.median(list(xs))
+
+
+def time_calls(fn: Callable[[], object], n: int, budget: float | None = None) -> list[float]:
+    """Seconds per call of a synchronous ``fn``, one sample per call.
+
+    Stops early (with at least one sample) once ``budget`` seconds have gone.
+    """
+    out = []
+    end = None if budget is None else now() + budget
+    for _ in range(n):
+        t0 = now()
+        fn()
+        t1 = now()
+        out.append(t1 - t0)
+        if end is not None and t1 > end:
+            break
+    return out
+
+
+async def atime_calls(fn: Callable[[], Any], n: int, budget: float | None = None) -> list[float]:
+    """Seconds per await of ``fn()``, one sample per call; ``budget`` as in time_calls."""
+    out = []
+    end = None if budget is None else now() + budget
+    for _ in range(n):
+        t0 = now()
+        await fn()
+        t1 = now()
+        out.append(t1 - t0)
+        if end is not None and t1 > end:
+            break
+    return out
+
+
+def quick() -> bool:
+    """``--quick`` (or AIOMP_BENCH_QUICK=1): fewer repetitions, for a smoke run."""
+    return "--quick" in sys.argv or os.environ.get("AIOMP_BENCH_QUICK") == "1"
+
+
+def reps(full: int, fast: int) -> int:
+    return fast if quick() else full
+
+
+# -- rows -------------------------------------------------------------------------------
+
+
+def at_most(x: float) -> dict[str, Any]:
+    """Target: aiomp's time is at most ``x`` times the baseline's."""
+    return {"max": x, "strict": False, "text": f"<= {x:g}x"}
+
+
+def faster(x: float = 1.0) -> dict[str, Any]:
+    """Target: aiomp is at least ``x`` times faster (strictly faster for ``x == 1``)."""
+    if x == 1.0:
+        return {"max": 1.0, "strict": True, "text": "< 1x (faster)"}
+    return {"max": 1.0 / x, "strict": False, "text": f"<= {1 / x:.3g}x ({x:g}x faster)"}
+
+
+def under(budget: float) -> dict[str, Any]:
+    """Target: an absolute budget; pass ``budget`` as the row's baseline too."""
+    return {"max": 1.0, "strict": True, "text": f"< {fmt_time(budget)}"}
+
+
+def row(
+    measurement: str,
+    aiomp: float | None,
+    baseline: float | None,
+    baseline_name: str,
+    target: dict[str, Any] | None = None,
+    note: str = "",
+) -> dict[str, Any]:
+    """One result: medians in seconds (None: not measured, ``note`` says why)."""
+    ratio = aiomp / baseline if aiomp is not None and baseline else None
+    if target is None:
+        status = "info"
+    elif ratio is None:
+        status = "skip"
+    else:
+        ok = ratio < target["max"] if target["strict"] else ratio <= target["max"]
+        status = "pass" if ok else "FAIL"
+    return {
+        "measurement": measurement,
+        "aiomp": aiomp,
+        "baseline": baseline,
+        "baseline_name": baseline_name,
+        "ratio": ratio,
+        "target": target["text"] if target else "",
+        "status": status,
+        "note": note,
+    }
+
+
+def fmt_time(s: float | None) -> str:
+    if s is None:
+        return "—"
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = "| measurement | aiomp | baseline | ratio (aiomp/baseline) | target | result |"
+    lines = [head, "|---|---:|---|---:|---|---|"]
+    for r in rows:
+        base = f"{fmt_time(r['baseline'])} ({r['baseline_name']})"
+        ratio = "—" if r["ratio"] is None else f"{r['ratio']:.3g}x"
+        status = r["status"]
+        if r["note"]:
+            status = f"{status}: {r['note']}"
+        lines.append(
+            f"| {r['measurement']} | {fmt_time(r['aiomp'])} | {base} | {ratio} "
+            f"| {r['target'] or '—'} | {status} |"
+        )
+    return "\n".join(lines)
+
+
+def emit(name: str, rows: list[dict[str, Any]], notes: list[str]) -> None:
+    """Print the table; with ``--json PATH`` also write the rows for the runner."""
+    print(format_table(rows))
+    for n in notes:
+        print(f"- {n}")
+    if "--json" in sys.argv:
+        import json
+
+        path = sys.argv[sys.argv.index("--json") + 1]
+        with open(path, "w") as f:
+            json.dump({"name": name, "rows": rows, "notes": notes}, f)
+
+
+def aiomp_missing(*modules: str) -> str | None:
+    """None when the aiomp modules import, else a note saying which does not yet."""
+    import importlib
+
+    for m in modules:
+        try:
+            importlib.import_module(f"aiomp.{m}")
+        except ImportError:
+            return f"aiomp.{m} not importable yet"
+    return None
+
+
+def have(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

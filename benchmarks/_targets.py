@@ -1,0 +1,147 @@
+"""Functions that benchmark children run, for aiomp and every baseline alike.
+
+Module level, so spawn children can import them by name; standard library only at import
+time (torch, numpy and aiomp are imported inside the functions that need them), so a child
+pays only for what its library makes it import. Every function pins its process to the
+core the parent chose (see ``_common.pin_child``) before doing anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from benchmarks._common import pin_child
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+
+PAYLOAD = b"x" * 64
+
+
+# -- spawn ------------------------------------------------------------------------------
+
+
+def noop(rank: int) -> None:
+    """Spawn target: run and return (aiomp, multiprocessing and torch all call fn(rank))."""
+
+
+def raise_when_ready(rank: int, nprocs: int, ready_dir: str) -> None:
+    """Rank 0 raises once every other rank is up; the others wait to be terminated.
+
+    The exception text carries ``T=<time.monotonic_ns()>`` taken just before the raise:
+    CLOCK_MONOTONIC is system-wide on Linux, so the parent can subtract it from its own.
+    """
+    pin_child()
+    if rank != 0:
+        open(os.path.join(ready_dir, str(rank)), "w").close()
+        time.sleep(60)
+        return
+    deadline = time.monotonic() + 30
+    while len(os.listdir(ready_dir)) < nprocs - 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.05)  # the parent is waiting in join by now
+    raise RuntimeError(f"T={time.monotonic_ns()}")
+
+
+def raised_at(text: str) -> int:
+    """The ``T=`` timestamp (ns) from an exception text produced by :func:`raise_when_ready`."""
+    import re
+
+    return int(re.findall(r"T=(\d+)", text)[-1])
+
+
+# -- echo servers (small-message round trip) ----------------------------------------------
+
+
+def echo_socket(sock: socket.socket) -> None:
+    """Raw floor: echo 64-byte messages over a stream socket until EOF."""
+    pin_child()
+    sock.setblocking(True)
+    recv, send = sock.recv, sock.sendall
+    while True:
+        data = recv(64)
+        if not data:
+            break
+        while len(data) < 64:
+            more = recv(64 - len(data))
+            if not more:
+                return
+            data += more
+        send(data)
+    sock.close()
+
+
+def echo_mp_queue(qin: object, qout: object) -> None:
+    """multiprocessing.Queue baseline: echo until None."""
+    pin_child()
+    get, put = qin.get, qout.put  # type: ignore[attr-defined]
+    while (x := get()) is not None:
+        put(x)
+
+
+async def echo_aiomp_async(rank: int, qin: object, qout: object) -> None:
+    """aiomp.Queue, async child: echo until None."""
+    pin_child()
+    get, put = qin.get, qout.put  # type: ignore[attr-defined]
+    while (x := await get()) is not None:
+        await put(x)
+
+
+def echo_aiomp_sync(rank: int, qin: object, qout: object) -> None:
+    """aiomp.Queue, sync child through ``q.sync``: echo until None."""
+    pin_child()
+    get, put = qin.sync.get, qout.sync.put  # type: ignore[attr-defined]
+    while (x := get()) is not None:
+        put(x)
+
+
+async def echo_coro(x: object) -> object:
+    """aiomultiprocess (which runs coroutines only): return the argument."""
+    pin_child()
+    return x
+
+
+# -- arrays -------------------------------------------------------------------------------
+
+
+def ack_aiomp_sync(rank: int, qin: object, qout: object) -> None:
+    """Receive arrays through ``q.sync`` and ack each, until None (a blocking child, like
+    the torch baseline's)."""
+    pin_child()
+    get, put = qin.sync.get, qout.sync.put  # type: ignore[attr-defined]
+    while (a := get()) is not None:
+        del a
+        put(b"k")
+
+
+def ack_torch(qin: object, qout: object) -> None:
+    """torch.multiprocessing.Queue: receive shared tensors, ack each, until None."""
+    pin_child()
+    import torch  # noqa: F401  (the tensors' rebuild needs it loaded anyway)
+
+    get, put = qin.get, qout.put  # type: ignore[attr-defined]
+    put(b"ready")
+    while (t := get()) is not None:
+        del t
+        put(b"k")
+
+
+# -- pool ---------------------------------------------------------------------------------
+
+
+def trivial(x: object = None) -> object:
+    """A task that does nothing: what is left is the pool's own round trip."""
+    pin_child()
+    return x
+
+
+async def trivial_coro(x: object = None) -> object:
+    pin_child()
+    return x
+
+
+def pool_pin(*_: object) -> None:
+    """Pool initializer: pin the worker before its first task."""
+    pin_child()

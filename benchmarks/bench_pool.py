@@ -1,0 +1,178 @@
+"""Pool: the round trip of one trivial task, and a map of 10,000 trivial items.
+
+Run as ``python -m benchmarks.bench_pool``. Every pool has one worker; the parent is on
+one core and the worker on the other (the task pins its process on first use).
+
+- ``await pool.apply(trivial)``: <= 1.5x the raw async socketpair floor; >= 1.3x faster
+  than ``anyio.to_process.run_sync(trivial)``; >= 2x faster than a ``ProcessPoolExecutor``
+  through ``loop.run_in_executor``.
+- ``await pool.map(trivial, range(10_000))``: >= 10x aiomultiprocess ``Pool.map``'s
+  throughput; <= 2x the time of ``multiprocessing.Pool.map`` (default chunksize).
+
+Imports are absolute: anyio's worker re-runs this file (``runpy.run_path``) as
+``__mp_main__``, where relative imports would fail.
+"""
+
+from __future__ import annotations
+
+from benchmarks import _common as c
+from benchmarks import _harness as h
+from benchmarks._targets import trivial, trivial_coro
+
+N_MAP = 10_000
+
+
+class AiompApply(h.Variant):
+    name = "aiomp Pool.apply"
+
+    async def start(self) -> None:
+        import aiomp
+
+        self.pool = aiomp.Pool(1, grace_period=1.0)
+        await self.pool.__aenter__()
+
+    async def once(self) -> None:
+        await self.pool.apply(trivial)
+
+    async def stop(self) -> None:
+        await self.pool.__aexit__(None, None, None)
+
+
+class AnyioToProcess(h.Variant):
+    name = "anyio.to_process.run_sync"
+
+    async def once(self) -> None:
+        import anyio.to_process
+
+        await anyio.to_process.run_sync(trivial)
+
+
+class Executor(h.Variant):
+    name = "ProcessPoolExecutor via run_in_executor"
+
+    async def start(self) -> None:
+        import asyncio
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.loop = asyncio.get_running_loop()
+        self.ex = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    async def once(self) -> None:
+        await self.loop.run_in_executor(self.ex, trivial)
+
+    async def stop(self) -> None:
+        self.ex.shutdown()
+
+
+# -- map ------------------------------------------------------------------------------
+
+
+class AiompMap(h.Variant):
+    name = "aiomp Pool.map"
+
+    async def start(self) -> None:
+        import aiomp
+
+        self.pool = aiomp.Pool(1, grace_period=1.0)
+        await self.pool.__aenter__()
+
+    async def once(self) -> None:
+        out = await self.pool.map(trivial, range(N_MAP))
+        assert len(out) == N_MAP
+
+    async def stop(self) -> None:
+        await self.pool.__aexit__(None, None, None)
+
+
+class AiomultiprocessMap(h.Variant):
+    name = "aiomultiprocess Pool.map"
+    budget = None
+
+    async def start(self) -> None:
+        import aiomultiprocess
+
+        self.pool = aiomultiprocess.Pool(processes=1)
+
+    async def once(self) -> None:
+        out = await self.pool.map(trivial_coro, range(N_MAP))
+        assert len(out) == N_MAP
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        await self.pool.join()
+
+
+class MpPoolMap(h.Variant):
+    name = "multiprocessing.Pool.map"
+    is_async = False
+
+    async def start(self) -> None:
+        import multiprocessing
+
+        self.pool = multiprocessing.get_context("spawn").Pool(1)
+
+    def once_sync(self) -> None:
+        out = self.pool.map(trivial, range(N_MAP))
+        assert len(out) == N_MAP
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
+async def main() -> None:
+    rows: list[dict[str, object]] = []
+    notes: list[str] = []
+    pinning = c.pin_parent()
+    missing = c.aiomp_missing("_context", "_pool")
+
+    # -- apply round trip ----------------------------------------------------------------
+    batches, n = c.reps(8, 2), c.reps(300, 100)
+    variants: list[h.Variant] = [h.SocketFloor(), AnyioToProcess(), Executor()]
+    if missing is None:
+        variants.insert(0, AiompApply())
+    s = await h.interleave(variants, batches, n)
+    med = {k: c.median(v) for k, v in s.items()}
+    a = med.get(AiompApply.name)
+    what = "Pool.apply(trivial) round trip"
+    rows.append(c.row(what, a, med[h.SocketFloor.name], "raw async socketpair",
+                      c.at_most(1.5), missing or ""))
+    rows.append(c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3),
+                      missing or ""))
+    rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
+
+    # -- map ------------------------------------------------------------------------------
+    mb = c.reps(15, 3)
+    maps: list[h.Variant] = [MpPoolMap()]
+    if missing is None:
+        maps.insert(0, AiompMap())
+    s = await h.interleave(maps, mb, 1, warmup=1)
+    # aiomultiprocess alone: its loop polls every 5 ms and would slow the others.
+    have_amp = c.have("aiomultiprocess")
+    if have_amp:
+        s.update(await h.interleave([AiomultiprocessMap()], c.reps(3, 1), 1, warmup=0))
+    else:
+        notes.append("aiomultiprocess not installed: its row is skipped")
+    med = {k: c.median(v) for k, v in s.items()}
+    a = med.get(AiompMap.name)
+    what = f"Pool.map(trivial, range({N_MAP:_}))"
+    if have_amp:
+        rows.append(c.row(what, a, med[AiomultiprocessMap.name], AiomultiprocessMap.name,
+                          c.faster(10), missing or ""))
+    rows.append(c.row(what, a, med[MpPoolMap.name], MpPoolMap.name + " (default chunksize)",
+                      c.at_most(2), missing or ""))
+    notes.append(
+        f"pool: {pinning}; one worker per pool; loop {h.loop_name()}; apply: median of "
+        f"{batches * n} round trips per variant in {batches} alternating batches; map: "
+        f"median of {mb} maps (aiomultiprocess: {len(s.get(AiomultiprocessMap.name, []))}, "
+        "run alone)."
+    )
+    c.emit("pool", rows, notes)
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)

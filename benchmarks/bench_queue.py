@@ -1,0 +1,160 @@
+"""Small-message round trip: 64 bytes parent -> child -> parent.
+
+Run as ``python -m benchmarks.bench_queue``. Parent on one core, the child on the other,
+for every variant.
+
+- aiomp: two ``aiomp.Queue``s; the child echoes (an ``async def``, and a sync function
+  using ``q.sync``). Targets: <= 2x the raw floor, faster than ``multiprocessing.Queue``,
+  >= 50x faster than aiomultiprocess.
+- raw floor: the same loop awaiting ``sock_sendall``/``sock_recv`` on a socketpair whose
+  other end a child echoes.
+- ``multiprocessing.Queue``: two queues, a sync parent (its best case) and a sync child.
+- aiomultiprocess: ``await pool.apply(echo, (payload,))`` on a one-process ``Pool``, the
+  library's idiom for a request and its answer. It runs alone (its parent loop and worker
+  poll every 5 ms, which would disturb the others).
+"""
+
+from __future__ import annotations
+
+from benchmarks import _common as c
+from benchmarks import _harness as h
+from benchmarks._targets import (
+    PAYLOAD,
+    echo_aiomp_async,
+    echo_aiomp_sync,
+    echo_coro,
+    echo_mp_queue,
+)
+
+
+class AiompQueue(h.Variant):
+    """Two aiomp.Queues; the parent awaits (or blocks on ``q.sync``), the child echoes."""
+
+    def __init__(self, parent_sync: bool, child_sync: bool) -> None:
+        self.parent_sync, self.child_sync = parent_sync, child_sync
+        self.is_async = not parent_sync
+        self.name = aiomp_name(parent_sync, child_sync)
+
+    async def start(self) -> None:
+        import aiomp
+
+        self.qin, self.qout = aiomp.Queue(), aiomp.Queue()
+        fn = echo_aiomp_sync if self.child_sync else echo_aiomp_async
+        self.ctx = await aiomp.spawn(fn, 1, args=(self.qin, self.qout), grace_period=1.0)
+        self.put, self.get = self.qin.put, self.qout.get
+        self.sput, self.sget = self.qin.sync.put, self.qout.sync.get
+
+    async def once(self) -> None:
+        await self.put(PAYLOAD)
+        await self.get()
+
+    def once_sync(self) -> None:
+        self.sput(PAYLOAD)
+        self.sget()
+
+    async def stop(self) -> None:
+        import anyio
+
+        await self.qin.put(None)
+        with anyio.move_on_after(5):
+            await self.ctx.join()
+        await self.ctx.terminate()
+
+
+def aiomp_name(parent_sync: bool, child_sync: bool) -> str:
+    p = "sync parent (q.sync)" if parent_sync else "async parent"
+    ch = "sync child (q.sync)" if child_sync else "async child"
+    return f"aiomp.Queue, {p}, {ch}"
+
+
+class MpQueue(h.Variant):
+    name = "multiprocessing.Queue"
+    is_async = False
+
+    async def start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.qin, self.qout = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=echo_mp_queue, args=(self.qin, self.qout), daemon=True)
+        self.proc.start()
+
+    def once_sync(self) -> None:
+        self.qin.put(PAYLOAD)
+        self.qout.get()
+
+    async def stop(self) -> None:
+        self.qin.put(None)
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+class Aiomultiprocess(h.Variant):
+    name = "aiomultiprocess Pool.apply"
+
+    async def start(self) -> None:
+        import aiomultiprocess
+
+        self.pool = aiomultiprocess.Pool(processes=1)
+
+    async def once(self) -> None:
+        await self.pool.apply(echo_coro, (PAYLOAD,))
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        await self.pool.join()
+
+
+async def main() -> None:
+    rows: list[dict[str, object]] = []
+    notes: list[str] = []
+    pinning = c.pin_parent()
+    missing = c.aiomp_missing("_context", "_queue")
+    batches, n = c.reps(10, 2), c.reps(500, 200)
+
+    variants: list[h.Variant] = [h.SocketFloor(), MpQueue()]
+    if missing is None:
+        variants += [AiompQueue(False, True), AiompQueue(False, False), AiompQueue(True, True)]
+    s = await h.interleave(variants, batches, n)
+    med = {k: c.median(v) for k, v in s.items()}
+
+    have_amp = c.have("aiomultiprocess")
+    n_amp = 0
+    if have_amp:
+        amp = await h.interleave([Aiomultiprocess()], 1, c.reps(60, 20), warmup=5)
+        n_amp = len(amp[Aiomultiprocess.name])
+        med.update({k: c.median(v) for k, v in amp.items()})
+    else:
+        notes.append("aiomultiprocess not installed: its row is skipped")
+
+    def add(parent_sync: bool, child_sync: bool, base: str, base_desc: str,
+            target: dict[str, object]) -> None:
+        what = "64 B round trip, " + aiomp_name(parent_sync, child_sync)[len("aiomp.Queue, "):]
+        rows.append(c.row(what, med.get(aiomp_name(parent_sync, child_sync)), med.get(base),
+                          base_desc, target, missing or ""))
+
+    floor = h.SocketFloor.name
+    # Like for like first: the floor's parent awaits and its child is a blocking echo;
+    # multiprocessing.Queue is used blocking at both ends.
+    add(False, True, floor, "raw async socketpair, sync echo child", c.at_most(2))
+    add(False, False, floor, "raw async socketpair, sync echo child", c.at_most(2))
+    add(True, True, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
+    add(False, False, MpQueue.name, "multiprocessing.Queue, sync parent, sync child",
+        c.faster())
+    if have_amp:
+        add(False, False, Aiomultiprocess.name, "aiomultiprocess Pool.apply", c.faster(50))
+    notes.append(
+        f"round trips: {pinning}; loop {h.loop_name()}; median of {batches * n} round trips "
+        f"per variant in {batches} alternating batches (aiomultiprocess: {n_amp}, run "
+        "alone: its loop polls every 5 ms)."
+    )
+    c.emit("queue", rows, notes)
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)

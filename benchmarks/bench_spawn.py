@@ -1,0 +1,170 @@
+"""Spawn: start 4 processes and wait until all have run; failure-propagation latency.
+
+Run as ``python -m benchmarks.bench_spawn`` (the runner does): spawn children import this
+module as ``__mp_main__``, so it imports only the standard library at the top.
+
+- ``async with aiomp.spawn(noop, 4)`` vs four ``multiprocessing`` spawn processes started one
+  by one and joined (target <= 1.15x), vs ``torch.multiprocessing.spawn(noop, nprocs=4)``.
+  Start-up is throughput on both cores, so this part runs unpinned, for all alike.
+- A child raises (rank 0 of 2, once rank 1 is up): time from the raise (the child's
+  ``time.monotonic_ns()`` in the exception text) to the parent catching the
+  ProcessRaisedException, aiomp vs ``torch.multiprocessing.spawn`` (target < 50 ms).
+  Parent on one core, children on the other.
+
+Variants alternate within each repetition, so load from other users hits all alike.
+Top-level imports are kept to ``time`` and the tiny helper modules: whatever this module
+imports, every spawned child (aiomp's and the baselines') pays for.
+"""
+
+from __future__ import annotations
+
+import time
+
+from benchmarks import _common as c
+from benchmarks._targets import noop, raise_when_ready, raised_at
+
+
+def mp_spawn4() -> float:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    t0 = c.now()
+    procs = [ctx.Process(target=noop, args=(i,)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    dt = c.now() - t0
+    assert all(p.exitcode == 0 for p in procs)
+    return dt
+
+
+async def aiomp_spawn4() -> float:
+    import aiomp
+
+    t0 = c.now()
+    async with aiomp.spawn(noop, 4):
+        pass
+    return c.now() - t0
+
+
+def torch_spawn4() -> float:
+    import torch.multiprocessing as tmp
+
+    t0 = c.now()
+    tmp.spawn(noop, nprocs=4)
+    return c.now() - t0
+
+
+async def aiomp_failure() -> float:
+    import shutil
+    import tempfile
+
+    import aiomp
+
+    ready = tempfile.mkdtemp(prefix="aiomp-bench-")
+    try:
+        async with aiomp.spawn(raise_when_ready, 2, args=(2, ready), grace_period=2.0):
+            pass
+    except aiomp.ProcessRaisedException as exc:
+        caught = time.monotonic_ns()
+        return (caught - raised_at(str(exc))) / 1e9
+    finally:
+        shutil.rmtree(ready, ignore_errors=True)
+    raise AssertionError("the child did not raise")
+
+
+def torch_failure() -> float:
+    import shutil
+    import tempfile
+
+    import torch.multiprocessing as tmp
+
+    ready = tempfile.mkdtemp(prefix="aiomp-bench-")
+    try:
+        tmp.spawn(raise_when_ready, args=(2, ready), nprocs=2)
+    except tmp.ProcessRaisedException as exc:
+        caught = time.monotonic_ns()
+        return (caught - raised_at(str(exc))) / 1e9
+    finally:
+        shutil.rmtree(ready, ignore_errors=True)
+    raise AssertionError("the child did not raise")
+
+
+async def main() -> None:
+    rows: list[dict[str, object]] = []
+    notes: list[str] = []
+    missing = c.aiomp_missing("_context")
+    has_torch = c.have("torch")
+    if has_torch:
+        import torch.multiprocessing  # noqa: F401  (imported before timing, not inside it)
+    else:
+        notes.append("torch not installed: torch rows skipped")
+    if missing is None:
+        import aiomp._context  # noqa: F401
+
+    # -- spawn 4, unpinned -------------------------------------------------------------
+    c.unpin_parent()
+    n, n_torch = c.reps(25, 4), c.reps(5, 2)
+    t_aiomp: list[float] = []
+    t_mp: list[float] = []
+    t_torch: list[float] = []
+    mp_spawn4()  # warm the page cache and import paths for both
+    if missing is None:
+        await aiomp_spawn4()
+    for i in range(n):
+        # alternate which goes first: neither always follows the other
+        if i % 2:
+            t_mp.append(mp_spawn4())
+        if missing is None:
+            t_aiomp.append(await aiomp_spawn4())
+        if not i % 2:
+            t_mp.append(mp_spawn4())
+        if has_torch and i < n_torch:
+            t_torch.append(torch_spawn4())
+    a = c.median(t_aiomp) if t_aiomp else None
+    rows.append(c.row("spawn 4 procs, until all have run", a, c.median(t_mp),
+                      "multiprocessing spawn x4, one by one", c.at_most(1.15),
+                      missing or ""))
+    if has_torch:
+        rows.append(c.row("spawn 4 procs, until all have run", a, c.median(t_torch),
+                          "torch.multiprocessing.spawn", None, missing or ""))
+
+    # -- failure latency, pinned ---------------------------------------------------------
+    pinning = c.pin_parent()
+    n, n_torch = c.reps(12, 3), c.reps(5, 2)
+    f_aiomp: list[float] = []
+    f_torch: list[float] = []
+    for i in range(max(n, n_torch)):
+        if missing is None and i < n:
+            f_aiomp.append(await aiomp_failure())
+        if has_torch and i < n_torch:
+            f_torch.append(torch_failure())
+    a = c.median(f_aiomp) if f_aiomp else None
+    if has_torch:
+        t = c.median(f_torch)
+        rows.append(c.row("child raises -> parent catches", a, t,
+                          "torch.multiprocessing.spawn", None, missing or ""))
+    rows.append(c.row("child raises -> parent catches", a, 0.050, "budget",
+                      c.under(0.050), missing or ""))
+    notes.append(
+        f"spawn: unpinned, medians of {len(t_mp)} (aiomp/multiprocessing) and "
+        f"{len(t_torch)} (torch) runs, alternating; children run a no-op and read bytecode "
+        "from __pycache__ (as an installed package does; see _common.allow_bytecode); "
+        "torch children import torch."
+    )
+    notes.append(
+        f"failure latency: {pinning}; medians of {len(f_aiomp)} (aiomp) and {len(f_torch)} "
+        "(torch) runs; rank 0 of 2 raises once rank 1 is up; measured from the child's "
+        "time.monotonic_ns() before the raise to the parent's after catching, "
+        "sibling termination included. Samples (ms): aiomp "
+        f"{[round(x * 1e3, 1) for x in f_aiomp]}, torch {[round(x * 1e3, 1) for x in f_torch]}."
+    )
+    c.emit("spawn", rows, notes)
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)

@@ -1,0 +1,206 @@
+"""Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
+
+    python -m benchmarks.run [spawn queue arrays pool] [--quick] [--no-write]
+    python benchmarks/run.py ...
+
+Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
+children re-import their parent's main module, and that must be the small comparison
+module, not this runner; and no comparison inherits another's threads or children.
+Hand-written text in RESULTS.md outside the generated sections is kept.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, ROOT)
+
+from benchmarks import _common as c
+
+NAMES = ("spawn", "queue", "arrays", "pool")
+TITLES = {
+    "spawn": "Spawn and failure propagation",
+    "queue": "Small-message round trip",
+    "arrays": "Arrays through a queue",
+    "pool": "Pool",
+}
+RESULTS = os.path.join(HERE, "RESULTS.md")
+#: A comparison that runs longer than this is stopped and reported as an error.
+TIMEOUT = 300
+FINDINGS = "## Findings"
+
+
+def machine_facts() -> str:
+    from importlib import metadata
+
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions = [f"aiomp {aiomp_version()}"]
+    for pkg in ("anyio", "numpy", "torch", "aiomultiprocess", "uvloop"):
+        try:
+            versions.append(f"{pkg} {metadata.version(pkg)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{pkg} (not installed)")
+    return (
+        f"{os.cpu_count()} cores ({model}), Linux {platform.release()}, "
+        f"Python {platform.python_version()}; " + ", ".join(versions)
+    )
+
+
+def aiomp_version() -> str:
+    """aiomp's version and the commit the working tree is on (it may hold more)."""
+    try:
+        import aiomp
+
+        version = aiomp.__version__
+    except ImportError:
+        return "(not importable)"
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                              capture_output=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        head = ""
+    return f"{version} (working tree at {head})" if head else version
+
+
+def run_one(name: str, quick: bool) -> dict[str, object]:
+    """Run one comparison in a fresh interpreter; its rows, or an error row."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, "-m", f"benchmarks.bench_{name}", "--json", out]
+    if quick:
+        cmd.append("--quick")
+    load = os.getloadavg()[0]
+    t0 = c.now()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=TIMEOUT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, check=False)
+        output, code = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (
+            exc.stdout or ""), f"timed out after {TIMEOUT} s"
+    elapsed = c.now() - t0
+    load = (load + os.getloadavg()[0]) / 2
+    try:
+        if code != 0:
+            tail = "\n".join(output.strip().splitlines()[-15:])
+            print(f"[{name}] failed ({code}):\n{tail}", file=sys.stderr)
+            row = c.row(f"{name}: the comparison failed", None, None, "—", None,
+                        f"exit {code}: {tail.splitlines()[-1] if tail else ''}")
+            row["status"] = "error"
+            return {"name": name, "rows": [row], "notes": [], "elapsed": elapsed, "load": load}
+        import json
+
+        with open(out) as f:
+            result: dict[str, object] = json.load(f)
+    finally:
+        os.unlink(out)
+    result["elapsed"] = elapsed
+    result["load"] = load
+    return result
+
+
+def section(result: dict[str, object], when: str, facts: str) -> str:
+    name = str(result["name"])
+    lines = [
+        f"<!-- results:{name}:begin -->",
+        f"### {TITLES.get(name, name)}",
+        "",
+        (f"Run {when} (`python -m benchmarks.run {name}`, {result['elapsed']:.0f} s, "
+         f"1-min load average {result['load']:.2f} during the run). {facts}."),
+        "",
+        c.format_table(result["rows"]),  # type: ignore[arg-type]
+        "",
+    ]
+    lines += [f"- {n}" for n in result["notes"]]  # type: ignore[attr-defined]
+    lines.append(f"<!-- results:{name}:end -->")
+    return "\n".join(lines)
+
+
+TEMPLATE = f"""# aiomp benchmark results
+
+Every figure is a median, and every ratio is aiomp's time over a baseline's time measured
+in the same run (DESIGN.md section 4). The sections between the `results:` markers are
+rewritten by `python -m benchmarks.run`; everything else here is kept.
+
+## Results
+
+{FINDINGS}
+"""
+
+
+def write_results(results: list[dict[str, object]], when: str, facts: str) -> None:
+    try:
+        with open(RESULTS) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = TEMPLATE
+    for result in results:
+        name = result["name"]
+        begin, end = f"<!-- results:{name}:begin -->", f"<!-- results:{name}:end -->"
+        new = section(result, when, facts)
+        if begin in text and end in text:
+            i, j = text.index(begin), text.index(end) + len(end)
+            text = text[:i] + new + text[j:]
+        else:
+            # keep the sections in NAMES order: before the next one present, else findings
+            later = [n for n in NAMES[NAMES.index(str(name)) + 1:]
+                     if f"<!-- results:{n}:begin -->" in text] if name in NAMES else []
+            anchor = f"<!-- results:{later[0]}:begin -->" if later else FINDINGS
+            if anchor in text:
+                i = text.index(anchor)
+                text = text[:i] + new + "\n\n" + text[i:]
+            else:
+                text = text.rstrip("\n") + "\n\n" + new + "\n"
+    with open(RESULTS, "w") as f:
+        f.write(text)
+
+
+def main(argv: list[str]) -> int:
+    quick = "--quick" in argv
+    write = "--no-write" not in argv
+    names = [a for a in argv if not a.startswith("--")] or list(NAMES)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown:
+        print(f"unknown comparison(s) {unknown}; choose from {', '.join(NAMES)}",
+              file=sys.stderr)
+        return 2
+    when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    facts = machine_facts()
+    print(f"{when}: {facts}", flush=True)
+    results = []
+    for name in names:
+        print(f"\n== {name} ==", flush=True)
+        result = run_one(name, quick)
+        print(c.format_table(result["rows"]), flush=True)  # type: ignore[arg-type]
+        for n in result["notes"]:  # type: ignore[attr-defined]
+            print(f"- {n}")
+        results.append(result)
+    rows = [r for res in results for r in res["rows"]]  # type: ignore[attr-defined]
+    print("\n== all ==")
+    print(c.format_table(rows))
+    if write and not quick:
+        write_results(results, when, facts)
+        print(f"\nwrote {os.path.relpath(RESULTS)}")
+    elif write:
+        print("\n(--quick: RESULTS.md left as it was)")
+    return 1 if any(r["status"] in ("FAIL", "error") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
