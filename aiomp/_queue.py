@@ -113,26 +113,30 @@ class Queue:
         maxsize = max(0, int(maxsize))
         send, recv = _transport.socketpair()
         items = os.eventfd(0, _EFD | os.EFD_SEMAPHORE)
+        room = os.eventfd(0, _EFD)
         slots = os.eventfd(maxsize, _EFD | os.EFD_SEMAPHORE) if maxsize else -1
-        self._setup(os.urandom(16), maxsize, send, recv, items, slots)
+        self._setup(os.urandom(16), maxsize, send, recv, items, room, slots)
 
     def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
-               items: int, slots: int) -> None:
+               items: int, room: int, slots: int) -> None:
         self._token = token
         self._maxsize = maxsize
         self._send = send
         self._recv = recv
         self._items = items
+        # Every get writes ``room``: a put that found the socket buffer full waits on it.
+        # (The socket itself reports writable only once 3/4 of its buffer has drained.)
+        self._room = room
         self._slots = slots
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
-        self._finalizer = weakref.finalize(self, _close_all, send, recv, items, slots)
+        self._finalizer = weakref.finalize(self, _close_all, send, recv, items, room, slots)
         _live[token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
         add = _reduction.add_fd
         fds = (add(self._send.fileno()), add(self._recv.fileno()), add(self._items),
-               add(self._slots) if self._slots >= 0 else -1)
+               add(self._room), add(self._slots) if self._slots >= 0 else -1)
         return _rebuild_queue, (self._token, self._maxsize, *fds)
 
     def __repr__(self) -> str:
@@ -181,40 +185,52 @@ class Queue:
         return datagram, fds, out, extra
 
     def _try_put(self, datagram: bytes, fds: list[int]) -> bool:
-        """Send if there is room: True if sent. Raises QueueClosed."""
+        """Send if there is room: True if sent. Raises QueueClosed (or TransportError)."""
         if self._slots >= 0 and not _eventfd_take(self._slots):
             return False
         os.eventfd_write(self._items, 1)
+        sent = False
         try:
             sent = _transport.try_send(self._send, datagram, fds)
         except _transport.Closed:
-            sent = None
-        if not sent:
-            _eventfd_take(self._items)
-            if self._slots >= 0:
-                os.eventfd_write(self._slots, 1)
-            if sent is None:
-                raise QueueClosed("put on a closed aiomp.Queue")
-        return bool(sent)
+            raise QueueClosed("put on a closed aiomp.Queue") from None
+        finally:
+            if not sent:  # not sent, for whatever reason: give the counts back
+                _eventfd_take(self._items)
+                if self._slots >= 0:
+                    os.eventfd_write(self._slots, 1)
+        return sent
 
-    def _wait_put_fd(self) -> int:
-        # Full because no slot is free, or because the socket buffer is full.
+    def _put_wait_fd(self, datagram: bytes, fds: list[int]) -> int:
+        """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
         if self._slots >= 0 and not _readable(self._slots):
-            return self._slots
-        return -1
+            return self._slots  # no free slot
+        # The socket buffer is full: wait for a get. Reset ``room`` first and try once
+        # more, so that a get between the failed put and the wait is not missed.
+        _eventfd_take(self._room)
+        if self._try_put(datagram, fds):
+            return -1
+        return self._room
 
     def _try_get(self) -> object:
         try:
             got = _transport.try_recv(self._recv)
         except _transport.Closed:
             raise QueueClosed("the aiomp.Queue is closed and drained") from None
+        except OSError:
+            self._took()  # the message was consumed (and is lost): keep the counts true
+            raise
         if got is None:
             return _MISSING
+        self._took()
+        kind, body, fds = _transport.decode(*got)
+        return _reduction.loads(body, fds)
+
+    def _took(self) -> None:
         _eventfd_take(self._items)
         if self._slots >= 0:
             os.eventfd_write(self._slots, 1)
-        kind, body, fds = _transport.decode(*got)
-        return _reduction.loads(body, fds)
+        os.eventfd_write(self._room, 1)
 
     # -- async ----------------------------------------------------------------------
     async def put(self, obj: object) -> None:
@@ -226,11 +242,13 @@ class Queue:
         datagram, fds, out, extra = self._prepare(obj)
         try:
             while not self._try_put(datagram, fds):
-                fd = self._wait_put_fd()
-                if fd >= 0:
-                    await self._waiters.wait(fd)
-                else:
-                    await self._waiters.wait(self._send.fileno(), write=True)
+                fd = self._put_wait_fd(datagram, fds)
+                if fd < 0:
+                    break
+                await self._waiters.wait(fd)
+        except BaseException:
+            out.discard()
+            raise
         finally:
             _finish(out, extra)
 
@@ -250,6 +268,9 @@ class Queue:
         try:
             if not self._try_put(datagram, fds):
                 raise Full
+        except BaseException:
+            out.discard()
+            raise
         finally:
             _finish(out, extra)
 
@@ -287,14 +308,14 @@ class SyncQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not q._try_put(datagram, fds):
-                fd = q._wait_put_fd()
-                ready = (
-                    _transport.wait_fd_sync(fd, deadline=deadline)
-                    if fd >= 0
-                    else _transport.wait_fd_sync(q._send.fileno(), write=True, deadline=deadline)
-                )
-                if not ready:
+                fd = q._put_wait_fd(datagram, fds)
+                if fd < 0:
+                    break
+                if not _transport.wait_fd_sync(fd, deadline=deadline):
                     raise Full
+        except BaseException:
+            out.discard()
+            raise
         finally:
             _finish(out, extra)
 
@@ -334,7 +355,7 @@ def _close_all(send: socket.socket, recv: socket.socket, *fds: int) -> None:
     _transport.close_fds([fd for fd in fds if fd >= 0])
 
 
-def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int,
+def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int, room: int,
                    slots: int) -> Queue:
     existing = _live.get(token)
     if isinstance(existing, Queue):
@@ -342,7 +363,7 @@ def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int,
     take = _reduction.take_fd
     q = Queue.__new__(Queue)
     q._setup(token, maxsize, socket.socket(fileno=take(send)), socket.socket(fileno=take(recv)),
-             take(items), take(slots) if slots >= 0 else -1)
+             take(items), take(room), take(slots) if slots >= 0 else -1)
     return q
 
 

@@ -42,12 +42,23 @@ class Outgoing:
     opened for this message only.
     """
 
-    __slots__ = ("body", "fds", "_cleanups")
+    __slots__ = ("body", "fds", "_cleanups", "_unsent")
 
-    def __init__(self, body: bytes, fds: list[int], cleanups: list[object]) -> None:
+    def __init__(self, body: bytes, fds: list[int], cleanups: list[object],
+                 unsent: list[object] | None = None) -> None:
         self.body = body
         self.fds = fds
         self._cleanups = cleanups
+        self._unsent = unsent or []
+
+    def discard(self) -> None:
+        """The message will not be sent: undo what pickling it promised, then close."""
+        unsent, self._unsent = self._unsent, []
+        try:
+            for fn in reversed(unsent):
+                fn()  # type: ignore[operator]
+        finally:
+            self.close()
 
     def close(self) -> None:
         cleanups, self._cleanups = self._cleanups, []
@@ -60,12 +71,13 @@ class Outgoing:
 
 
 class _State:
-    __slots__ = ("fds", "fd_index", "cleanups", "memo")
+    __slots__ = ("fds", "fd_index", "cleanups", "unsent", "memo")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.fd_index: dict[int, int] = {}
         self.cleanups: list[object] = []
+        self.unsent: list[object] = []
         self.memo: dict[object, object] = {}
 
 
@@ -108,8 +120,7 @@ def dumps(obj: object) -> Outgoing:
     except BaseException:
         state = _local.out
         if isinstance(state, _State):
-            for fn in reversed(state.cleanups):
-                fn()  # type: ignore[operator]
+            Outgoing(b"", [], state.cleanups, state.unsent).discard()
         raise
     finally:
         state = _local.out
@@ -119,7 +130,7 @@ def dumps(obj: object) -> Outgoing:
         buf.truncate()
         _local.pickler = cached
     if isinstance(state, _State):
-        return Outgoing(body, state.fds, state.cleanups)
+        return Outgoing(body, state.fds, state.cleanups, state.unsent)
     return Outgoing(body, [], [])
 
 
@@ -153,6 +164,15 @@ def add_fd(fd: int) -> int:
 def on_sent(fn: object) -> None:
     """Run ``fn()`` once the message being pickled has been sent or discarded."""
     current().cleanups.append(fn)
+
+
+def on_unsent(fn: object) -> None:
+    """Run ``fn()`` if the message being pickled is discarded unsent (:meth:`Outgoing.discard`).
+
+    Senders call ``discard`` on every path that gives up; a sender that does not
+    (an error it did not foresee) leaves the promise in place, which is the safe side.
+    """
+    current().unsent.append(fn)
 
 
 class _InState:

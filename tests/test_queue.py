@@ -183,9 +183,6 @@ async def _put_wakes_after_one_get() -> bool:
     return put_done.is_set()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a put waiting for room in the socket buffer "
-                   "waits for POLLOUT, which a unix socket reports only once 3/4 of its "
-                   "send buffer has drained, not when one item has been taken")
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 async def test_waiting_put_wakes_once_an_item_is_taken() -> None:
@@ -545,8 +542,6 @@ def _counts_after_failed_puts(maxsize: int, monkeypatch: pytest.MonkeyPatch) -> 
     return observed
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Queue._try_put does not undo its counts when "
-                   "try_send raises anything but Closed (e.g. TransportError)")
 @pytest.mark.parametrize("maxsize", [0, 2])
 def test_transport_error_at_put_leaves_counts_intact(monkeypatch: pytest.MonkeyPatch,
                                                      maxsize: int) -> None:
@@ -583,8 +578,6 @@ def _counts_after_a_lost_message(maxsize: int) -> dict[str, object]:
     return observed
 
 
-@pytest.mark.xfail(strict=True, reason="bug: Queue._try_get does not take the item count "
-                   "nor give back the slot when try_recv raises TransportError")
 @pytest.mark.parametrize("maxsize", [0, 2])
 def test_transport_error_at_get_leaves_counts_intact(maxsize: int) -> None:
     # A message whose fds cannot be received (this process is at its fd limit) is lost
