@@ -30,6 +30,7 @@ import struct
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux x86_64/aarch64
 _GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 _SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
 
 
 def _lock(fd: int, cmd: int, kind: int, start: int, length: int) -> bytes:
@@ -50,6 +51,25 @@ def is_held(fd: int, start: int, length: int) -> bool:
     """True if any *other* description holds a lease overlapping the range."""
     kind = _FLOCK.unpack(_lock(fd, _GETLK, fcntl.F_WRLCK, start, length))[0]
     return kind != fcntl.F_UNLCK
+
+
+class exclusive:
+    """``with exclusive(fd, start, length):`` a blocking OFD write lock on the range.
+
+    A cross-process mutex the kernel releases if its holder dies. Threads that share a
+    description share the lock: guard against them separately.
+    """
+
+    __slots__ = ("fd", "start", "length")
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length = fd, start, length
+
+    def __enter__(self) -> None:
+        _lock(self.fd, _SETLKW, fcntl.F_WRLCK, self.start, self.length)
+
+    def __exit__(self, *exc: object) -> None:
+        _lock(self.fd, _SETLK, fcntl.F_UNLCK, self.start, self.length)
 
 
 def reopen(fd: int) -> int:

@@ -45,7 +45,8 @@ STRATEGIES = frozenset({"file_descriptor", "file_system"})
 _strategy = "file_descriptor"
 
 PAGE = mmap.PAGESIZE
-HEADER = PAGE  # header page: per-block open counters (file_system)
+HEADER = PAGE  # header page: per-block counters of sends and opens (file_system)
+_COUNTERS = 64  # counters start here; byte 0 is the lock that guards them
 SLAB = 8 << 20
 SMALLEST = 64 << 10
 LARGEST_SMALL = 1 << 20
@@ -112,20 +113,37 @@ class Segment:
         # owner bookkeeping: per block 0 free, 1 held here, 2 retired (maybe held elsewhere)
         self.state = bytearray(self.nblocks)
         self.dirty = bytearray(self.nblocks)
-        self.sends = [0] * self.nblocks if name is not None else []
         self.live = 0  # blocks not free
+        self.inherited = False  # set in a forked child: the parent's, not ours to touch
         self._finalizer = weakref.finalize(self, _close_segment, self.mm, fd)
 
     def offset(self, index: int) -> int:
         return HEADER + index * self.block_size
 
-    def opens(self, index: int) -> int:
-        return int.from_bytes(self.mm[index * 4 : index * 4 + 4], "little")
+    # file_system: a message names a block without holding it, so the header counts, for
+    # each block, the references sent and the references rebuilt ("opens"). A block whose
+    # opens have caught up with its sends, and that nobody holds, has nothing in flight.
+    # Read-modify-write happens under an OFD write lock on byte 0 (robust: a holder that
+    # dies releases it), plus the module lock for threads sharing our description.
+    def counters(self, index: int) -> tuple[int, int]:
+        at = _COUNTERS + index * 8
+        with _lock, _lease.exclusive(self.fd, 0, 1):
+            return (int.from_bytes(self.mm[at : at + 4], "little"),
+                    int.from_bytes(self.mm[at + 4 : at + 8], "little"))
 
-    def mark_opened(self, index: int) -> None:
-        # Not atomic across processes: a lost increment can only delay reuse, never
-        # allow it early (the reuse test is opens >= sends).
-        self.mm[index * 4 : index * 4 + 4] = (self.opens(index) + 1).to_bytes(4, "little")
+    def count(self, index: int, sends: int = 0, opens: int = 0, reset: bool = False) -> None:
+        at = _COUNTERS + index * 8
+        with _lock, _lease.exclusive(self.fd, 0, 1):
+            if reset:
+                self.mm[at : at + 8] = bytes(8)
+                return
+            s = int.from_bytes(self.mm[at : at + 4], "little") + sends
+            o = int.from_bytes(self.mm[at + 4 : at + 8], "little") + opens
+            self.mm[at : at + 8] = max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little")
+
+    def in_flight(self, index: int) -> bool:
+        sends, opens = self.counters(index)
+        return opens < sends
 
     def close(self) -> None:
         self._finalizer()
@@ -151,8 +169,8 @@ class BlockRef:
     def __reduce__(self) -> tuple[object, ...]:
         seg, index = self.segment, self.index
         if seg.name is not None:
-            if seg.owned:
-                seg.sends[index] += 1
+            seg.count(index, sends=1)
+            _reduction.on_unsent(lambda: seg.count(index, sends=-1))
             return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index, None)
         state = _reduction.current()
         memo_key = ("aiomp-seg", seg.key)
@@ -187,6 +205,8 @@ def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
 
 
 def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
+    if segment.inherited:
+        return  # its leases and pool are the parent's (we share its descriptions)
     with _lock:
         _info.pop(exporter_id, None)
         if segment.owned:
@@ -197,6 +217,8 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
                 _lease.release(segment.fd, segment.offset(index), segment.block_size)
             except OSError:
                 pass
+            if segment.name is not None:
+                _remove_if_orphan(segment.name, segment.fd)
             if segment not in _recent:
                 _recent.append(segment)
 
@@ -233,6 +255,8 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
             key = (st.st_dev, st.st_ino)
         exporter = _blocks.get((key, index))
         if exporter is not None:
+            if name is not None:
+                _segments[key].count(index, opens=1)
             return exporter
         segment = _segments.get(key)
         if segment is None:
@@ -255,8 +279,8 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
             _pool.reclaim(segment, index)
         else:
             _lease.hold(segment.fd, segment.offset(index), block_size)
-            if name is not None:
-                segment.mark_opened(index)
+        if name is not None:
+            segment.count(index, opens=1)
         return _export(segment, index)
 
 
@@ -265,12 +289,13 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
 
 class _Pool:
     def __init__(self) -> None:
-        self.segments: dict[int, list[Segment]] = {}  # block size -> segments
-        self.free: dict[int, list[tuple[Segment, int]]] = {}
-        self.retired: dict[int, deque[tuple[Segment, int]]] = {}
+        # keyed by (named, block size): a strategy switch applies to new arrays at once
+        self.segments: dict[tuple[bool, int], list[Segment]] = {}
+        self.free: dict[tuple[bool, int], list[tuple[Segment, int]]] = {}
+        self.retired: dict[tuple[bool, int], deque[tuple[Segment, int]]] = {}
 
     def allocate(self, nbytes: int, *, zero: bool) -> ctypes.Array[ctypes.c_char]:
-        bs = block_size_for(max(nbytes, 1))
+        bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
         with _lock:
             found = self._take_free(bs) or self._take_retired(bs)
             if found is None:
@@ -282,26 +307,25 @@ class _Pool:
             segment.state[index] = 1
             segment.live += 1
             if segment.name is not None:
-                segment.sends[index] = 0
-                segment.mm[index * 4 : index * 4 + 4] = bytes(4)
+                segment.count(index, reset=True)
             exporter = _export(segment, index)
             if zero and segment.dirty[index]:
-                ctypes.memset(exporter, 0, bs)
+                ctypes.memset(exporter, 0, segment.block_size)
             segment.dirty[index] = 1
             return exporter
 
-    def _take_free(self, bs: int) -> tuple[Segment, int] | None:
+    def _take_free(self, bs: tuple[bool, int]) -> tuple[Segment, int] | None:
         free = self.free.get(bs)
         return free.pop() if free else None
 
     def _reusable(self, segment: Segment, index: int) -> bool:
         if segment.state[index] != 2:
             return False
-        if segment.name is not None and segment.opens(index) < segment.sends[index]:
+        if segment.name is not None and segment.in_flight(index):
             return False
         return not _lease.is_held(segment.fd, segment.offset(index), segment.block_size)
 
-    def _take_retired(self, bs: int) -> tuple[Segment, int] | None:
+    def _take_retired(self, bs: tuple[bool, int]) -> tuple[Segment, int] | None:
         retired = self.retired.get(bs)
         if not retired:
             return None
@@ -316,18 +340,20 @@ class _Pool:
         return None
 
     def retire(self, segment: Segment, index: int) -> None:
-        self.retired.setdefault(segment.block_size, deque()).append((segment, index))
+        key = (segment.name is not None, segment.block_size)
+        self.retired.setdefault(key, deque()).append((segment, index))
 
     def reclaim(self, segment: Segment, index: int) -> None:
         """A block of ours came back in a message: it is held here again."""
         if segment.state[index] == 2:
             segment.state[index] = 1
 
-    def _new_segment(self, bs: int) -> Segment:
+    def _new_segment(self, key: tuple[bool, int]) -> Segment:
         self.trim(POOL_LIMIT)
+        named, bs = key
         size = HEADER + (SLAB if bs <= LARGEST_SMALL else bs)
         name = None
-        if _strategy == "file_system":
+        if named:
             name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
             fd = os.open(os.path.join(SHM_DIR, name),
                          os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -358,7 +384,7 @@ class _Pool:
                 _unlink(name)
             raise
         _segments[segment.key] = segment
-        self.segments.setdefault(bs, []).append(segment)
+        self.segments.setdefault(key, []).append(segment)
         if name:
             _named.add(name)
         return segment
@@ -381,8 +407,8 @@ class _Pool:
                 self._forget(seg)
 
     def _forget(self, seg: Segment) -> None:
-        self.segments[seg.block_size].remove(seg)
-        bs = seg.block_size
+        bs = (seg.name is not None, seg.block_size)
+        self.segments[bs].remove(seg)
         self.free[bs] = [(s, i) for s, i in self.free.get(bs, []) if s is not seg]
         self.retired[bs] = deque((s, i) for s, i in self.retired.get(bs, ()) if s is not seg)
         if seg.name:
@@ -436,35 +462,52 @@ def _unlink(name: str) -> None:
         pass
 
 
-def janitor() -> list[str]:
-    """Remove ``/dev/shm/aiomp-*`` names whose creator is dead and that nobody holds.
+def _creator(name: str) -> int:
+    try:
+        return int(name[len(PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return -1
 
-    Returns the names removed. Safe to call at any time from any process.
+
+def _remove_if_orphan(name: str, creator_must_be_dead: bool = True) -> bool:
+    """Unlink ``name`` if nothing can need it any more; True if it was removed.
+
+    Nothing needs it when its creator is dead (or is us, exiting), no process holds a
+    lease in it, and every reference ever sent has been opened (nothing in flight).
     """
-    removed = []
+    pid = _creator(name)
+    if pid < 0 or (creator_must_be_dead and (pid == os.getpid() or _alive(pid))):
+        return False
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if _lease.is_held(fd, 0, 0):
+            return False
+        header = os.pread(fd, HEADER, 0)
+        for at in range(_COUNTERS, len(header) - 7, 8):
+            sends = int.from_bytes(header[at : at + 4], "little")
+            if int.from_bytes(header[at + 4 : at + 8], "little") < sends:
+                return False
+        _unlink(name)
+        return True
+    finally:
+        os.close(fd)
+
+
+def janitor() -> list[str]:
+    """Remove ``/dev/shm/aiomp-*`` names that nothing can need any more.
+
+    A name goes once its creator has died (SIGKILL included), no process holds it, and no
+    message naming it is still unread. Returns the names removed. Safe to call at any
+    time from any process; aiomp calls it when a child exits abnormally.
+    """
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
     except OSError:
-        return removed
-    for name in names:
-        try:
-            pid = int(name[len(PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid() or _alive(pid):
-            continue
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if not _lease.is_held(fd, 0, 0):
-                _unlink(name)
-                removed.append(name)
-        finally:
-            os.close(fd)
-    return removed
+        return []
+    return [name for name in names if _remove_if_orphan(name)]
 
 
 def _alive(pid: int) -> bool:
@@ -481,18 +524,61 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@atexit.register
-def _at_exit() -> None:
-    # Our names: remove those nobody holds. Held ones stay for their holders, and the
-    # janitor of a later process removes them once those are gone too.
+def at_exit() -> None:
+    """Remove the names this process created that nothing needs any more.
+
+    Names still held, or named by a message not yet read, stay: whoever drops them last
+    (a receiver, or the janitor) removes them. Runs at interpreter exit and, because
+    fork and forkserver children leave by ``os._exit``, from multiprocessing's own exit
+    hook too.
+    """
     for name in list(_named):
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            if not _lease.is_held(fd, 0, 0):
-                _unlink(name)
-        finally:
-            os.close(fd)
+        if _remove_if_orphan(name, creator_must_be_dead=False):
+            _named.discard(name)
+
+
+def _raise_fd_limit() -> None:
+    # Each message that carries shared arrays carries an fd while it is in flight, and
+    # the kernel caps an unprivileged user's in-flight fds at RLIMIT_NOFILE: use all of
+    # the hard limit we are allowed.
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def _register_exit_hooks(_: object = None) -> None:
+    from multiprocessing import util
+
+    util.Finalize(None, at_exit, exitpriority=0)
+    # multiprocessing clears its finalizers in a forked child: register again there
+    util.register_after_fork(_pool, _register_exit_hooks)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child shares its parent's descriptions and mappings: it must not hand out,
+    retire or unlink the parent's blocks. It starts with an empty pool; arrays it
+    inherited stay usable, and travel as copies (pass arrays in ``args`` to share them)."""
+    global _pool
+    for seg in list(_segments.values()):
+        seg.inherited = True
+    for segs in _pool.segments.values():
+        for seg in segs:
+            seg.inherited = True
+    _segments.clear()
+    _blocks.clear()
+    _info.clear()
+    _named.clear()
+    _recent.clear()
+    _pool = _Pool()
+    _register_exit_hooks()
+
+
+atexit.register(at_exit)
+_register_exit_hooks()
+os.register_at_fork(after_in_child=_after_fork_in_child)
+_raise_fd_limit()
