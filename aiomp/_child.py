@@ -26,6 +26,11 @@ import sys
 
 from . import _reduction, _transport
 
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Callable
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -39,7 +44,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     try:
         import _ctypes
 
-        handle = _ctypes.dlopen(None)
+        handle = _ctypes.dlopen(None)  # type: ignore[arg-type]
         func = _ctypes.dlsym(handle, "prctl")
         _ctypes.call_function(func, (_PR_SET_PDEATHSIG, int(sig)))
     except (ImportError, AttributeError, OSError):  # pragma: no cover - non-CPython
@@ -88,6 +93,7 @@ def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
         coro = fn(*rank_args)  # type: ignore[operator]
     import asyncio
 
+    factory: Callable[[], asyncio.AbstractEventLoop]
     try:
         import uvloop
 
@@ -95,7 +101,7 @@ def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
     except ImportError:
         factory = asyncio.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)  # type: ignore[arg-type]
+        return runner.run(coro)
 
 
 def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> None:
@@ -105,8 +111,9 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> 
         os._exit(1)
     got = _transport.recv_sync(sock)
     assert got is not None
-    kind, body, fds = _transport.decode(*got)
-    payload_fn, args, is_async = _reduction.loads(body, fds)  # type: ignore[misc]
+    _, body, fds = _transport.decode(*got)
+    payload: tuple[object, tuple[object, ...], bool] = _reduction.loads(body, fds)  # type: ignore[assignment]
+    payload_fn, args, is_async = payload
     if fn is None:
         fn = payload_fn
     del got, body, fds
@@ -114,13 +121,13 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> 
         result = run_fn(fn, (rank, *args), is_async)
     except SystemExit:
         raise
-    except BaseException as exc:  # KeyboardInterrupt and cancellation are failures too
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, cancellation: failures
         report_error(sock, exc)
         sock.close()
         sys.exit(1)
     try:
         out = _reduction.dumps(("ok", result))
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
         report_error(sock, exc, f"the return value of rank {rank} could not be pickled")
         sock.close()
         sys.exit(1)
@@ -155,6 +162,6 @@ def report_error(sock: socket.socket, exc: BaseException, context: str = "") -> 
     try:
         out = _reduction.dumps(("err", text, exc))
         _reduction.loads(out.body, [])  # the parent must be able to rebuild it
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the text alone still travels
         out = _reduction.dumps(("err", text, None))
     send_message(sock, out)

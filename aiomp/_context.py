@@ -89,7 +89,7 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
                 "or use start_method='fork'"
             ) from exc
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
 
 
@@ -205,7 +205,7 @@ class _Child:
         try:
             _, body, fds = _transport.decode(*got)
             msg: Any = _reduction.loads(body, fds)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - reported as the child's failure
             self.outcome = ("err", ProcessRaisedException(
                 f"process {self.rank} (pid {self.pid}) returned a value that could not be "
                 f"unpickled in the parent: {exc!r}", self.rank, self.pid))
@@ -309,8 +309,8 @@ class ProcessContext:
         return self._failure
 
     def _finish(self) -> bool:
-        if self._results is None and all(c.exited for c in self._children):
-            if self._first_failure() is None:
+        if (self._results is None and all(c.exited for c in self._children)
+                and self._first_failure() is None):
                 self._results = [c.outcome[1] if c.outcome else None for c in self._children]
         return self._results is not None
 
@@ -466,7 +466,7 @@ def launch(target: Callable[..., object], rank: int, start_method: str, daemon: 
     Returns at once (the child boots concurrently). Call :func:`prepare_forkserver` first
     for ``"forkserver"``.
     """
-    mp = multiprocessing.get_context(start_method)
+    mp: Any = multiprocessing.get_context(start_method)
     parent_sock, child_sock = _transport.socketpair()
     try:
         proc = mp.Process(

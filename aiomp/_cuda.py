@@ -105,7 +105,7 @@ def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> t
     if any(n == 0 for n in shape):
         return 0, 0
     lo = hi = 0
-    for n, s in zip(shape, strides):
+    for n, s in zip(shape, strides, strict=True):
         if n < 0:
             raise ValueError(f"negative dimension in shape {shape}")
         if s < 0:

@@ -49,7 +49,7 @@ def release(fd: int, start: int, length: int) -> None:
 
 def is_held(fd: int, start: int, length: int) -> bool:
     """True if any *other* description holds a lease overlapping the range."""
-    kind = _FLOCK.unpack(_lock(fd, _GETLK, fcntl.F_WRLCK, start, length))[0]
+    kind: int = _FLOCK.unpack(_lock(fd, _GETLK, fcntl.F_WRLCK, start, length))[0]
     return kind != fcntl.F_UNLCK
 
 
@@ -60,7 +60,7 @@ class exclusive:
     description share the lock: guard against them separately.
     """
 
-    __slots__ = ("fd", "start", "length")
+    __slots__ = ("fd", "length", "start")
 
     def __init__(self, fd: int, start: int, length: int) -> None:
         self.fd, self.start, self.length = fd, start, length

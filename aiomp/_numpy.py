@@ -21,8 +21,7 @@ stat, a lock and an exporter), and small items keep the datagram small.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -60,14 +59,14 @@ def is_shared(arr: np.ndarray[Any, Any]) -> bool:
     return isinstance(arr, np.ndarray) and _shared_block(arr) is not None
 
 
-def _new_like(shape: tuple[int, ...], dtype: np.dtype[Any], order: str,
+def _new_like(shape: tuple[int, ...], dtype: np.dtype[Any], order: Literal["C", "F"],
               zero: bool) -> np.ndarray[Any, Any]:
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     exporter = _shm.allocate(nbytes, zero=zero)
-    return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[call-overload]
+    return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[arg-type]
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = float) -> np.ndarray[Any, Any]:
@@ -82,7 +81,7 @@ def zeros(shape: int | tuple[int, ...], dtype: Any = float) -> np.ndarray[Any, A
     return _new_like(shape, np.dtype(dtype), "C", zero=True)
 
 
-def _layout(arr: np.ndarray[Any, Any]) -> str:
+def _layout(arr: np.ndarray[Any, Any]) -> Literal["C", "F"]:
     return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
 
 
@@ -102,7 +101,8 @@ def share_memory(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 def _rebuild(exporter: ctypes.Array[ctypes.c_char], offset: int, shape: tuple[int, ...],
              dtype: np.dtype[Any] | str, strides: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    return np.ndarray(shape, dtype, buffer=exporter, offset=offset, strides=strides)
+    return np.ndarray(shape, dtype, buffer=exporter,  # type: ignore[arg-type]
+                      offset=offset, strides=strides)
 
 
 _dtype_tokens: dict[np.dtype[Any], np.dtype[Any] | str] = {}
@@ -129,7 +129,7 @@ def _reduce(arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     shared = _shared_block(arr)
     if shared is None:
         if arr.nbytes < INLINE_THRESHOLD or arr.dtype.hasobject:
-            return arr.__reduce_ex__(5)  # type: ignore[no-any-return]
+            return cast("tuple[Any, ...]", arr.__reduce_ex__(5))
         copy = _copy_for_message(arr)
         # The copy's only owner is this message until it is sent: keep it alive so its
         # block is not retired (and reused) before the message's lease holds it.
@@ -164,10 +164,10 @@ def _copy_for_message(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
             return share_memory(arr)
         # the memo keeps ``base`` alive, so its id cannot be reused within this message
         hit = memo[key] = (base, share_memory(base))
-    base_copy = hit[1]
+    base_copy: np.ndarray[Any, Any] = cast("tuple[object, Any]", hit)[1]
     if base is arr:
         return base_copy
     offset = _address(base_copy) + (_address(arr) - _address(base))
-    exporter = _root(base_copy)
-    return np.ndarray(arr.shape, arr.dtype, buffer=exporter,  # type: ignore[call-overload]
+    exporter = cast("ctypes.Array[ctypes.c_char]", _root(base_copy))
+    return np.ndarray(arr.shape, arr.dtype, buffer=exporter,  # type: ignore[arg-type]
                       offset=offset - ctypes.addressof(exporter), strides=arr.strides)

@@ -223,7 +223,7 @@ class Queue:
         if got is None:
             return _MISSING
         self._took()
-        kind, body, fds = _transport.decode(*got)
+        _, body, fds = _transport.decode(*got)
         return _reduction.loads(body, fds)
 
     def _took(self) -> None:

@@ -42,7 +42,7 @@ class Outgoing:
     opened for this message only.
     """
 
-    __slots__ = ("body", "fds", "_cleanups", "_unsent")
+    __slots__ = ("_cleanups", "_unsent", "body", "fds")
 
     def __init__(self, body: bytes, fds: list[int], cleanups: list[object],
                  unsent: list[object] | None = None) -> None:
@@ -71,7 +71,7 @@ class Outgoing:
 
 
 class _State:
-    __slots__ = ("fds", "fd_index", "cleanups", "unsent", "memo")
+    __slots__ = ("cleanups", "fd_index", "fds", "memo", "unsent")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
@@ -96,7 +96,7 @@ def register(cls: type, reducer: object) -> None:
 
 
 class _Pickler(pickle.Pickler):
-    dispatch_table = _dispatch
+    dispatch_table = _dispatch  # type: ignore[assignment]
 
 
 _PENDING = object()  # a message is being pickled; its state is made on first use
@@ -143,7 +143,7 @@ def current() -> _State:
         raise pickle.PicklingError(
             "this aiomp object can only travel inside aiomp (spawn args, a Queue, a Pool task)"
         )
-    return state  # type: ignore[no-any-return]
+    return state
 
 
 def add_fd(fd: int) -> int:

@@ -37,6 +37,7 @@ import os
 import threading
 import weakref
 from collections import deque
+from typing import cast
 
 from . import _lease, _reduction
 from ._errors import SharedMemoryError
@@ -160,7 +161,7 @@ def _close_segment(mm: mmap.mmap, fd: int) -> None:
 class BlockRef:
     """A block named inside a message; unpickles to the receiver's exporter of it."""
 
-    __slots__ = ("segment", "index")
+    __slots__ = ("index", "segment")
 
     def __init__(self, segment: Segment, index: int) -> None:
         self.segment = segment
@@ -174,11 +175,12 @@ class BlockRef:
             return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index, None)
         state = _reduction.current()
         memo_key = ("aiomp-seg", seg.key)
-        handoff = state.memo.get(memo_key)
+        handoff = cast("tuple[int, int] | None", state.memo.get(memo_key))
         if handoff is None:
             fd = _lease.reopen(seg.fd)
             _reduction.on_sent(lambda: os.close(fd))
-            handoff = state.memo[memo_key] = (fd, _reduction.add_fd(fd))
+            handoff = (fd, _reduction.add_fd(fd))
+            state.memo[memo_key] = handoff
         _lease.hold(handoff[0], seg.offset(index), seg.block_size)  # held while in flight
         return _rebuild_block, (None, handoff[1], seg.size, seg.block_size, index, seg.key)
 
@@ -218,7 +220,7 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
             except OSError:
                 pass
             if segment.name is not None:
-                _remove_if_orphan(segment.name, segment.fd)
+                _remove_if_orphan(segment.name)
             if segment not in _recent:
                 _recent.append(segment)
 
@@ -238,10 +240,7 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
             # The key (device, inode) names the segment; the fd travelled with it in the
             # same datagram, so it cannot be another segment's.
             fd = _reduction.peek_fd(fd_index)
-            if key is None:
-                key = _lease.identity(fd)
-            else:
-                key = tuple(key)  # type: ignore[assignment]
+            key = _lease.identity(fd) if key is None else (key[0], key[1])
         else:
             fd = -1
             try:

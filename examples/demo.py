@@ -46,7 +46,7 @@ async def main() -> None:
 
             tg.start_soon(feed)
             for _ in frames:
-                rank, frame = await results.get()
+                _, frame = await results.get()
                 assert aiomp.is_shared(frame)
     elapsed = time.perf_counter() - start
     print(f"4 async workers doubled 16 shared 4 MiB frames in place in {elapsed * 1e3:.0f} ms, "

@@ -1026,7 +1026,7 @@ async def pool_async_init(value: object) -> None:
 async def pool_async_same_loop(*_: object) -> tuple[object, bool]:
     import asyncio
 
-    return _POOL_INIT, _POOL_LOOP == id(asyncio.get_running_loop())
+    return _POOL_INIT, id(asyncio.get_running_loop()) == _POOL_LOOP
 
 
 def pool_np_double(arr: object) -> object:

@@ -139,7 +139,7 @@ async def test_apply_map_starmap_sync_and_async() -> None:
             assert await p.map(funcs.pool_square, numbers()) == [x * x for x in range(7)]
             assert await p.map(funcs.pool_square, []) == []
             assert await p.starmap(funcs.pool_add, [(1, 2), (3, 4)]) == [3, 7]
-            assert await p.starmap(funcs.pool_async_add, zip(range(5), range(5))) == [
+            assert await p.starmap(funcs.pool_async_add, zip(range(5), range(5), strict=True)) == [
                 0, 2, 4, 6, 8]
             # A sync function that returns a coroutine is awaited too.
             assert await p.apply(funcs.pool_returns_coroutine, (3,)) == 9
@@ -385,7 +385,7 @@ async def test_unpicklable_argument_raises_at_the_call_site() -> None:
             with pytest.raises(TypeError, match="lock"):
                 await p.map(funcs.pool_square, [1, 2, threading.Lock()], chunksize=1)
             assert p.statistics().completed == 0  # nothing was sent
-            with pytest.raises(pickle.PicklingError, match="lambda|local|module level"):
+            with pytest.raises(pickle.PicklingError, match=r"lambda|local|module level"):
                 await p.apply(lambda: 1)
             with pytest.raises(TypeError, match="callable"):
                 await p.apply(3)  # type: ignore[arg-type]

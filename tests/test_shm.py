@@ -904,9 +904,10 @@ _UNPRIVILEGED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="design: every message with a shared array carries "
-                   "a fresh open file description; the kernel caps an unprivileged user's "
-                   "in-flight fds at RLIMIT_NOFILE, so ~RLIMIT_NOFILE arrays in flight fail")
+@pytest.mark.xfail(strict=True, reason="design limit: a message in flight carries one fd per "
+                   "segment it names, and the kernel caps an unprivileged user's in-flight fds "
+                   "at RLIMIT_NOFILE; aiomp raises the soft limit to the hard one, which this "
+                   "test pins at 256")
 def test_thousands_of_arrays_in_flight_unprivileged() -> None:
     proc = subprocess.run([sys.executable, "-c", _UNPRIVILEGED], cwd=REPO, text=True,
                           capture_output=True, timeout=60, check=False)
