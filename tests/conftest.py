@@ -8,8 +8,11 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
+
+from tests._gate import Gate
 
 BACKENDS = [
     pytest.param(("asyncio", {}), id="asyncio"),
@@ -21,6 +24,14 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> object:
     return request.param
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    """A :class:`~tests._gate.Gate` for children to report to and wait on."""
+    g = Gate()
+    yield g
+    g.close()
 
 
 def child_pids() -> set[int]:

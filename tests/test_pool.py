@@ -14,7 +14,6 @@ import itertools
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import pytest
 
 import aiomp
 from tests import _funcs as funcs
+from tests._gate import Gate
 
 TIMEOUT = 20
 GRACE = 0.3
@@ -39,64 +39,6 @@ asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=[
 
 pytestmark = pytest.mark.anyio
 
-_gate_ids = itertools.count()
-
-
-class Gate:
-    """A rendezvous with tasks in workers over an abstract unix socket.
-
-    A task connects and says ``"<n> <pid>"`` (``_funcs.gate_connect``); :meth:`ready` waits
-    for that, :meth:`release` sends the byte a waiting task wants.
-    """
-
-    def __init__(self) -> None:
-        self.address = f"\0aiomp-test-pool-{os.getpid()}-{next(_gate_ids)}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.address)
-        self._listener.listen(64)
-        self._listener.setblocking(False)
-        self._conns: dict[int, socket.socket] = {}
-        self.pids: dict[int, int] = {}
-
-    async def ready(self, n: int) -> dict[int, int]:
-        """Wait until ``n`` tasks in all have said ready; return ``{n: pid}``."""
-        while len(self._conns) < n:
-            await anyio.wait_readable(self._listener)
-            try:
-                conn, _ = self._listener.accept()
-            except BlockingIOError:
-                continue
-            try:
-                conn.setblocking(False)
-                line = b""
-                while not line.endswith(b"\n"):
-                    await anyio.wait_readable(conn)
-                    chunk = conn.recv(64)
-                    assert chunk, "a task hung up before it said ready"
-                    line += chunk
-            except BaseException:
-                conn.close()
-                raise
-            key, pid = map(int, line.split())
-            self._conns[key] = conn
-            self.pids[key] = pid
-        return self.pids
-
-    def release(self, *keys: int) -> None:
-        for key in keys or tuple(self._conns):
-            self._conns[key].send(b"x")
-
-    def close(self) -> None:
-        for conn in self._conns.values():
-            conn.close()
-        self._listener.close()
-
-
-@pytest.fixture
-def gate() -> Iterator[Gate]:
-    g = Gate()
-    yield g
-    g.close()
 
 
 def pool(processes: int = 2, **kwargs: Any) -> aiomp.Pool:
