@@ -11,9 +11,26 @@ A message is one byte of kind followed by its body. A body larger than
 
 aiomp never changes a socket's blocking mode (the flag is shared by every process holding
 it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
-``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async callers wait for readiness
-through anyio, so asyncio, uvloop and trio all work. anyio is imported only by the async
-functions: a child running a sync function never loads it.
+``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async
+callers wait for readiness through anyio, so asyncio, uvloop and trio all work. anyio is
+imported only by the async functions: a child running a sync function never loads it.
+
+Point-to-point channels: :class:`Stream`
+-----------------------------------------
+A channel with exactly one process at each end (a pool worker's control channel) does not
+need datagrams, and pays for them: on the Linux VMs aiomp is measured on, waking a process
+blocked in ``recvmsg`` on a ``SOCK_SEQPACKET`` socket costs the sender about 10 us inside
+``sendmsg`` and the receiver 15 to 20 us more before it runs, against about 2 us for a
+process blocked in ``recvmsg`` on a ``SOCK_STREAM`` socket (waiting in ``poll``/``epoll``
+costs the same slow wake-up on either kind). So :class:`Stream` carries the same datagrams
+(:func:`encode` / :func:`decode`) over a ``SOCK_STREAM`` pair, each behind a 5-byte frame
+header: the datagram's length and how many fds belong to it (:func:`frame`).
+
+The kernel hands a sendmsg's fds to the ``recvmsg`` that reads the first byte sent with
+them, and never merges them into a later read: so the receiver keeps the fds it has read in
+arrival order and gives each frame, once complete, the first ``nfds`` of them. One reader
+and one writer per end: the sender finishes a frame (a non-blocking send may write part of
+one; :meth:`Stream.try_send` says how much) before it starts the next.
 
 This module is imported by children: standard library only.
 """
@@ -25,6 +42,7 @@ import mmap
 import os
 import select
 import socket
+import struct
 import time
 
 from ._errors import TransportError
@@ -129,9 +147,12 @@ class Closed(Exception):
 
 def try_send(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
     """Send without waiting: True if sent, False if the socket buffer is full."""
-    anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
-        sock.sendmsg((datagram,), anc, _SEND_FLAGS)
+        if fds:
+            sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))],
+                         _SEND_FLAGS)
+        else:
+            sock.send(datagram, _SEND_FLAGS)  # no iovec or cmsg to build: cheaper
     except BlockingIOError:
         return False
     except (BrokenPipeError, ConnectionResetError) as exc:
@@ -208,11 +229,10 @@ def send_sync(
     sock: socket.socket, datagram: bytes, fds: list[int], deadline: float | None = None
 ) -> bool:
     """Send, blocking while the buffer is full; False if ``deadline`` passes first."""
-    if deadline is None:
-        # One blocking syscall. The socket may have been switched to non-blocking by an
-        # event loop in any process holding it (uvloop does): then poll below.
-        if _send_blocking(sock, datagram, fds):
-            return True
+    # One blocking syscall. The socket may have been switched to non-blocking by an
+    # event loop in any process holding it (uvloop does): then poll below.
+    if deadline is None and _send_blocking(sock, datagram, fds):
+        return True
     while not try_send(sock, datagram, fds):
         if not wait_fd_sync(sock.fileno(), write=True, deadline=deadline):
             return False
@@ -220,9 +240,12 @@ def send_sync(
 
 
 def _send_blocking(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
-    anc = [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
-        sock.sendmsg((datagram,), anc, _MSG_NOSIGNAL)
+        if fds:
+            sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))],
+                         _MSG_NOSIGNAL)
+        else:
+            sock.send(datagram, _MSG_NOSIGNAL)
     except BlockingIOError:
         return False
     except (BrokenPipeError, ConnectionResetError) as exc:
@@ -261,3 +284,229 @@ async def recv_async(sock: socket.socket) -> tuple[bytes, list[int]]:
     while (got := try_recv(sock)) is None:
         await anyio.wait_readable(sock)
     return got
+
+
+# -- point-to-point stream channels ----------------------------------------------------
+
+#: A frame header: the datagram's length, and how many of the fds read belong to it.
+FRAME = struct.Struct("<IB")
+FRAME_SIZE = FRAME.size
+# Below glibc's mmap threshold: a 256 KiB buffer costs an mmap and munmap per read (18 us).
+_STREAM_RECV_SIZE = _RECV_SIZE
+
+
+def stream_socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of ``SOCK_STREAM`` unix sockets with large buffers."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for s in (a, b):
+        _grow_buffers(s)
+    return a, b
+
+
+def frame(datagram: bytes | bytearray | memoryview, nfds: int = 0) -> bytes:
+    """``datagram`` (from :func:`encode`) framed for a :class:`Stream`, with ``nfds`` fds."""
+    return FRAME.pack(len(datagram), nfds) + datagram
+
+
+class Stream:
+    """One end of a point-to-point channel of framed datagrams over a unix stream socket.
+
+    Owns ``sock`` and the fds received and not yet handed out in a frame (:meth:`close`
+    closes both). One task or thread reads and one writes, in each process.
+    """
+
+    __slots__ = ("_buf", "_fds", "_pos", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf: bytes = b""  # bytes read and not yet framed, from _pos
+        self._pos = 0
+        self._fds: list[int] = []  # fds read and not yet handed to a frame, in order
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def close(self) -> None:
+        self.sock.close()
+        fds, self._fds = self._fds, []
+        close_fds(fds)
+        self._buf = b""
+        self._pos = 0
+
+    # -- receiving -------------------------------------------------------------------
+    def take(self) -> tuple[bytes, list[int]] | None:
+        """The next complete frame's ``(datagram, fds)`` among those read, or None.
+
+        Never touches the socket: a reader that got a frame from :meth:`try_recv` takes the
+        others that came in the same read with this.
+        """
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < FRAME_SIZE:
+            return None
+        n, nfds = FRAME.unpack_from(buf, pos)
+        start = pos + FRAME_SIZE
+        end = start + n
+        if len(buf) < end:
+            return None
+        if end == len(buf):
+            self._buf, self._pos = b"", 0
+        else:
+            self._pos = end
+        data = buf[start:end]
+        if not nfds:
+            return data, []
+        fds = self._fds
+        if len(fds) < nfds:  # cannot happen unless the sender is broken
+            raise TransportError(0, "a message arrived without its file descriptors "
+                                    "(corrupt sender?); the channel is unusable")
+        taken = fds[:nfds]
+        del fds[:nfds]
+        return data, taken
+
+    def _fill(self, flags: int) -> bool:
+        """Read once; False if nothing was there. Raises :class:`Closed` at EOF."""
+        try:
+            data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, _ANC_SIZE, flags)
+        except BlockingIOError:
+            return False
+        except ConnectionResetError as exc:
+            raise Closed from exc
+        self._absorb(data, anc, mflags)
+        return True
+
+    def _read(self, flags: int) -> tuple[bytes, list[int]] | None:
+        """Read once, nothing being buffered; the first complete frame read, or None.
+
+        The common case, one whole frame without fds in one read, is returned as it is,
+        without going through the buffer.
+        """
+        try:
+            data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, _ANC_SIZE, flags)
+        except BlockingIOError:
+            return None
+        except ConnectionResetError as exc:
+            raise Closed from exc
+        if not anc and not mflags and len(data) >= FRAME_SIZE:
+            n, nfds = FRAME.unpack_from(data)
+            if not nfds and n + FRAME_SIZE == len(data):
+                return data[FRAME_SIZE:], []
+        self._absorb(data, anc, mflags)
+        return self.take()
+
+    def _absorb(self, data: bytes, anc: list[tuple[int, int, bytes]], mflags: int) -> None:
+        if anc:
+            for level, kind, payload in anc:
+                if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                    self._fds.extend(
+                        array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
+        if mflags & _TRUNCATED:
+            # Fds were dropped (this process is at its fd limit): frames and fds are out of
+            # step from here on, so nothing more can be trusted on this channel.
+            fds, self._fds = self._fds, []
+            close_fds(fds)
+            raise TransportError(
+                24,
+                "a message arrived without its file descriptors: this process is at its "
+                f"fd limit (RLIMIT_NOFILE={_nofile()}); close arrays or raise the limit. "
+                "The channel is unusable.",
+            )
+        if not data:
+            raise Closed  # a frame cut short by EOF is lost with the sender
+        if self._pos == len(self._buf):
+            self._buf, self._pos = data, 0
+        else:
+            self._buf, self._pos = self._buf[self._pos:] + data, 0
+
+    def try_recv(self) -> tuple[bytes, list[int]] | None:
+        """One frame's ``(datagram, fds)`` without waiting, or None.
+
+        None means nothing complete has arrived yet; the socket may have been read, so a
+        caller that waits for readability must call this again until it returns None.
+        Raises :class:`Closed` at EOF.
+        """
+        if self._pos == len(self._buf):
+            return self._read(_RECV_FLAGS)
+        got = self.take()
+        if got is None and self._fill(_RECV_FLAGS):
+            got = self.take()
+        return got
+
+    def recv_sync(self, deadline: float | None = None) -> tuple[bytes, list[int]] | None:
+        """One frame, blocking while there is none; None if ``deadline`` passes first.
+
+        Without a deadline this is one blocking ``recvmsg`` per read (the cheap wake-up),
+        unless an event loop made the socket non-blocking: then it polls.
+        """
+        if deadline is None and self._pos == len(self._buf):
+            got = self._read(_RECV_BLOCKING)
+            if got is not None:
+                return got
+        while (got := self.take()) is None:
+            if deadline is None and self._fill(_RECV_BLOCKING):
+                continue
+            if not self._fill(_RECV_FLAGS) and not wait_fd_sync(self.sock.fileno(),
+                                                                deadline=deadline):
+                return None
+        return got
+
+    async def recv_async(self) -> tuple[bytes, list[int]]:
+        """One frame, waiting on the event loop. On cancellation nothing is consumed."""
+        import anyio
+
+        while (got := self.try_recv()) is None:
+            await anyio.wait_readable(self.sock)
+        return got
+
+    # -- sending ---------------------------------------------------------------------
+    def try_send(self, data: bytes | memoryview, fds: list[int]) -> int:
+        """Send without waiting; returns how many bytes went (the fds go with the first).
+
+        0 means nothing was sent, fds included. A caller that got less than ``len(data)``
+        must send the rest (without fds) before anything else.
+        """
+        try:
+            if fds:
+                return self.sock.sendmsg(
+                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _SEND_FLAGS)
+            return self.sock.send(data, _SEND_FLAGS)
+        except BlockingIOError:
+            return 0
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise Closed from exc
+        except OSError as exc:
+            if exc.errno in (24, 23, 109):  # EMFILE, ENFILE, ETOOMANYREFS
+                raise TransportError(
+                    exc.errno,
+                    f"cannot send {len(fds)} file descriptor(s): too many are in flight or "
+                    f"open (RLIMIT_NOFILE={_nofile()}): receive pending messages or raise "
+                    "the limit",
+                ) from exc
+            raise
+
+    def send_sync(self, data: bytes, fds: list[int]) -> None:
+        """Send a whole frame, blocking while the buffer is full."""
+        sock = self.sock
+        try:
+            # One blocking syscall, as a rule. The socket may have been made non-blocking
+            # by an event loop in this process (uvloop does): then poll for room.
+            if fds:
+                n = sock.sendmsg(
+                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _MSG_NOSIGNAL)
+            else:
+                n = sock.send(data, _MSG_NOSIGNAL)
+        except BlockingIOError:
+            n = 0
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise Closed from exc
+        if n == len(data):
+            return
+        if n == 0 and fds:
+            while (n := self.try_send(data, fds)) == 0:
+                wait_fd_sync(sock.fileno(), write=True)
+        view = memoryview(data)[n:]
+        while view:
+            sent = self.try_send(view, [])
+            if sent:
+                view = view[sent:]
+            else:
+                wait_fd_sync(sock.fileno(), write=True)

@@ -2,10 +2,12 @@
 
 A worker is started with ``_context.launch(main, slot, ...)``. It:
 
-1. asks the kernel to SIGKILL it when its parent dies, ignores SIGINT (a Ctrl-C in the
-   terminal reaches the whole process group; the parent decides what happens to its
-   workers), and clears the ``daemon`` flag ``multiprocessing`` gave it, so that a task
-   may start processes of its own (a nested pool, a data loader);
+1. closes the datagram socket ``launch`` gave it (the pool's channel is a second, stream
+   socket: see the wire format below), asks the kernel to SIGKILL it when its parent
+   dies, ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group; the
+   parent decides what happens to its workers), and clears the ``daemon`` flag
+   ``multiprocessing`` gave it, so that a task may start processes of its own (a nested
+   pool, a data loader);
 2. receives ``INIT``: runs the initializer, then answers ``READY`` (or ``INIT_ERR`` and
    exits with code 1);
 3. serves ``TASK`` messages until ``EXIT`` or end of stream (the parent has gone).
@@ -14,14 +16,24 @@ A worker starts *sync*: a blocking ``recvmsg`` / run / ``sendmsg`` loop that imp
 neither asyncio nor anyio. The first task whose function is a coroutine function (or an
 async initializer) starts an asyncio event loop (uvloop when installed), and the worker
 serves from that loop for the rest of its life: each task becomes an asyncio task, the
-control socket is read by a loop reader callback, and ``CANCEL`` cancels one task. A sync
+channel is read by a loop reader callback, and ``CANCEL`` cancels one task. A sync
 task runs on the loop thread too: the pool only sends one to a worker that holds no other
 task, so it blocks nothing.
 
-Wire format: every message, both ways, is one ``_transport`` datagram whose body is a
+Wire format: every message, both ways, is one ``_transport`` datagram, framed on the
+worker's :class:`_transport.Stream` (a stream socket: a worker blocked in ``recvmsg`` on
+one wakes far sooner than on a datagram socket; see ``_transport``). Its body is a
 10-byte header (op, task id as 8 little-endian bytes, flags) followed by a pickle (made
 with ``_reduction``, so fds for shared arrays ride in the same datagram). The task id sits
 outside the pickle so that a message that cannot be unpickled can still be answered.
+
+A ``TASK`` body adds a 4-byte function id after the header. A plain function (pickled by
+reference) is sent to each worker once, in a ``DEF`` message whose task-id field is the
+function id; tasks then name it by id, and their pickle holds only ``(items, kwds)`` (or
+nothing at all, with ``F_NOARGS``). Id 0 means the function travels in the task's own
+pickle, ``(fn, items, kwds)``: any other callable, whose state may change between calls.
+The worker keeps what it was defined for its whole life; a ``DEF`` that cannot be
+unpickled here fails every task that names it, with that error.
 
 Standard library and aiomp's small modules only: this module is imported by every worker.
 """
@@ -33,6 +45,7 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import sys
 import types
 
@@ -49,6 +62,7 @@ OP_INIT = 1
 OP_TASK = 2
 OP_CANCEL = 3
 OP_EXIT = 4
+OP_DEF = 9
 # worker -> parent
 OP_READY = 5
 OP_INIT_ERR = 6
@@ -60,12 +74,28 @@ OP_ERR = 8
 F_ASYNC = 1
 F_STAR = 2
 F_APPLY = 4
+#: TASK flag: ``fn()`` with no arguments; the task carries no pickle at all.
+F_NOARGS = 8
 
 HEADER_SIZE = 10
+#: A small message's datagram starts with the transport's kind byte, then the header.
+_HEAD = struct.Struct("<BBQB")
+#: The same behind its stream frame header (datagram length, fds): one pack for a reply.
+_FRAMED_HEAD = struct.Struct("<IBBBQB")
+_FID = struct.Struct("<I")
+_KIND_DATA = _transport.KIND_DATA
+#: Below this a payload is copied out of its datagram (cheaper than a memoryview).
+_COPY_BELOW = 2048
 
 
 def header(op: int, tid: int = 0, flags: int = 0) -> bytes:
     return bytes((op,)) + tid.to_bytes(8, "little") + bytes((flags,))
+
+
+def frame(op: int, tid: int = 0, flags: int = 0) -> bytes:
+    """``_transport.encode(header(op, tid, flags) + payload)[0]`` is ``frame(...) + payload``
+    for a payload that stays inline."""
+    return _HEAD.pack(_KIND_DATA, op, tid, flags)
 
 
 def parse(body: bytes | memoryview) -> tuple[int, int, int, memoryview]:
@@ -74,27 +104,54 @@ def parse(body: bytes | memoryview) -> tuple[int, int, int, memoryview]:
     return view[0], int.from_bytes(view[1:9], "little"), view[9], view[HEADER_SIZE:]
 
 
+def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryview, list[int]]:
+    """``(op, tid, flags, payload, fds)`` of a received datagram (``_transport.decode``
+    and :func:`parse` in one step, without a memoryview for a small one)."""
+    if data[0] == _KIND_DATA:
+        _, op, tid, flags = _HEAD.unpack_from(data)
+        return op, tid, flags, data[11:] if len(data) < _COPY_BELOW else memoryview(data)[11:], fds
+    _, body, fds = _transport.decode(data, fds)
+    op, tid, flags, payload = parse(body)
+    return op, tid, flags, payload, fds
+
+
+def task_body(fid: int, pickled: bytes) -> bytes:
+    """What follows a TASK header: the function id, then the pickle."""
+    return _FID.pack(fid) + pickled
+
+
+_FRAMED_TASK = struct.Struct("<IBBBQBI")
+
+
+def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
+    """A small TASK without fds, ready for ``Stream`` (one pack for every header)."""
+    return _FRAMED_TASK.pack(HEADER_SIZE + 5 + len(pickled), 0, _KIND_DATA, OP_TASK, tid,
+                             flags, fid) + pickled
+
+
 #: Values of these types cannot hold an fd or an array: plain pickle, a third of the cost.
 PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
-DATA = bytes((_transport.KIND_DATA,))  # the framing _transport.encode gives a small body
+_NONE = pickle.dumps(None, protocol=5)
+_Coroutine = types.CoroutineType
 
 
-def send(sock: socket.socket, head: bytes, payload: object) -> None:
-    """Pickle ``payload`` behind ``head`` and send it, blocking while the buffer is full.
+def send(chan: _transport.Stream, op: int, tid: int, payload: object) -> None:
+    """Pickle ``payload`` behind a header and send it, blocking while the buffer is full.
 
     Raises whatever pickling raises (nothing has been sent then) and
     :class:`_transport.Closed` when the other end has gone.
     """
     if type(payload) in PLAIN:
-        datagram = DATA + head + pickle.dumps(payload, protocol=5)
-        if len(datagram) <= _transport.MAX_INLINE:
-            _transport.send_sync(sock, datagram, [])
+        pickled = pickle.dumps(payload, protocol=5)
+        if len(pickled) < _transport.MAX_INLINE - HEADER_SIZE:
+            chan.send_sync(_FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(pickled), 0, _KIND_DATA, op,
+                                             tid, 0) + pickled, [])
             return
     out = _reduction.dumps(payload)
     try:
-        datagram, fds, extra = _transport.encode(head + out.body, out.fds)
+        datagram, fds, extra = _transport.encode(header(op, tid) + out.body, out.fds)
         try:
-            _transport.send_sync(sock, datagram, fds)
+            chan.send_sync(_transport.frame(datagram, len(fds)), fds)
         finally:
             if extra >= 0:
                 os.close(extra)
@@ -110,7 +167,8 @@ def error_payload(exc: BaseException, context: str = "") -> tuple[object, ...]:
     """
     text = _child.format_error(exc, context)
     cls = type(exc)
-    name = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    name = (cls.__qualname__ if cls.__module__ == "builtins"
+            else f"{cls.__module__}.{cls.__qualname__}")
     data: bytes | None = None
     why = ""
     try:
@@ -130,12 +188,22 @@ def _fn_name(fn: object) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
+class _BadDef:
+    """A function whose ``DEF`` could not be unpickled here: the answer to its tasks."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: tuple[object, ...]) -> None:
+        self.error = error
+
+
 class Worker:
     """The state of one worker process."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+    def __init__(self, chan: _transport.Stream) -> None:
+        self.chan = chan
         self.runner: Any = None  # asyncio.Runner, made on first need
+        self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
 
     # -- loop ----------------------------------------------------------------------
     def get_runner(self) -> Any:
@@ -157,10 +225,9 @@ class Worker:
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> bool:
-        got = _transport.recv_sync(self.sock)
+        got = self.chan.recv_sync()
         assert got is not None
-        _, body, fds = _transport.decode(*got)
-        op, _, _, payload = parse(body)
+        op, _, _, payload, fds = unpack(*got)
         assert op == OP_INIT, op
         try:
             msg: Any = _reduction.loads(payload, fds)
@@ -172,69 +239,101 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            send(self.sock, header(OP_INIT_ERR), error_payload(exc))
+            send(self.chan, OP_INIT_ERR, 0, error_payload(exc))
             return False
-        send(self.sock, header(OP_READY), None)
+        send(self.chan, OP_READY, 0, None)
         return True
 
     # -- sync mode -----------------------------------------------------------------
     def serve(self) -> None:
         """Serve tasks until EXIT or end of stream; switch to a loop for an async task."""
-        sock = self.sock
+        recv = self.chan.recv_sync
         while True:
-            got = _transport.recv_sync(sock)  # one blocking recvmsg
+            got = recv()  # one blocking recvmsg
             assert got is not None
-            _, body, fds = _transport.decode(*got)
-            op, tid, flags, payload = parse(body)
+            op, tid, flags, payload, fds = unpack(*got)
             if op == OP_TASK:
                 if flags & F_ASYNC:
                     self.run_coro(self.serve_async((tid, flags, payload, fds)))
                     return
                 self.run_sync(tid, flags, payload, fds)
+            elif op == OP_DEF:
+                self.define(tid, payload, fds)
             elif op == OP_EXIT:
                 _transport.close_fds(fds)
                 return
             else:  # a CANCEL that crossed its task's result: nothing to cancel
                 _transport.close_fds(fds)
 
-    def load(self, tid: int, payload: memoryview, fds: list[int]) -> Any:
+    def define(self, fid: int, payload: bytes | memoryview, fds: list[int]) -> None:
         try:
-            return _reduction.loads(payload, fds)
+            self.fns[fid] = _reduction.loads(payload, fds)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
+            self.fns[fid] = _BadDef(
+                error_payload(exc, "the task's function could not be unpickled in the worker"))
+
+    def load(self, tid: int, flags: int, payload: bytes | memoryview,
+             fds: list[int]) -> tuple[Any, Any, Any] | None:
+        """``(fn, items, kwds)`` of a task; None once a failure to unpickle is answered."""
+        try:
+            fid = _FID.unpack_from(payload)[0]
+            if not fid:
+                return _reduction.loads(payload[4:], fds)  # type: ignore[return-value]
+            fn = self.fns[fid]
+            if type(fn) is _BadDef:
+                _transport.close_fds(fds)
+                send(self.chan, OP_ERR, tid, fn.error)
+                return None
+            if flags & F_NOARGS:
+                return fn, (), None
+            args: Any = _reduction.loads(payload[4:], fds)
+            return fn, args[0], args[1]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
-            send(self.sock, header(OP_ERR, tid),
+            send(self.chan, OP_ERR, tid,
                  error_payload(exc, "the task could not be unpickled in the worker"))
             return None
 
-    def run_sync(self, tid: int, flags: int, payload: memoryview, fds: list[int]) -> None:
-        msg = self.load(tid, payload, fds)
+    def run_sync(self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]) -> None:
+        # The round trip's hot path: `fn()` of a DEF'd function needs no unpickling at all.
+        fn = self.fns.get(_FID.unpack_from(payload)[0]) if flags & F_NOARGS else None
+        msg: tuple[Any, Any, Any] | None
+        if fn is not None and type(fn) is not _BadDef:
+            msg = (fn, (), None)
+        else:
+            msg = self.load(tid, flags, payload, fds)
         if msg is None:
             return
         fn, items, kwds = msg
         try:
             if flags & F_APPLY:
-                result = fn(*items, **(kwds or {}))
-                if isinstance(result, types.CoroutineType):
+                result = fn(*items, **kwds) if kwds else fn(*items)
+                if type(result) is _Coroutine:
                     result = self.run_coro(result)
             else:
                 # A loop in C, as multiprocessing's mapstar: a chunk may hold thousands.
                 result = list(itertools.starmap(fn, items) if flags & F_STAR else map(fn, items))
-                if types.CoroutineType in set(map(type, result)):  # a sync fn made coroutines
-                    result = [self.run_coro(r) if isinstance(r, types.CoroutineType) else r
-                              for r in result]
+                if _Coroutine in set(map(type, result)):  # a sync fn made coroutines
+                    result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
             del msg, fn, items, kwds
-            send(self.sock, header(OP_ERR, tid), error_payload(exc))
+            send(self.chan, OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
-        self.reply(tid, fn, result)
+        if result is None:
+            self.chan.send_sync(_FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(_NONE), 0, _KIND_DATA,
+                                                  OP_OK, tid, 0) + _NONE, [])
+        else:
+            self.reply(tid, fn, result)
 
     def reply(self, tid: int, fn: object, result: object) -> None:
         try:
-            send(self.sock, header(OP_OK, tid), result)
+            send(self.chan, OP_OK, tid, result)
         except _transport.Closed:
             raise
         except (KeyboardInterrupt, SystemExit):
@@ -248,10 +347,10 @@ class Worker:
                     f"the parent: {type(exc).__name__}: {exc}"
                 )
                 err.__cause__ = exc
-            send(self.sock, header(OP_ERR, tid), error_payload(err))
+            send(self.chan, OP_ERR, tid, error_payload(err))
 
     # -- async mode ----------------------------------------------------------------
-    async def serve_async(self, first: tuple[int, int, memoryview, list[int]]) -> None:
+    async def serve_async(self, first: tuple[int, int, bytes | memoryview, list[int]]) -> None:
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -262,7 +361,8 @@ class Worker:
             if not finished.done():
                 finished.set_result(None)
 
-        def handle(tid: int, op: int, flags: int, payload: memoryview, fds: list[int]) -> None:
+        def handle(tid: int, op: int, flags: int, payload: bytes | memoryview,
+                   fds: list[int]) -> None:
             if op == OP_TASK:
                 task = loop.create_task(self.run_async(tid, flags, payload, fds))
                 tasks[tid] = task
@@ -271,6 +371,9 @@ class Worker:
                     tasks.pop(tid, None)
 
                 task.add_done_callback(forget)
+                return
+            if op == OP_DEF:
+                self.define(tid, payload, fds)
                 return
             _transport.close_fds(fds)
             if op == OP_CANCEL:
@@ -282,9 +385,8 @@ class Worker:
 
         def readable() -> None:
             try:
-                while (got := _transport.try_recv(self.sock)) is not None:
-                    _, body, fds = _transport.decode(*got)
-                    op, tid, flags, payload = parse(body)
+                while (got := chan.try_recv()) is not None:
+                    op, tid, flags, payload, fds = unpack(*got)
                     handle(tid, op, flags, payload, fds)
             except _transport.Closed:
                 finish()
@@ -293,9 +395,10 @@ class Worker:
                 if not finished.done():
                     finished.set_exception(exc)
 
+        chan = self.chan
         tid, flags, payload, fds = first
         handle(tid, OP_TASK, flags, payload, fds)
-        fd = self.sock.fileno()
+        fd = chan.fileno()
         loop.add_reader(fd, readable)
         try:
             readable()
@@ -306,20 +409,22 @@ class Worker:
         for task in list(tasks.values()):
             task.cancel()
 
-    async def run_async(self, tid: int, flags: int, payload: memoryview, fds: list[int]) -> None:
+    async def run_async(self, tid: int, flags: int, payload: bytes | memoryview,
+                        fds: list[int]) -> None:
         try:
             await self._run_async(tid, flags, payload, fds)
         except _transport.Closed:
             pass  # the parent has gone; serve_async is ending too
 
-    async def _run_async(self, tid: int, flags: int, payload: memoryview, fds: list[int]) -> None:
-        msg = self.load(tid, payload, fds)
+    async def _run_async(self, tid: int, flags: int, payload: bytes | memoryview,
+                         fds: list[int]) -> None:
+        msg = self.load(tid, flags, payload, fds)
         if msg is None:
             return
         fn, items, kwds = msg
         try:
             if flags & F_APPLY:
-                result = fn(*items, **(kwds or {}))
+                result = fn(*items, **kwds) if kwds else fn(*items)
                 if isinstance(result, types.CoroutineType):
                     result = await result
             else:
@@ -334,14 +439,19 @@ class Worker:
             raise
         except BaseException as exc:  # noqa: BLE001 - CancelledError too: the parent asked
             del msg, fn, items, kwds
-            send(self.sock, header(OP_ERR, tid), error_payload(exc))
+            send(self.chan, OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
         self.reply(tid, fn, result)
 
 
-def main(rank: int, sock: socket.socket, parent_pid: int) -> None:
-    """Entry point of a pool worker (``multiprocessing.Process`` target)."""
+def main(rank: int, sock: socket.socket, parent_pid: int, stream: socket.socket) -> None:
+    """Entry point of a pool worker (``multiprocessing.Process`` target).
+
+    ``sock`` is the control socket ``_context.launch`` makes (a datagram socket, unused:
+    closed at once); the pool talks to its worker over ``stream``.
+    """
+    sock.close()
     _child.set_parent_death_signal()
     if not _child._parent_alive(parent_pid):
         os._exit(1)
@@ -352,7 +462,7 @@ def main(rank: int, sock: socket.socket, parent_pid: int) -> None:
         multiprocessing.current_process().daemon = False
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
-    worker = Worker(sock)
+    worker = Worker(_transport.Stream(stream))
     try:
         if not worker.initialize():
             sys.exit(1)
@@ -362,4 +472,4 @@ def main(rank: int, sock: socket.socket, parent_pid: int) -> None:
     finally:
         if worker.runner is not None:
             worker.runner.close()
-        sock.close()
+        worker.chan.close()

@@ -185,7 +185,8 @@ async def main() -> None:
                       med[f"memcpy {fname}"], f"one np.copyto of {fname} into mapped memory",
                       c.at_most(2), missing or ""))
     notes.append(
-        f"arrays: {pinning}; async aiomp parent, blocking children; float32; shared: median of up to {batches * n} round trips "
+        f"arrays: {pinning}; async aiomp parent, blocking children; float32; shared: median "
+        f"of up to {batches * n} round trips "
         f"per size in {batches} alternating batches; fresh: median of {fb * fn} after "
         "3 warm-up puts (the first fresh puts allocate and fault in segments; steady state "
         "recycles them)."

@@ -128,7 +128,9 @@ async def main() -> None:
     missing = c.aiomp_missing("_context", "_pool")
 
     # -- apply round trip ----------------------------------------------------------------
-    batches, n = c.reps(8, 2), c.reps(300, 100)
+    # Many short batches: the machine's speed drifts within seconds, and alternating often
+    # spreads a drift over every variant alike.
+    batches, n = c.reps(20, 2), c.reps(120, 100)
     variants: list[h.Variant] = [h.SocketFloor(), AnyioToProcess(), Executor()]
     if missing is None:
         variants.insert(0, AiompApply())

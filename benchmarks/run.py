@@ -23,7 +23,7 @@ ROOT = os.path.dirname(HERE)
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, ROOT)
 
-from benchmarks import _common as c
+from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
 NAMES = ("spawn", "queue", "arrays", "pool")
 TITLES = {

@@ -38,6 +38,10 @@ from tests._funcs import FakeArray, FakeBackend, FakeBlock, FakeView
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Fake-backend tests fork on purpose (a fork child may not use CUDA, which they check);
+# a thread left by an earlier test's forkserver start makes aiomp warn, rightly.
+pytestmark = pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
+
 
 @pytest.fixture
 def anyio_backend() -> object:
