@@ -460,14 +460,16 @@ async def prepare_forkserver() -> None:
 
 def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
            extra: tuple[object, ...] = (), name: str | None = None,
-           report: bool = True) -> _Child:
+           report: bool = True, stream: bool = False) -> _Child:
     """Start one process running ``target(rank, control_socket, parent_pid, *extra)``.
 
-    Returns at once (the child boots concurrently). Call :func:`prepare_forkserver` first
-    for ``"forkserver"``.
+    The control socket is a datagram socket pair, or a stream pair with ``stream`` (a
+    Pool worker's channel). Returns at once (the child boots concurrently). Call
+    :func:`prepare_forkserver` first for ``"forkserver"``.
     """
     mp: Any = multiprocessing.get_context(start_method)
-    parent_sock, child_sock = _transport.socketpair()
+    pair = _transport.stream_socketpair if stream else _transport.socketpair
+    parent_sock, child_sock = pair()
     try:
         proc = mp.Process(
             target=target,

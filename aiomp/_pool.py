@@ -18,9 +18,8 @@ only *reader* (the one task that receives on its channel) and, when the socket b
 full, its *flusher*. Nothing polls and no thread is used: a result is a message becoming
 readable, a crash is the pidfd becoming readable.
 
-The channel is a ``_transport.Stream`` over a unix *stream* socket pair that the pool
-makes and hands to the worker next to ``launch``'s own datagram socket (which both ends
-close at once): a worker blocked in ``recvmsg`` on a stream socket wakes 15 to 20 us
+The channel is a ``_transport.Stream`` over the unix *stream* socket pair that ``launch``
+makes for a pool worker (``stream=True``): a worker blocked in ``recvmsg`` on a stream socket wakes 15 to 20 us
 sooner than on a datagram socket, a third of a round trip (see ``_transport``). The
 watcher closes the pool's end once nothing waits on it any more.
 
@@ -655,17 +654,10 @@ class Pool:
     # -- workers -------------------------------------------------------------------
     def _spawn(self, slot: int) -> None:
         assert self._tg is not None and self._init is not None
-        ours, theirs = _transport.stream_socketpair()
-        try:
-            child = _context.launch(_worker.main, slot, self._start_method, True,
-                                    extra=(theirs,), name=f"aiomp-pool-{slot}", report=False)
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()  # the child has its copy once launch returns
-        if child.sock is not None:
-            child.sock.close()  # launch's datagram socket: the stream replaces it
+        child = _context.launch(_worker.main, slot, self._start_method, True,
+                                name=f"aiomp-pool-{slot}", report=False, stream=True)
+        ours, child.sock = child.sock, None  # the channel is ours to own from here
+        assert ours is not None
         w = _Worker(slot, child, _transport.Stream(ours))
         self._workers[w] = None
         self._send(w, self._init[0], self._init[1])

@@ -445,13 +445,12 @@ class Worker:
         self.reply(tid, fn, result)
 
 
-def main(rank: int, sock: socket.socket, parent_pid: int, stream: socket.socket) -> None:
+def main(rank: int, stream: socket.socket, parent_pid: int) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
-    ``sock`` is the control socket ``_context.launch`` makes (a datagram socket, unused:
-    closed at once); the pool talks to its worker over ``stream``.
+    ``stream`` is the stream socket ``_context.launch(..., stream=True)`` made: the pool
+    talks to its worker over it.
     """
-    sock.close()
     _child.set_parent_death_signal()
     if not _child._parent_alive(parent_pid):
         os._exit(1)

@@ -10,14 +10,17 @@ milliseconds; ``test_start_methods`` covers spawn and fork.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+import types
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ import numpy as np
 import pytest
 
 import aiomp
+from aiomp import _pool
 from tests import _funcs as funcs
 from tests._gate import Gate
 
@@ -749,3 +753,73 @@ def test_examples_run(example: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok" in proc.stdout.split()
+
+
+# -- the wire: functions sent once per worker ------------------------------------------
+
+@pytest.fixture
+def ghost() -> Iterator[Callable[[], int]]:
+    """A function of a module that exists only in this process: it pickles here, by
+    reference, and cannot be unpickled in a worker."""
+    mod = types.ModuleType("aiomp_test_ghost_module")
+
+    def ghost_fn() -> int:
+        return 1
+
+    ghost_fn.__module__ = mod.__name__
+    ghost_fn.__qualname__ = ghost_fn.__name__ = "ghost_fn"
+    mod.ghost_fn = ghost_fn  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
+    yield ghost_fn
+    del sys.modules[mod.__name__]
+
+
+async def test_a_function_the_worker_cannot_load_fails_each_of_its_tasks(
+        ghost: Callable[[], int]) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            for _ in range(2):  # the second task names the function the worker failed on
+                with pytest.raises(ModuleNotFoundError, match="aiomp_test_ghost_module") as info:
+                    await p.apply(ghost)
+                assert "could not be unpickled in the worker" in str(info.value.__cause__)
+            assert await p.apply(funcs.pool_square, (3,)) == 9
+
+
+async def test_a_function_is_sent_to_each_worker_once() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1) as p:
+            pid = await p.apply(funcs.pool_pid)
+            for _ in range(3):
+                assert await p.apply(funcs.pool_pid) == pid
+            assert await p.map(funcs.pool_square, range(4)) == [0, 1, 4, 9]
+            (w,) = p._workers
+            assert w.fids == {_pool._fn_info(funcs.pool_pid).fid,
+                              _pool._fn_info(funcs.pool_square).fid}
+
+
+async def test_a_replacement_worker_is_taught_the_function_again() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1) as p:
+            assert await p.apply(funcs.pool_square, (2,)) == 4
+            with pytest.raises(aiomp.BrokenWorkerError):
+                await p.apply(funcs.pool_exit, (3,))
+            assert await p.apply(funcs.pool_square, (5,)) == 25
+
+
+async def test_other_callables_travel_with_their_current_state() -> None:
+    class Box:
+        value = 1
+
+        def get(self) -> int:
+            return self.value
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            assert await p.apply(functools.partial(funcs.pool_add, 1), (2,)) == 3
+            assert await p.apply(functools.partial(funcs.pool_add, 1, c=10), (2,)) == 13
+            assert await p.apply(operator.add, (2, 3)) == 5
+            assert await p.apply((7).__add__, (1,)) == 8
+            assert await p.apply(funcs.pool_add, (1, 2), {"c": 3}) == 6
+            assert await p.starmap(funcs.pool_add, [(1, 2), (3, 4)]) == [3, 7]
+            with pytest.raises(Exception, match=r"local object|Can't pickle"):
+                await p.apply(Box().get)  # a local class: not by reference, and says so
