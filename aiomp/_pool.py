@@ -19,9 +19,9 @@ full, its *flusher*. Nothing polls and no thread is used: a result is a message 
 readable, a crash is the pidfd becoming readable.
 
 The channel is a ``_transport.Stream`` over the unix *stream* socket pair that ``launch``
-makes for a pool worker (``stream=True``): a worker blocked in ``recvmsg`` on a stream socket wakes 15 to 20 us
-sooner than on a datagram socket, a third of a round trip (see ``_transport``). The
-watcher closes the pool's end once nothing waits on it any more.
+makes for a pool worker (``stream=True``): a worker blocked in ``recvmsg`` on a stream
+socket wakes 15 to 20 us sooner than on a datagram socket, a third of a round trip (see
+``_transport``). The watcher closes the pool's end once nothing waits on it any more.
 
 How dispatch works, and why
 ---------------------------
