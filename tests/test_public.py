@@ -136,3 +136,17 @@ async def test_async_child_imports_asyncio() -> None:
     assert isinstance(modules, list)
     assert "asyncio" in modules
     assert "anyio" not in modules
+
+
+def test_the_readme_demo_runs() -> None:
+    """The README's first command runs examples/demo.py: it must keep working."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "examples" / "demo.py")], cwd=root,
+                          text=True, capture_output=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "frame 3 now holds 6" in lines[0]
+    assert "ValueError: rank 1 could not read its shard" in lines[1]
