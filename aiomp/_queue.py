@@ -175,15 +175,6 @@ class Queue:
                 pass  # closed before
 
     # -- the non-waiting core -------------------------------------------------------
-    def _prepare(self, obj: object) -> tuple[bytes, list[int], _reduction.Outgoing, int]:
-        out = _reduction.dumps(obj)
-        try:
-            datagram, fds, extra = _transport.encode(out.body, out.fds)
-        except BaseException:
-            out.close()
-            raise
-        return datagram, fds, out, extra
-
     def _try_put(self, datagram: bytes, fds: list[int]) -> bool:
         """Send if there is room: True if sent. Raises QueueClosed (or TransportError)."""
         if self._slots >= 0 and not _eventfd_take(self._slots):
@@ -239,18 +230,12 @@ class Queue:
         Pickling errors raise here. On cancellation nothing has been put.
         Raises :class:`~aiomp.QueueClosed` once the queue is closed.
         """
-        datagram, fds, out, extra = self._prepare(obj)
-        try:
-            while not self._try_put(datagram, fds):
-                fd = self._put_wait_fd(datagram, fds)
+        with _Item(obj) as item:
+            while not self._try_put(item.datagram, item.fds):
+                fd = self._put_wait_fd(item.datagram, item.fds)
                 if fd < 0:
                     break
                 await self._waiters.wait(fd)
-        except BaseException:
-            out.discard()
-            raise
-        finally:
-            _finish(out, extra)
 
     async def get(self) -> Any:
         """Remove and return an item, waiting while the queue is empty.
@@ -264,15 +249,9 @@ class Queue:
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` if there is room at once, else raise :class:`aiomp.Full`."""
-        datagram, fds, out, extra = self._prepare(obj)
-        try:
-            if not self._try_put(datagram, fds):
+        with _Item(obj) as item:
+            if not self._try_put(item.datagram, item.fds):
                 raise Full
-        except BaseException:
-            out.discard()
-            raise
-        finally:
-            _finish(out, extra)
 
     def get_nowait(self) -> Any:
         """Remove and return an item if one is there, else raise :class:`aiomp.Empty`."""
@@ -304,20 +283,14 @@ class SyncQueue:
     def put(self, obj: object, timeout: float | None = None) -> None:
         """Put ``obj``, blocking while full; :class:`aiomp.Full` after ``timeout`` s."""
         q = self._q
-        datagram, fds, out, extra = q._prepare(obj)
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not q._try_put(datagram, fds):
-                fd = q._put_wait_fd(datagram, fds)
+        with _Item(obj) as item:
+            while not q._try_put(item.datagram, item.fds):
+                fd = q._put_wait_fd(item.datagram, item.fds)
                 if fd < 0:
                     break
                 if not _transport.wait_fd_sync(fd, deadline=deadline):
                     raise Full
-        except BaseException:
-            out.discard()
-            raise
-        finally:
-            _finish(out, extra)
 
     def get(self, timeout: float | None = None) -> Any:
         """Remove and return an item, blocking while empty; :class:`aiomp.Empty` after
@@ -343,10 +316,35 @@ def _readable(fd: int) -> bool:
     return bool(p.poll(0))
 
 
-def _finish(out: _reduction.Outgoing, extra: int) -> None:
-    if extra >= 0:
-        os.close(extra)
-    out.close()
+class _Item:
+    """An item being put: pickled (errors raise in the caller) and framed.
+
+    ``with _Item(obj) as item:`` sends it, or else, leaving by an exception (Full, a
+    timeout, cancellation), discards it: what pickling promised is undone.
+    """
+
+    __slots__ = ("_extra", "_out", "datagram", "fds")
+
+    def __init__(self, obj: object) -> None:
+        self._out = _reduction.dumps(obj)
+        try:
+            self.datagram, self.fds, self._extra = _transport.encode(
+                self._out.body, self._out.fds
+            )
+        except BaseException:
+            self._out.discard()
+            raise
+
+    def __enter__(self) -> _Item:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._extra >= 0:
+            os.close(self._extra)
+        if exc_type is None:
+            self._out.close()
+        else:
+            self._out.discard()
 
 
 def _close_all(send: socket.socket, recv: socket.socket, *fds: int) -> None:
