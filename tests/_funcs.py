@@ -50,7 +50,7 @@ def echo(rank: int, *args: object) -> tuple[int, tuple[object, ...]]:
 async def async_echo(rank: int, *args: object) -> tuple[int, tuple[object, ...], str]:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     loop = asyncio.get_running_loop()
     return rank, args, type(loop).__module__
 
@@ -124,13 +124,13 @@ async def async_cancel_self(rank: int) -> None:
     task = asyncio.current_task()
     assert task is not None
     task.cancel()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
 
 
 async def async_raise(rank: int) -> None:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     raise RuntimeError(f"async boom from rank {rank}")
 
 
@@ -867,14 +867,14 @@ def pool_add(a: int, b: int, *, c: int = 0) -> int:
 async def pool_async_square(x: int) -> int:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     return x * x
 
 
 async def pool_async_add(a: int, b: int) -> int:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     return a + b
 
 
@@ -995,7 +995,7 @@ async def pool_async_cancel_self() -> None:
     task = asyncio.current_task()
     assert task is not None
     task.cancel()
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
 
 
 def pool_init(value: object) -> None:
@@ -1052,7 +1052,7 @@ def pool_square_or_raise(x: int) -> int:
 async def pool_async_exit(code: int) -> None:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     os._exit(code)
 
 
@@ -1064,7 +1064,7 @@ def pool_returns_coroutine(x: int) -> object:
 async def pool_async_len(data: bytes) -> int:
     import asyncio
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: a checkpoint, not a wait
     return len(data)
 
 
