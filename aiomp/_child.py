@@ -104,8 +104,21 @@ def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
         return runner.run(coro)
 
 
+def reset_signals() -> None:
+    """Undo what a forked child inherits from its parent's event loop.
+
+    Under ``fork`` a child keeps the parent's Python-level signal handlers and its
+    ``set_wakeup_fd`` pipe: SIGTERM would then be swallowed (every terminate would wait
+    out the grace period) and written into the *parent's* loop. Back to the defaults.
+    """
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
+    reset_signals()
     set_parent_death_signal()
     if not _parent_alive(parent_pid):
         os._exit(1)

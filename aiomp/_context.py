@@ -81,7 +81,7 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
                 "or use start_method='fork'"
             )
         try:
-            _reduction.dumps(fn).close()
+            _reduction.dumps(fn).discard()  # a trial: undo what it promised
         except Exception as exc:
             raise pickle.PicklingError(
                 f"{what}={fn!r} cannot be pickled for start_method={start_method!r} ({exc}); "
@@ -428,6 +428,7 @@ async def start_children(
         for rank in range(nprocs):
             target_fn = fn if start_method == "fork" else None
             children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,)))
+        payload.copies(len(children))  # one message, sent to every child
         for c in children:
             assert c.sock is not None
             try:
@@ -527,7 +528,7 @@ class SpawnHandle:
                         exc: BaseException | None, tb: TracebackType | None) -> bool:
         ctx, tg = self._ctx, self._tg
         assert ctx is not None and tg is not None
-        swallowed = False
+        swallowed = clean = False
         try:
             try:
                 swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
@@ -536,8 +537,11 @@ class SpawnHandle:
                     raise
             if exc is None:
                 await ctx.join()
+            clean = exc is None
         finally:
-            if exc is not None or ctx._failure is not None:
+            # Any way out but a clean join (the body raised, a child failed, or we were
+            # cancelled while waiting for the children) terminates and reaps them.
+            if not clean or ctx._failure is not None:
                 await ctx.terminate()
         if ctx._failure is not None and (exc is None or swallowed):
             raise ctx._failure

@@ -502,6 +502,7 @@ class Pool:
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: Any = None  # the asyncio loop we run on; None on trio
         self._init: tuple[bytes, list[int], int, _reduction.Outgoing] | None = None
+        self._init_sends = 0
         self._workers: dict[_Worker, None] = {}
         self._idle: dict[_Worker, None] = {}  # insertion order: popitem() is LIFO
         self._queue: collections.deque[_Task] = collections.deque()
@@ -660,6 +661,9 @@ class Pool:
         assert ours is not None
         w = _Worker(slot, child, _transport.Stream(ours))
         self._workers[w] = None
+        if self._init_sends:
+            self._init[3].copies(2)  # the init message is sent once more
+        self._init_sends += 1
         self._send(w, self._init[0], self._init[1])
         self._tg.start_soon(self._watch, w)
 

@@ -168,6 +168,7 @@ class Queue:
             self._send.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+        os.eventfd_write(self._room, 1)  # wake producers waiting for buffer room
         if self._slots >= 0:
             try:
                 os.eventfd_write(self._slots, _FLOOD)  # wake producers waiting for a slot

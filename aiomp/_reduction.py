@@ -42,14 +42,23 @@ class Outgoing:
     opened for this message only.
     """
 
-    __slots__ = ("_cleanups", "_unsent", "body", "fds")
+    __slots__ = ("_cleanups", "_copies", "_unsent", "body", "fds")
 
     def __init__(self, body: bytes, fds: list[int], cleanups: list[object],
-                 unsent: list[object] | None = None) -> None:
+                 unsent: list[object] | None = None,
+                 copies: list[object] | None = None) -> None:
         self.body = body
         self.fds = fds
         self._cleanups = cleanups
         self._unsent = unsent or []
+        self._copies = copies or []
+
+    def copies(self, n: int) -> None:
+        """This message is sent ``n`` times in all (pickling counted one): tell the
+        objects in it that count their sends (see :func:`on_copy`)."""
+        for _ in range(n - 1):
+            for fn in self._copies:
+                fn()  # type: ignore[operator]
 
     def discard(self) -> None:
         """The message will not be sent: undo what pickling it promised, then close."""
@@ -71,13 +80,14 @@ class Outgoing:
 
 
 class _State:
-    __slots__ = ("cleanups", "fd_index", "fds", "memo", "unsent")
+    __slots__ = ("cleanups", "copies", "fd_index", "fds", "memo", "unsent")
 
     def __init__(self) -> None:
         self.fds: list[int] = []
         self.fd_index: dict[int, int] = {}
         self.cleanups: list[object] = []
         self.unsent: list[object] = []
+        self.copies: list[object] = []
         self.memo: dict[object, object] = {}
 
 
@@ -130,7 +140,7 @@ def dumps(obj: object) -> Outgoing:
         buf.truncate()
         _local.pickler = cached
     if isinstance(state, _State):
-        return Outgoing(body, state.fds, state.cleanups, state.unsent)
+        return Outgoing(body, state.fds, state.cleanups, state.unsent, state.copies)
     return Outgoing(body, [], [])
 
 
@@ -164,6 +174,12 @@ def add_fd(fd: int) -> int:
 def on_sent(fn: object) -> None:
     """Run ``fn()`` once the message being pickled has been sent or discarded."""
     current().cleanups.append(fn)
+
+
+def on_copy(fn: object) -> None:
+    """Run ``fn()`` for every extra time the message being pickled is sent
+    (:meth:`Outgoing.copies`)."""
+    current().copies.append(fn)
 
 
 def on_unsent(fn: object) -> None:

@@ -172,6 +172,7 @@ class BlockRef:
         if seg.name is not None:
             seg.count(index, sends=1)
             _reduction.on_unsent(lambda: seg.count(index, sends=-1))
+            _reduction.on_copy(lambda: seg.count(index, sends=1))
             return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index, None)
         state = _reduction.current()
         memo_key = ("aiomp-seg", seg.key)
@@ -211,6 +212,8 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
         return  # its leases and pool are the parent's (we share its descriptions)
     with _lock:
         _info.pop(exporter_id, None)
+        if (segment.key, index) in _blocks:
+            return  # rebuilt (by another thread) since this exporter died: still in use
         if segment.owned:
             segment.state[index] = 2
             _pool.retire(segment, index)
@@ -558,11 +561,29 @@ def _register_exit_hooks(_: object = None) -> None:
     util.register_after_fork(_pool, _register_exit_hooks)
 
 
+_inherited_holds: list[int] = []
+
+
 def _after_fork_in_child() -> None:
     """A forked child shares its parent's descriptions and mappings: it must not hand out,
-    retire or unlink the parent's blocks. It starts with an empty pool; arrays it
-    inherited stay usable, and travel as copies (pass arrays in ``args`` to share them)."""
-    global _pool
+    retire or unlink the parent's blocks. It starts with an empty pool.
+
+    Arrays it inherited stay valid for its whole life: it takes a lease of its own on
+    every block it inherited a view of (through descriptions of its own, kept until it
+    exits). They travel as copies (pass arrays in ``args`` to send them as shared).
+    """
+    global _pool, _lock
+    _lock = threading.RLock()  # another thread may have held it at the fork
+    own: dict[tuple[int, int], int] = {}
+    for segment, index in list(_info.values()):
+        try:
+            fd = own.get(segment.key)
+            if fd is None:
+                fd = own[segment.key] = _lease.reopen(segment.fd)
+                _inherited_holds.append(fd)
+            _lease.hold(fd, segment.offset(index), segment.block_size)
+        except OSError:
+            pass  # the parent's segment is gone from under us: nothing to protect
     for seg in list(_segments.values()):
         seg.inherited = True
     for segs in _pool.segments.values():

@@ -451,6 +451,7 @@ def main(rank: int, stream: socket.socket, parent_pid: int) -> None:
     ``stream`` is the stream socket ``_context.launch(..., stream=True)`` made: the pool
     talks to its worker over it.
     """
+    _child.reset_signals()
     _child.set_parent_death_signal()
     if not _child._parent_alive(parent_pid):
         os._exit(1)

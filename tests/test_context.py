@@ -842,3 +842,50 @@ async def test_fork_with_threads_running_warns(how: str) -> None:
     assert all(w.filename == __file__ for w in mine), [w.filename for w in mine]
 
 
+
+
+# -- regressions from review ---------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_cancelled_while_leaving_the_block_terminates_children(gate: Gate) -> None:
+    """Regression: a cancellation that arrived while `async with` waited for its children
+    (the body had finished) left them running."""
+    with anyio.fail_after(TIMEOUT):
+        with anyio.CancelScope() as scope:
+            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
+                                   grace_period=GRACE) as ctx:
+                await gate.ready(2)
+
+                async def cancel_soon() -> None:
+                    await anyio.wait_all_tasks_blocked()
+                    scope.cancel()
+
+                async with anyio.create_task_group() as tg:  # the body ends; the exit waits
+                    tg.start_soon(cancel_soon)
+    assert scope.cancelled_caught
+    assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
+    assert all(gone(pid) for pid in ctx.pids())
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_fork_child_does_not_inherit_the_loops_sigterm_handler(gate: Gate) -> None:
+    """Regression: under fork a child kept the parent loop's SIGTERM handler and wakeup
+    fd, so it ignored SIGTERM (every terminate waited out the grace period) and woke the
+    parent's handler instead."""
+    import asyncio
+
+    calls: list[int] = []
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, calls.append, 1)
+    try:
+        with anyio.fail_after(TIMEOUT):
+            ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
+                                    start_method="fork", grace_period=10)
+            await gate.ready(1)
+            await ctx.terminate()
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    assert exitcodes(ctx) == [-signal.SIGTERM]  # died of SIGTERM, not SIGKILL after 10 s
+    assert calls == []

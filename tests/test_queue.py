@@ -772,3 +772,22 @@ async def test_event_async_wait_in_a_child() -> None:
             go.set()
             await done.wait()
     assert ctx.results == [True, True]
+
+
+@pytest.mark.anyio
+async def test_close_wakes_a_put_waiting_for_buffer_room() -> None:
+    """Regression: close() woke producers waiting for a slot, not those waiting for room
+    in the socket buffer; they stayed blocked forever."""
+    q = aiomp.Queue()
+    fill_socket_buffer(q)
+    with anyio.fail_after(QUICK):
+        async with anyio.create_task_group() as tg:
+
+            async def put() -> None:
+                with pytest.raises(aiomp.QueueClosed):
+                    await q.put(b"one more")
+
+            tg.start_soon(put)
+            await anyio.wait_all_tasks_blocked()
+            q.close()
+    drain(q)
