@@ -35,6 +35,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from typing import cast
@@ -52,6 +53,9 @@ SLAB = 8 << 20
 SMALLEST = 64 << 10
 LARGEST_SMALL = 1 << 20
 LARGE_ROUND = 2 << 20
+#: A name whose creator has died and that nobody holds is removed even though a message
+#: naming it was never read, once nothing has been sent naming it for this many seconds.
+STALE_IN_FLIGHT = 60.0
 #: Bytes of idle pooled segments a process keeps for reuse.
 POOL_LIMIT = 1 << 30
 SHM_DIR = "/dev/shm"
@@ -141,6 +145,8 @@ class Segment:
             s = int.from_bytes(self.mm[at : at + 4], "little") + sends
             o = int.from_bytes(self.mm[at + 4 : at + 8], "little") + opens
             self.mm[at : at + 8] = max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little")
+        if sends > 0:
+            os.utime(self.fd)  # the janitor's clock for messages that are never read
 
     def in_flight(self, index: int) -> bool:
         sends, opens = self.counters(index)
@@ -475,7 +481,9 @@ def _remove_if_orphan(name: str, creator_must_be_dead: bool = True) -> bool:
     """Unlink ``name`` if nothing can need it any more; True if it was removed.
 
     Nothing needs it when its creator is dead (or is us, exiting), no process holds a
-    lease in it, and every reference ever sent has been opened (nothing in flight).
+    lease in it, and every reference ever sent has been opened (nothing in flight) or,
+    for a dead creator's name, the last send is :data:`STALE_IN_FLIGHT` seconds old (a
+    message that was dropped unread, with its queue, would otherwise pin it forever).
     """
     pid = _creator(name)
     if pid < 0 or (creator_must_be_dead and (pid == os.getpid() or _alive(pid))):
@@ -488,9 +496,10 @@ def _remove_if_orphan(name: str, creator_must_be_dead: bool = True) -> bool:
         if _lease.is_held(fd, 0, 0):
             return False
         header = os.pread(fd, HEADER, 0)
+        stale = creator_must_be_dead and time.time() - os.fstat(fd).st_mtime > STALE_IN_FLIGHT
         for at in range(_COUNTERS, len(header) - 7, 8):
             sends = int.from_bytes(header[at : at + 4], "little")
-            if int.from_bytes(header[at + 4 : at + 8], "little") < sends:
+            if int.from_bytes(header[at + 4 : at + 8], "little") < sends and not stale:
                 return False
         _unlink(name)
         return True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 import signal
 import subprocess
 import sys
@@ -1095,3 +1096,26 @@ def test_example_runs(example: str) -> None:
                           text=True, capture_output=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok" in proc.stdout.splitlines()[-1], proc.stdout
+
+
+def test_janitor_removes_a_dead_creators_name_whose_message_was_never_read(
+    file_system: None,
+) -> None:
+    """Regression: a name named by a message dropped unread (its queue gone) stayed in
+    /dev/shm forever once its creator had died; the janitor now lets such a name go once
+    nothing has been sent naming it for STALE_IN_FLIGHT seconds."""
+    pid = os.fork()
+    if pid == 0:  # the creator: sends a block into a message nobody will read, then dies
+        try:
+            q = aiomp.Queue()
+            q.put_nowait(np.ones(100_000))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    names = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    assert names, "the child's segment should outlive it while a message names it"
+    assert not set(_shm.janitor()) & names  # in flight, and recent: kept
+    for name in names:
+        old = time.time() - _shm.STALE_IN_FLIGHT - 1
+        os.utime(os.path.join(_shm.SHM_DIR, name), (old, old))
+    assert set(_shm.janitor()) >= names
