@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
