@@ -145,14 +145,19 @@ class Closed(Exception):
     """The other end of a point-to-point channel has gone (EOF)."""
 
 
-def try_send(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
-    """Send without waiting: True if sent, False if the socket buffer is full."""
+def try_send(sock: socket.socket, datagram: bytes, fds: list[int], blocking: bool = False) -> bool:
+    """Send without waiting: True if sent, False if the socket buffer is full.
+
+    With ``blocking``, wait in the kernel instead (unless another process's event loop
+    made the socket non-blocking: then it may still return False).
+    """
+    flags = _MSG_NOSIGNAL if blocking else _SEND_FLAGS
     try:
         if fds:
             sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))],
-                         _SEND_FLAGS)
+                         flags)
         else:
-            sock.send(datagram, _SEND_FLAGS)  # no iovec or cmsg to build: cheaper
+            sock.send(datagram, flags)  # no iovec or cmsg to build: cheaper
     except BlockingIOError:
         return False
     except (BrokenPipeError, ConnectionResetError) as exc:
@@ -231,25 +236,11 @@ def send_sync(
     """Send, blocking while the buffer is full; False if ``deadline`` passes first."""
     # One blocking syscall. The socket may have been switched to non-blocking by an
     # event loop in any process holding it (uvloop does): then poll below.
-    if deadline is None and _send_blocking(sock, datagram, fds):
+    if deadline is None and try_send(sock, datagram, fds, blocking=True):
         return True
     while not try_send(sock, datagram, fds):
         if not wait_fd_sync(sock.fileno(), write=True, deadline=deadline):
             return False
-    return True
-
-
-def _send_blocking(sock: socket.socket, datagram: bytes, fds: list[int]) -> bool:
-    try:
-        if fds:
-            sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))],
-                         _MSG_NOSIGNAL)
-        else:
-            sock.send(datagram, _MSG_NOSIGNAL)
-    except BlockingIOError:
-        return False
-    except (BrokenPipeError, ConnectionResetError) as exc:
-        raise Closed from exc
     return True
 
 
