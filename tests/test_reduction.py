@@ -17,22 +17,15 @@ import pytest
 
 import aiomp
 from aiomp import _reduction, _shm, _transport
+from tests._fds import devnulls, is_open
 
 
 def open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
 def devnull() -> int:
-    return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    return devnulls(1)[0]
 
 
 class FdBox:

@@ -19,6 +19,7 @@ import pytest
 
 import aiomp
 from aiomp import _transport as t
+from tests._fds import devnulls, is_open, same_file
 
 
 @pytest.fixture
@@ -27,23 +28,6 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     yield a, b
     a.close()
     b.close()
-
-
-def is_open(fd: int) -> bool:
-    try:
-        os.fstat(fd)
-    except OSError:
-        return False
-    return True
-
-
-def devnulls(n: int) -> list[int]:
-    return [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for _ in range(n)]
-
-
-def same_file(a: int, b: int) -> bool:
-    sa, sb = os.fstat(a), os.fstat(b)
-    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def lowest_free_fd() -> int:
