@@ -339,34 +339,43 @@ def test_sync_iteration_ends_when_closed() -> None:
     assert list(q.sync) == [0, 1, 2]
 
 
-@pytest.mark.anyio
-async def test_close_wakes_waiting_consumers() -> None:
-    q = aiomp.Queue()
+async def _outcomes_of_waiters_at_close(q: aiomp.Queue, wait: Any, wait_sync: Any,
+                                        n_async: int) -> list[str]:
+    """Start ``n_async`` tasks and one thread that wait on ``q``, close it, and return how
+    each ended: ``"done"`` or ``"closed"``."""
     outcomes: list[str] = []
 
-    async def consumer() -> None:
+    async def waiter() -> None:
         try:
-            await q.get()
-            outcomes.append("item")
+            await wait()
+            outcomes.append("done")
         except aiomp.QueueClosed:
             outcomes.append("closed")
 
-    def sync_consumer() -> None:
+    def sync_waiter() -> None:
         try:
-            q.sync.get(timeout=QUICK)
-            outcomes.append("item")
+            wait_sync()
+            outcomes.append("done")
         except aiomp.QueueClosed:
             outcomes.append("closed")
 
-    thread = threading.Thread(target=sync_consumer)
+    thread = threading.Thread(target=sync_waiter)
     thread.start()
     with anyio.fail_after(QUICK):
         async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(consumer)
+            for _ in range(n_async):
+                tg.start_soon(waiter)
             await anyio.wait_all_tasks_blocked()
             q.close()
     thread.join(QUICK)
+    return outcomes
+
+
+@pytest.mark.anyio
+async def test_close_wakes_waiting_consumers() -> None:
+    q = aiomp.Queue()
+    outcomes = await _outcomes_of_waiters_at_close(
+        q, q.get, lambda: q.sync.get(timeout=QUICK), 3)
     assert outcomes == ["closed"] * 4
 
 
@@ -374,31 +383,8 @@ async def test_close_wakes_waiting_consumers() -> None:
 async def test_close_wakes_producers_blocked_on_a_full_queue() -> None:
     q = aiomp.Queue(maxsize=1)
     await q.put("kept")
-    outcomes: list[str] = []
-
-    async def producer() -> None:
-        try:
-            await q.put("refused")
-            outcomes.append("put")
-        except aiomp.QueueClosed:
-            outcomes.append("closed")
-
-    def sync_producer() -> None:
-        try:
-            q.sync.put("refused", timeout=QUICK)
-            outcomes.append("put")
-        except aiomp.QueueClosed:
-            outcomes.append("closed")
-
-    thread = threading.Thread(target=sync_producer)
-    thread.start()
-    with anyio.fail_after(QUICK):
-        async with anyio.create_task_group() as tg:
-            for _ in range(2):
-                tg.start_soon(producer)
-            await anyio.wait_all_tasks_blocked()
-            q.close()
-    thread.join(QUICK)
+    outcomes = await _outcomes_of_waiters_at_close(
+        q, lambda: q.put("refused"), lambda: q.sync.put("refused", timeout=QUICK), 2)
     assert outcomes == ["closed"] * 3
     assert drain(q) == ["kept"]
 

@@ -40,6 +40,9 @@ INLINE = _numpy.INLINE_THRESHOLD
 STRATEGIES = ["file_descriptor", "file_system"]
 #: Array tests whose subject is the shared-memory layer, not the event loop, run on one.
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+BOTH_STRATEGIES = pytest.mark.parametrize(
+    "strategy", ["file_descriptor", "file_system"], indirect=True
+)
 
 
 @pytest.fixture(params=STRATEGIES)
@@ -574,10 +577,7 @@ async def _segments_left_by_unsent_messages() -> int:
 
 @pytest.mark.anyio
 @ONE_LOOP
-@pytest.mark.parametrize("strategy", [
-    "file_descriptor",
-    "file_system",
-], indirect=True)
+@BOTH_STRATEGIES
 async def test_unsent_messages_pin_no_blocks(strategy: str) -> None:
     assert await _segments_left_by_unsent_messages() == 0
 
@@ -688,10 +688,7 @@ async def _results_read_after_exit(fn: Callable[..., Any], nprocs: int,
 
 @pytest.mark.anyio
 @ONE_LOOP
-@pytest.mark.parametrize("strategy", [
-    "file_descriptor",
-    "file_system",
-], indirect=True)
+@BOTH_STRATEGIES
 async def test_arrays_in_return_values(strategy: str) -> None:
     n = 100_000
     results = await _results_read_after_exit(funcs.shm_return_arrays, 2, (n, strategy))
@@ -1050,10 +1047,7 @@ async def _forwarded_block_survives_reuse(strategy: str) -> tuple[bool, bool]:
 
 @pytest.mark.anyio
 @ONE_LOOP
-@pytest.mark.parametrize("strategy", [
-    "file_descriptor",
-    "file_system",
-], indirect=True)
+@BOTH_STRATEGIES
 async def test_block_in_flight_is_never_reused(strategy: str) -> None:
     intact, reused = await _forwarded_block_survives_reuse(strategy)
     assert intact, "the forwarded array was overwritten by a new allocation"
