@@ -1,14 +1,25 @@
 """Shared fixtures: every async test runs on asyncio, uvloop and trio; every test is
-checked for leaked children, file descriptors and ``/dev/shm`` names."""
+checked for leaked children, file descriptors and ``/dev/shm`` names.
+
+Async tests run the way users run their programs, not under anyio's test runner:
+``asyncio`` is a plain ``asyncio.run`` loop (what uvicorn and FastAPI run), ``uvloop``
+is the same runner with uvloop's loop, ``trio`` is ``trio.run``. anyio's runner marks
+its loop for anyio in a way a plain loop does not, so code that wrongly reaches anyio
+from a loop callback passes under it and fails for users (issue 8).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import gc
+import inspect
 import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -24,6 +35,33 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS)
 def anyio_backend(request: pytest.FixtureRequest) -> object:
     return request.param
+
+
+def run_plain(backend: object, fn: Callable[..., Any], /, **kwargs: Any) -> Any:
+    """Run ``fn(**kwargs)`` on a fresh loop of ``backend``, as a user's program would."""
+    name, options = backend if isinstance(backend, tuple) else (backend, {})
+    if name == "trio":
+        import trio
+
+        return trio.run(functools.partial(fn, **kwargs))
+    factory = None
+    if options.get("use_uvloop"):
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(fn(**kwargs))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Async tests run on a plain loop (see the module docstring), not anyio's runner."""
+    backend = pyfuncitem.funcargs.get("anyio_backend")
+    if backend is None or not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    names = pyfuncitem._fixtureinfo.argnames
+    run_plain(backend, pyfuncitem.obj, **{n: pyfuncitem.funcargs[n] for n in names})
+    return True
 
 
 @pytest.fixture
