@@ -13,6 +13,7 @@ TYPE_CHECKING = False
 __version__ = "0.1.0"
 
 __all__ = (
+    "BrokenPoolError",
     "BrokenWorkerError",
     "Empty",
     "Event",
@@ -40,6 +41,7 @@ __all__ = (
 )
 
 _WHERE = {
+    "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
     "ProcessException": "_errors",
     "ProcessExitedException": "_errors",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:
     from ._context import ProcessContext as ProcessContext
     from ._context import spawn as spawn
     from ._context import start_processes as start_processes
+    from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
     from ._errors import ProcessExitedException as ProcessExitedException
@@ -102,6 +105,9 @@ def __getattr__(name: str) -> object:
 
     mod = importlib.import_module(f"aiomp.{module}")
     value = mod if name == module else getattr(mod, name)
+    if getattr(value, "__module__", "").startswith("aiomp._"):
+        # Printed and pickled under its public name (trio's fixup_module_metadata).
+        value.__module__ = "aiomp"
     globals()[name] = value
     return value
 

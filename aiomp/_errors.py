@@ -7,6 +7,8 @@
      |    +-- ProcessRaisedException    ...by raising; the message holds its traceback
      |    +-- ProcessExitedException    ...by dying or exiting non-zero without a Python error
      |    +-- BrokenWorkerError         a Pool worker died while it held the task
+     +-- RuntimeError
+     |    +-- BrokenPoolError           the Pool can run no more tasks (not a task's failure)
      +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
      +-- OSError
           +-- SharedMemoryError         shared memory could not be allocated (raised at put)
@@ -24,6 +26,7 @@ from __future__ import annotations
 import signal as _signal
 
 __all__ = (
+    "BrokenPoolError",
     "BrokenWorkerError",
     "ProcessException",
     "ProcessExitedException",
@@ -89,6 +92,25 @@ class BrokenWorkerError(ProcessExitedException):
     """
 
 
+class BrokenPoolError(RuntimeError):
+    """A :class:`aiomp.Pool` can run no more tasks: its initializer raised, or its workers
+    kept dying during start-up (``__cause__`` says which).
+
+    Raised by every call on the pool from then on, and by the tasks that were waiting.
+    Unlike :class:`BrokenWorkerError` it is not one task's failure: ``imap`` and
+    ``imap_unordered`` raise it rather than end, with ``not_run`` the number of inputs
+    read that were never run (inputs not yet read are not counted).
+    """
+
+    def __init__(self, msg: str, not_run: int = 0) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.not_run = not_run
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return type(self), (self.msg, self.not_run), self.__dict__
+
+
 class QueueClosed(Exception):
     """The queue was closed: no more items can be put, and a drained queue yields none."""
 
@@ -105,7 +127,8 @@ class TransportError(OSError):
     """A message could not be sent or received whole (the file-descriptor limit, mostly)."""
 
 
-for _cls in (BrokenWorkerError, ProcessException, ProcessExitedException, ProcessRaisedException,
+for _cls in (BrokenPoolError, BrokenWorkerError, ProcessException, ProcessExitedException,
+             ProcessRaisedException,
              QueueClosed, SharedMemoryError, TransportError):
     _cls.__module__ = "aiomp"  # printed and pickled under the public name
 

@@ -20,20 +20,9 @@ channel is read by a loop reader callback, and ``CANCEL`` cancels one task. A sy
 task runs on the loop thread too: the pool only sends one to a worker that holds no other
 task, so it blocks nothing.
 
-Wire format: every message, both ways, is one ``_transport`` datagram, framed on the
-worker's :class:`_transport.Stream` (a stream socket: a worker blocked in ``recvmsg`` on
-one wakes far sooner than on a datagram socket; see ``_transport``). Its body is a
-10-byte header (op, task id as 8 little-endian bytes, flags) followed by a pickle (made
-with ``_reduction``, so fds for shared arrays ride in the same datagram). The task id sits
-outside the pickle so that a message that cannot be unpickled can still be answered.
-
-A ``TASK`` body adds a 4-byte function id after the header. A plain function (pickled by
-reference) is sent to each worker once, in a ``DEF`` message whose task-id field is the
-function id; tasks then name it by id, and their pickle holds only ``(items, kwds)`` (or
-nothing at all, with ``F_NOARGS``). Id 0 means the function travels in the task's own
-pickle, ``(fn, items, kwds)``: any other callable, whose state may change between calls.
-The worker keeps what it was defined for its whole life; a ``DEF`` that cannot be
-unpickled here fails every task that names it, with that error.
+The wire format is in ``_protocol``. The worker keeps every function it was sent in a
+``DEF`` for its whole life; a ``DEF`` that cannot be unpickled here fails every task that
+names it, with that error.
 
 Standard library and aiomp's small modules only: this module is imported by every worker.
 """
@@ -45,11 +34,11 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import types
 
 from . import _child, _reduction, _transport
+from . import _protocol as P
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
 TYPE_CHECKING = False
@@ -57,80 +46,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-# parent -> worker
-OP_INIT = 1
-OP_TASK = 2
-OP_CANCEL = 3
-OP_EXIT = 4
-OP_DEF = 9
-# worker -> parent
-OP_READY = 5
-OP_INIT_ERR = 6
-OP_OK = 7
-OP_ERR = 8
-
-#: TASK flags: fn is a coroutine function; items are argument tuples (starmap); the task
-#: is one call ``fn(*args, **kwds)`` whose result is the value itself (apply), not a list.
-F_ASYNC = 1
-F_STAR = 2
-F_APPLY = 4
-#: TASK flag: ``fn()`` with no arguments; the task carries no pickle at all.
-F_NOARGS = 8
-
-HEADER_SIZE = 10
-#: A small message's datagram starts with the transport's kind byte, then the header.
-_HEAD = struct.Struct("<BBQB")
-#: The same behind its stream frame header (datagram length, fds): one pack for a reply.
-_FRAMED_HEAD = struct.Struct("<IBBBQB")
-_FID = struct.Struct("<I")
-_KIND_DATA = _transport.KIND_DATA
-#: Below this a payload is copied out of its datagram (cheaper than a memoryview).
-_COPY_BELOW = 2048
-
-
-def header(op: int, tid: int = 0, flags: int = 0) -> bytes:
-    return bytes((op,)) + tid.to_bytes(8, "little") + bytes((flags,))
-
-
-def frame(op: int, tid: int = 0, flags: int = 0) -> bytes:
-    """``_transport.encode(header(op, tid, flags) + payload)[0]`` is ``frame(...) + payload``
-    for a payload that stays inline."""
-    return _HEAD.pack(_KIND_DATA, op, tid, flags)
-
-
-def parse(body: bytes | memoryview) -> tuple[int, int, int, memoryview]:
-    """``(op, tid, flags, payload)`` of a message body."""
-    view = memoryview(body)
-    return view[0], int.from_bytes(view[1:9], "little"), view[9], view[HEADER_SIZE:]
-
-
-def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryview, list[int]]:
-    """``(op, tid, flags, payload, fds)`` of a received datagram (``_transport.decode``
-    and :func:`parse` in one step, without a memoryview for a small one)."""
-    if data[0] == _KIND_DATA:
-        _, op, tid, flags = _HEAD.unpack_from(data)
-        return op, tid, flags, data[11:] if len(data) < _COPY_BELOW else memoryview(data)[11:], fds
-    _, body, fds = _transport.decode(data, fds)
-    op, tid, flags, payload = parse(body)
-    return op, tid, flags, payload, fds
-
-
-def task_body(fid: int, pickled: bytes) -> bytes:
-    """What follows a TASK header: the function id, then the pickle."""
-    return _FID.pack(fid) + pickled
-
-
-_FRAMED_TASK = struct.Struct("<IBBBQBI")
-
-
-def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
-    """A small TASK without fds, ready for ``Stream`` (one pack for every header)."""
-    return _FRAMED_TASK.pack(HEADER_SIZE + 5 + len(pickled), 0, _KIND_DATA, OP_TASK, tid,
-                             flags, fid) + pickled
-
-
-#: Values of these types cannot hold an fd or an array: plain pickle, a third of the cost.
-PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
 _NONE = pickle.dumps(None, protocol=5)
 _Coroutine = types.CoroutineType
 
@@ -141,51 +56,20 @@ def send(chan: _transport.Stream, op: int, tid: int, payload: object) -> None:
     Raises whatever pickling raises (nothing has been sent then) and
     :class:`_transport.Closed` when the other end has gone.
     """
-    if type(payload) in PLAIN:
+    if type(payload) in P.PLAIN:
         pickled = pickle.dumps(payload, protocol=5)
-        if len(pickled) < _transport.MAX_INLINE - HEADER_SIZE:
-            chan.send_sync(_FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(pickled), 0, _KIND_DATA, op,
-                                             tid, 0) + pickled, [])
+        if P.fits_inline(pickled):
+            chan.send_sync(P.framed(op, tid, 0, pickled), [])
             return
-    out = _reduction.dumps(payload)
+    msg = P.Message(op, tid, 0, b"", payload)
     try:
-        datagram, fds, extra = _transport.encode(header(op, tid) + out.body, out.fds)
-        try:
-            chan.send_sync(_transport.frame(datagram, len(fds)), fds)
-        finally:
-            if extra >= 0:
-                os.close(extra)
+        chan.send_sync(msg.frame, msg.fds)
     finally:
-        out.close()
+        msg.close()
 
 
-def error_payload(exc: BaseException, context: str = "") -> tuple[object, ...]:
-    """``(traceback text, pickled exc or None, type name, str(exc), why it did not pickle)``.
-
-    The exception is pickled on its own (and unpickled once here, to be sure the parent can
-    rebuild it), so that its type and text arrive even when the exception itself cannot.
-    """
-    text = _child.format_error(exc, context)
-    cls = type(exc)
-    name = (cls.__qualname__ if cls.__module__ == "builtins"
-            else f"{cls.__module__}.{cls.__qualname__}")
-    data: bytes | None = None
-    why = ""
-    try:
-        pickled = pickle.dumps(exc, protocol=5)
-        pickle.loads(pickled)
-        data = pickled
-    except BaseException as err:  # noqa: BLE001 - any failure means: send the text only
-        why = f"{type(err).__name__}: {err}"
-    try:
-        message = str(exc)
-    except BaseException:  # noqa: BLE001
-        message = "<str() failed>"
-    return text, data, name, message, why
-
-
-def _fn_name(fn: object) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+def error_payload(exc: BaseException, context: str = "") -> P.ErrorPayload:
+    return P.ErrorPayload.of(exc, context)
 
 
 class _BadDef:
@@ -193,7 +77,7 @@ class _BadDef:
 
     __slots__ = ("error",)
 
-    def __init__(self, error: tuple[object, ...]) -> None:
+    def __init__(self, error: P.ErrorPayload) -> None:
         self.error = error
 
 
@@ -227,8 +111,8 @@ class Worker:
     def initialize(self) -> bool:
         got = self.chan.recv_sync()
         assert got is not None
-        op, _, _, payload, fds = unpack(*got)
-        assert op == OP_INIT, op
+        op, _, _, payload, fds = P.unpack(*got)
+        assert op == P.OP_INIT, op
         try:
             msg: Any = _reduction.loads(payload, fds)
             initializer, initargs = msg
@@ -239,9 +123,9 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            send(self.chan, OP_INIT_ERR, 0, error_payload(exc))
+            send(self.chan, P.OP_INIT_ERR, 0, error_payload(exc))
             return False
-        send(self.chan, OP_READY, 0, None)
+        send(self.chan, P.OP_READY, 0, None)
         return True
 
     # -- sync mode -----------------------------------------------------------------
@@ -251,15 +135,15 @@ class Worker:
         while True:
             got = recv()  # one blocking recvmsg
             assert got is not None
-            op, tid, flags, payload, fds = unpack(*got)
-            if op == OP_TASK:
-                if flags & F_ASYNC:
+            op, tid, flags, payload, fds = P.unpack(*got)
+            if op == P.OP_TASK:
+                if flags & P.F_ASYNC:
                     self.run_coro(self.serve_async((tid, flags, payload, fds)))
                     return
                 self.run_sync(tid, flags, payload, fds)
-            elif op == OP_DEF:
+            elif op == P.OP_DEF:
                 self.define(tid, payload, fds)
-            elif op == OP_EXIT:
+            elif op == P.OP_EXIT:
                 _transport.close_fds(fds)
                 return
             else:  # a CANCEL that crossed its task's result: nothing to cancel
@@ -278,28 +162,28 @@ class Worker:
              fds: list[int]) -> tuple[Any, Any, Any] | None:
         """``(fn, items, kwds)`` of a task; None once a failure to unpickle is answered."""
         try:
-            fid = _FID.unpack_from(payload)[0]
+            fid = P.function_id(payload)
             if not fid:
                 return _reduction.loads(payload[4:], fds)  # type: ignore[return-value]
             fn = self.fns[fid]
             if type(fn) is _BadDef:
                 _transport.close_fds(fds)
-                send(self.chan, OP_ERR, tid, fn.error)
+                send(self.chan, P.OP_ERR, tid, fn.error)
                 return None
-            if flags & F_NOARGS:
+            if flags & P.F_NOARGS:
                 return fn, (), None
             args: Any = _reduction.loads(payload[4:], fds)
             return fn, args[0], args[1]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
-            send(self.chan, OP_ERR, tid,
+            send(self.chan, P.OP_ERR, tid,
                  error_payload(exc, "the task could not be unpickled in the worker"))
             return None
 
     def run_sync(self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]) -> None:
         # The round trip's hot path: `fn()` of a DEF'd function needs no unpickling at all.
-        fn = self.fns.get(_FID.unpack_from(payload)[0]) if flags & F_NOARGS else None
+        fn = self.fns.get(P.function_id(payload)) if flags & P.F_NOARGS else None
         msg: tuple[Any, Any, Any] | None
         if fn is not None and type(fn) is not _BadDef:
             msg = (fn, (), None)
@@ -309,31 +193,30 @@ class Worker:
             return
         fn, items, kwds = msg
         try:
-            if flags & F_APPLY:
+            if flags & P.F_APPLY:
                 result = fn(*items, **kwds) if kwds else fn(*items)
                 if type(result) is _Coroutine:
                     result = self.run_coro(result)
             else:
                 # A loop in C, as multiprocessing's mapstar: a chunk may hold thousands.
-                result = list(itertools.starmap(fn, items) if flags & F_STAR else map(fn, items))
+                result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
                 if _Coroutine in set(map(type, result)):  # a sync fn made coroutines
                     result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
             del msg, fn, items, kwds
-            send(self.chan, OP_ERR, tid, error_payload(exc))
+            send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
         if result is None:
-            self.chan.send_sync(_FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(_NONE), 0, _KIND_DATA,
-                                                  OP_OK, tid, 0) + _NONE, [])
+            self.chan.send_sync(P.framed(P.OP_OK, tid, 0, _NONE), [])
         else:
             self.reply(tid, fn, result)
 
     def reply(self, tid: int, fn: object, result: object) -> None:
         try:
-            send(self.chan, OP_OK, tid, result)
+            send(self.chan, P.OP_OK, tid, result)
         except _transport.Closed:
             raise
         except (KeyboardInterrupt, SystemExit):
@@ -343,11 +226,11 @@ class Worker:
                 err: BaseException = exc
             else:
                 err = pickle.PicklingError(
-                    f"the result of {_fn_name(fn)} could not be pickled to return it to "
+                    f"the result of {P.fn_name(fn)} could not be pickled to return it to "
                     f"the parent: {type(exc).__name__}: {exc}"
                 )
                 err.__cause__ = exc
-            send(self.chan, OP_ERR, tid, error_payload(err))
+            send(self.chan, P.OP_ERR, tid, error_payload(err))
 
     # -- async mode ----------------------------------------------------------------
     async def serve_async(self, first: tuple[int, int, bytes | memoryview, list[int]]) -> None:
@@ -363,7 +246,7 @@ class Worker:
 
         def handle(tid: int, op: int, flags: int, payload: bytes | memoryview,
                    fds: list[int]) -> None:
-            if op == OP_TASK:
+            if op == P.OP_TASK:
                 task = loop.create_task(self.run_async(tid, flags, payload, fds))
                 tasks[tid] = task
 
@@ -372,21 +255,21 @@ class Worker:
 
                 task.add_done_callback(forget)
                 return
-            if op == OP_DEF:
+            if op == P.OP_DEF:
                 self.define(tid, payload, fds)
                 return
             _transport.close_fds(fds)
-            if op == OP_CANCEL:
+            if op == P.OP_CANCEL:
                 running = tasks.get(tid)
                 if running is not None:
                     running.cancel()
-            elif op == OP_EXIT:
+            elif op == P.OP_EXIT:
                 finish()
 
         def readable() -> None:
             try:
                 while (got := chan.try_recv()) is not None:
-                    op, tid, flags, payload, fds = unpack(*got)
+                    op, tid, flags, payload, fds = P.unpack(*got)
                     handle(tid, op, flags, payload, fds)
             except _transport.Closed:
                 finish()
@@ -397,7 +280,7 @@ class Worker:
 
         chan = self.chan
         tid, flags, payload, fds = first
-        handle(tid, OP_TASK, flags, payload, fds)
+        handle(tid, P.OP_TASK, flags, payload, fds)
         fd = chan.fileno()
         loop.add_reader(fd, readable)
         try:
@@ -423,13 +306,13 @@ class Worker:
             return
         fn, items, kwds = msg
         try:
-            if flags & F_APPLY:
+            if flags & P.F_APPLY:
                 result = fn(*items, **kwds) if kwds else fn(*items)
                 if isinstance(result, types.CoroutineType):
                     result = await result
             else:
                 result = []
-                star = flags & F_STAR
+                star = flags & P.F_STAR
                 for x in items:
                     r = fn(*x) if star else fn(x)
                     if isinstance(r, types.CoroutineType):
@@ -439,7 +322,7 @@ class Worker:
             raise
         except BaseException as exc:  # noqa: BLE001 - CancelledError too: the parent asked
             del msg, fn, items, kwds
-            send(self.chan, OP_ERR, tid, error_payload(exc))
+            send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
         self.reply(tid, fn, result)

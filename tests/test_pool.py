@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _pool
+from aiomp import _calls
 from tests import _funcs as funcs
 from tests._gate import Gate
 
@@ -43,6 +44,13 @@ asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=[
 
 pytestmark = pytest.mark.anyio
 
+
+
+async def settled() -> None:
+    """Every task is blocked, and calls made so far have reached the pool: on asyncio,
+    ``apply`` hands its task over from a loop callback once its caller has yielded."""
+    await anyio.wait_all_tasks_blocked()
+    await anyio.lowlevel.checkpoint()
 
 
 def pool(processes: int = 2, **kwargs: Any) -> aiomp.Pool:
@@ -261,7 +269,7 @@ async def test_sync_task_has_its_worker_alone(gate: Gate) -> None:
             tg.start_soon(p.apply, funcs.pool_gate, (0, gate.address))
             await gate.ready(1)
             tg.start_soon(p.apply, funcs.pool_async_gate, (1, gate.address))
-            await anyio.wait_all_tasks_blocked()
+            await settled()
             assert p.statistics().queued == 1  # not sent behind a sync task
             gate.release(0)
             await gate.ready(2)
@@ -279,7 +287,7 @@ async def test_idle_workers_first_then_fifo(gate: Gate, tmp_path: Path) -> None:
             assert len(set(pids.values())) == 2  # the second went to the idle worker
             for word in "abcde":
                 tg.start_soon(p.apply, funcs.pool_append, (str(log), word))
-                await anyio.wait_all_tasks_blocked()
+                await settled()
             assert p.statistics().queued == 5
             gate.release(0)  # one worker runs the queue, in order
             await p.apply(funcs.pool_append, (str(log), "f"))  # FIFO: after a..e
@@ -503,7 +511,7 @@ async def test_cancelled_queued_task_never_starts(gate: Gate, tmp_path: Path) ->
 
                 async with anyio.create_task_group() as inner:
                     inner.start_soon(queued)
-                    await anyio.wait_all_tasks_blocked()
+                    await settled()
                     assert p.statistics().queued == 1
                     scope.cancel()
             assert p.statistics().queued == 0
@@ -592,7 +600,7 @@ async def test_leaving_normally_waits_for_running_tasks(gate: Gate) -> None:
                 results.append(await p.apply(funcs.pool_gate, (0, gate.address, "done")))
 
             async def release_once_all_wait() -> None:
-                await anyio.wait_all_tasks_blocked()  # the pool is waiting to close
+                await settled()  # the pool is waiting to close
                 gate.release(0)
 
             async with pool(1) as p:
@@ -636,18 +644,23 @@ async def test_failing_initializer_breaks_the_pool(bad: str) -> None:
     init = funcs.pool_init_fail if bad == "raise" else funcs.pool_init_exit
     with anyio.fail_after(TIMEOUT):
         async with pool(2, initializer=init) as p:
-            with pytest.raises(aiomp.BrokenWorkerError) as info:
+            with pytest.raises(aiomp.BrokenPoolError) as info:
                 await p.apply(funcs.pool_square, (2,))
             if bad == "raise":
                 assert "initializer raised ValueError: the initializer refuses" in str(info.value)
-                cause = info.value.__cause__
+                worker_error = info.value.__cause__
+                assert isinstance(worker_error, aiomp.BrokenWorkerError)
+                cause = worker_error.__cause__
                 assert isinstance(cause, ValueError)
                 assert "in pool_init_fail" in remote_text(cause)
             else:
-                assert "exit code 4 during start-up" in str(info.value)
-            with pytest.raises(aiomp.BrokenWorkerError):  # at once, every time after
+                # an exit during start-up may be the OOM killer: retried, 3 times in a row
+                assert "during start-up 3 times in a row" in str(info.value)
+                assert "exit code 4" in str(info.value)
+            with pytest.raises(aiomp.BrokenPoolError):  # at once, every time after
                 await p.map(funcs.pool_square, range(3))
-            assert p.statistics().replaced == 0  # not retried
+            if bad == "raise":
+                assert p.statistics().replaced == 0  # a raising initializer is not retried
 
 
 @asyncio_only
@@ -792,9 +805,9 @@ async def test_a_function_is_sent_to_each_worker_once() -> None:
             for _ in range(3):
                 assert await p.apply(funcs.pool_pid) == pid
             assert await p.map(funcs.pool_square, range(4)) == [0, 1, 4, 9]
-            (w,) = p._workers
-            assert w.fids == {_pool._fn_info(funcs.pool_pid).fid,
-                              _pool._fn_info(funcs.pool_square).fid}
+            (w,) = p._handles
+            assert w.fns == {_calls.fn_info(funcs.pool_pid).fid,
+                             _calls.fn_info(funcs.pool_square).fid}
 
 
 async def test_a_replacement_worker_is_taught_the_function_again() -> None:

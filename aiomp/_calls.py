@@ -1,0 +1,490 @@
+"""The Pool's calls: ``apply``, ``map`` / ``starmap`` and the ``imap`` iterators.
+
+Each call pickles its tasks in the caller (an argument that cannot be pickled raises at
+the call site, before anything is sent), checks for cancellation, then hands them to the
+pool and waits. It uses a small part of :class:`aiomp.Pool`: ``_submit(task)``,
+``_sched.drop(task)``, ``_abandon(tasks)`` (shielded here), ``_check_open()``, and the
+settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``.
+
+Cancellation: a call made in a cancelled scope sends nothing (a checkpoint comes first;
+on the asyncio ``apply`` fast path, the task is handed to the pool by a loop callback
+that runs after the caller has yielded, and not at all if the caller's wait was cancelled
+by then). Once sent, a cancelled task is stopped as the pool's docstring says.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import itertools
+import math
+import pickle
+import types
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+from . import _context, _transport
+from . import _protocol as P
+from ._errors import BrokenPoolError
+from ._scheduler import DONE, QUEUED, Task, fresh
+from ._wakeup import Signal
+
+if TYPE_CHECKING:
+    from ._pool import Pool
+
+T = TypeVar("T")
+
+_BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
+
+
+class _Fn:
+    """What the pool knows of a function it runs (cached per function object).
+
+    ``fid`` is nonzero for a plain function, which pickles by reference: each worker is
+    sent ``define`` (a ``DEF`` message) once, and tasks then name it by ``fid``. Other
+    callables (bound methods, partials, objects with ``__call__``) travel by value in
+    every task: their state may change between calls.
+    """
+
+    __slots__ = ("define", "fid", "is_async", "name")
+
+    def __init__(self, name: str, is_async: bool, fid: int = 0, define: bytes = b"") -> None:
+        self.name = name
+        self.is_async = is_async
+        self.fid = fid
+        self.define = define
+
+
+#: fn -> _Fn. Weak: a cached function must not be kept alive by the cache.
+_fn_cache: weakref.WeakKeyDictionary[object, _Fn] = weakref.WeakKeyDictionary()
+_fids = itertools.count(1)
+_tids = itertools.count(1)
+
+
+def fn_info(fn: object) -> _Fn:
+    """``fn``'s :class:`_Fn` (cached: it is asked on every call)."""
+    try:
+        return _fn_cache[fn]
+    except (KeyError, TypeError):  # TypeError: unhashable or not weakly referenceable
+        pass
+    if not callable(fn):
+        _context.check_function(fn, "fork")  # raises the right TypeError
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__  # an object with an async __call__
+    )
+    info = _Fn(P.fn_name(fn), is_async)
+    if type(fn) is types.FunctionType:
+        try:
+            pickled = pickle.dumps(fn, protocol=5)
+        except Exception:  # noqa: BLE001 - not by reference: each task pickles it, and says why
+            pickled = b""
+        if 0 < len(pickled) <= _transport.MAX_INLINE - 64:
+            fid = next(_fids)
+            info = _Fn(info.name, is_async, fid, P.framed(P.OP_DEF, fid, 0, pickled))
+    try:
+        _fn_cache[fn] = info
+    except TypeError:
+        pass
+    return info
+
+
+def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, items: Any,
+              kwds: dict[str, object] | None, *, group: object = None, index: int = 0,
+              on_done: Callable[[Task], None] | None = None) -> Task:
+    """Pickle a task; raises here, in the caller, if it cannot be pickled."""
+    tid = next(_tids)
+    weight = 1 if info.is_async else pool._concurrency
+    fid = info.fid
+    size = 1 if flags & P.F_APPLY else len(items)
+
+    def task(message: Any) -> Task:
+        return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
+                    define=info.define, group=group, index=index, size=size, on_done=on_done)
+
+    try:
+        if not kwds and type(items) is tuple:
+            # apply(f, (1, "a")): nothing in it can carry an fd or an array.
+            if fid and not items:
+                return task(P.task_frame(tid, flags | P.F_NOARGS, fid, b""))
+            if ((fid or type(fn) in _BUILTIN_FUNCTIONS)
+                    and all(type(x) in P.PLAIN for x in items)):
+                body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
+                if P.fits_inline(body):
+                    return task(P.task_frame(tid, flags, fid, body))
+        message = P.Message(P.OP_TASK, tid, flags, P.task_body(fid, b""),
+                            (items, kwds) if fid else (fn, items, kwds))
+    except Exception as exc:
+        _context.check_function(fn, "spawn")  # a clearer error when fn is the problem
+        exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
+        raise
+    return task(message)
+
+
+async def wait_done(task: Task, loop: Any) -> None:
+    """Wait until ``task`` is done (for :meth:`Pool._abandon`)."""
+    if task.state < DONE:
+        signal = Signal(loop)
+        previous = task.on_done
+
+        def done(t: Task) -> None:
+            if previous is not None:
+                previous(t)
+            signal.set()
+
+        task.on_done = done
+        await signal.wait()
+
+
+async def _wait(pool: Pool, tasks: list[Task], signal: Signal,
+                timeout: float | None = None) -> None:
+    """Wait for ``signal``; abandon ``tasks`` on cancellation or timeout."""
+    try:
+        if timeout is None:
+            await signal.wait()
+            return
+        with anyio.move_on_after(timeout) as scope:
+            await signal.wait()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await pool._abandon(tasks)
+        raise
+    if scope.cancelled_caught and not signal.is_set():
+        with anyio.CancelScope(shield=True):
+            await pool._abandon(tasks)
+        raise TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
+
+
+async def apply(pool: Pool, fn: Callable[..., Any], args: Any,
+                kwds: dict[str, object] | None, timeout: float | None) -> Any:
+    """:meth:`Pool.apply`."""
+    if pool._state != 1 or pool._sched.broken is not None:  # not _OPEN
+        pool._check_open()
+    info = fn_info(fn)
+    flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
+    loop = pool._loop
+    signal = Signal(loop)
+    task = make_task(pool, fn, info, flags, args if type(args) is tuple else tuple(args),
+                     dict(kwds) if kwds else None)
+    task.on_done = lambda _: signal.set()
+    if loop is not None and timeout is None:
+        # The round trip's hot path. The task goes to the pool from a callback that runs
+        # once this task has yielded: if the wait was cancelled by then (a cancelled scope,
+        # a cancel already requested), the callback sees it and drops the task unsent.
+        signal._waiter = waiter = loop.create_future()
+        loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
+        try:
+            await waiter
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await pool._abandon([task])
+            raise
+    else:
+        await anyio.lowlevel.checkpoint()
+        try:
+            pool._check_open()
+        except BaseException:
+            task.drop()
+            raise
+        pool._submit(task)
+        await _wait(pool, [task], signal, timeout)
+    if task.ok:
+        return task.value
+    raise task.value
+
+
+def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:
+    if waiter.done():  # cancelled before the task could start: it never does
+        task.drop()
+        return
+    try:
+        pool._check_open()
+    except BaseException as exc:  # noqa: BLE001 - closed or broken meanwhile
+        task.drop()
+        task.state = DONE
+        task.value = exc
+        waiter.set_result(None)
+        return
+    pool._submit(task)
+
+
+async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int | None,
+               star: bool) -> list[Any]:
+    """:meth:`Pool.map` and :meth:`Pool.starmap`."""
+    pool._check_open()
+    info = fn_info(fn)
+    if isinstance(iterable, (list, tuple)):
+        items: list[Any] | tuple[Any, ...] = iterable
+    elif hasattr(iterable, "__aiter__"):
+        items = [x async for x in iterable]
+    else:
+        items = list(iterable)
+    n = len(items)
+    if chunksize is None:
+        slots = pool._processes * (pool._concurrency if info.is_async else 1)
+        chunksize = max(1, math.ceil(n / (4 * slots)))
+    elif not isinstance(chunksize, int) or chunksize < 1:
+        raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+    await anyio.lowlevel.checkpoint()
+    pool._check_open()
+    if n == 0:
+        return []
+    flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)
+    gather = _Gather(pool, math.ceil(n / chunksize))
+    tasks = gather.tasks
+    try:
+        for i, start in enumerate(range(0, n, chunksize)):
+            tasks.append(make_task(pool, fn, info, flags, list(items[start:start + chunksize]),
+                                   None, group=gather, index=i, on_done=gather))
+    except BaseException:
+        for task in tasks:
+            task.drop()
+        raise
+    for task in tasks:
+        pool._submit(task)
+    await _wait(pool, tasks, gather.signal)
+    if gather.error is not None:
+        raise gather.error
+    return list(itertools.chain.from_iterable(gather.results))
+
+
+class _Gather:
+    """Collects a map's chunks; its signal fires when all are done or one has failed."""
+
+    __slots__ = ("error", "pool", "remaining", "results", "signal", "tasks")
+
+    def __init__(self, pool: Pool, n: int) -> None:
+        self.pool = pool
+        self.tasks: list[Task] = []
+        self.results: list[Any] = [None] * n
+        self.remaining = n
+        self.error: BaseException | None = None
+        self.signal = Signal(pool._loop)
+
+    def __call__(self, task: Task) -> None:
+        if task.ok:
+            self.results[task.index] = task.value
+        elif self.error is None:
+            self.error = task.value
+            self.signal.set()
+            for other in self.tasks:  # now, before the freed worker takes the next one
+                self.pool._sched.drop(other)
+        self.remaining -= 1
+        if not self.remaining:
+            self.signal.set()
+
+
+class ResultIterator(Generic[T]):
+    """What :meth:`Pool.imap` and :meth:`Pool.imap_unordered` return."""
+
+    def __init__(self, pool: Pool, fn: Callable[..., T], iterable: Any, chunksize: int,
+                 star: bool, ordered: bool, buffersize: int | None) -> None:
+        pool._check_open()
+        self._fn_info = info = fn_info(fn)
+        if not isinstance(chunksize, int) or chunksize < 1:
+            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+        if buffersize is None:
+            buffersize = 2 * pool._processes * (pool._concurrency if info.is_async else 1)
+        elif not isinstance(buffersize, int) or buffersize < 1:
+            raise ValueError(f"buffersize must be an int >= 1, not {buffersize!r}")
+        self._pool = pool
+        self._fn = fn
+        self._flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)
+        self._chunksize = chunksize
+        self._buffersize = buffersize
+        self._ordered = ordered
+        self._ait: AsyncIterator[Any] | None = None
+        self._it: Iterator[Any] | None = None
+        if hasattr(iterable, "__aiter__"):
+            self._ait = iterable.__aiter__()
+        else:
+            self._it = iter(iterable)
+        self._tasks: dict[int, Task] = {}  # submitted and not yet consumed, by index
+        self._done: collections.deque[Task] = collections.deque()  # unordered: completed
+        self._next = 0  # ordered: the index to consume next
+        self._count = 0  # chunks submitted
+        self._items: collections.deque[T] = collections.deque()
+        self._exhausted = False
+        self._error: BaseException | None = None  # raised once the in-flight are consumed
+        self._wake: anyio.Event | None = None
+        self._space: anyio.Event | None = None
+        self._scope: anyio.CancelScope | None = None
+        self._started = False
+        self._closed: BaseException | None = None
+        self._broken: BrokenPoolError | None = None  # raised on every step from then on
+        pool._iterators[self] = None
+
+    def __aiter__(self) -> ResultIterator[T]:
+        return self
+
+    async def __aenter__(self) -> ResultIterator[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop: drop queued chunks, stop reading the input. Never blocks."""
+        self._close(None)
+        await anyio.lowlevel.checkpoint()
+
+    async def __anext__(self) -> T:
+        """The next result. Cancelling it leaves the iterator as it was."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self._broken is not None:
+                raise fresh(self._broken)
+            if self._closed is not None:
+                err = self._closed
+                if isinstance(err, StopAsyncIteration):
+                    raise StopAsyncIteration
+                self._closed = StopAsyncIteration()  # raised once, then the end
+                raise err
+            if not self._started:
+                await anyio.lowlevel.checkpoint()
+                self._start()
+                continue
+            task = self._take()
+            if task is not None:
+                if task.ok:
+                    self._items.extend(task.value)
+                    continue
+                if isinstance(task.value, BrokenPoolError):
+                    self._break(task)
+                    continue
+                raise task.value
+            if self._exhausted and not self._tasks:
+                input_error, self._error = self._error, None
+                self._close(None)
+                if input_error is not None:
+                    raise input_error
+                raise StopAsyncIteration
+            self._wake = event = anyio.Event()
+            try:
+                await event.wait()
+            finally:
+                self._wake = None
+
+    def _break(self, task: Task) -> None:
+        """The pool broke: no more results will come. Count what was not run."""
+        lost = task.size + sum(t.size for t in self._tasks.values() if not t.ok)
+        more = "" if self._exhausted else " (the rest of the input was not read)"
+        err = BrokenPoolError(f"the pool broke with {lost} input(s) of this iterator not "
+                              f"run{more}: {task.value}", lost)
+        err.__cause__ = task.value.__cause__
+        self._close(None)
+        self._broken = err
+
+    def _start(self) -> None:
+        self._started = True
+        self._pool._check_open()
+        if self._it is not None:
+            self._fill()
+        else:
+            self._scope = anyio.CancelScope()
+            assert self._pool._tg is not None
+            self._pool._tg.start_soon(self._feed)
+
+    def _take(self) -> Task | None:
+        if self._ordered:
+            task = self._tasks.get(self._next)
+            if task is None or task.state != DONE:
+                return None
+            self._next += 1
+        else:
+            if not self._done:
+                return None
+            task = self._done.popleft()
+        del self._tasks[task.index]
+        if self._it is not None:
+            self._fill()
+        elif self._space is not None:
+            self._space.set()
+        return task
+
+    def _submit(self, chunk: list[Any]) -> None:
+        pool = self._pool
+        pool._check_open()
+        task = make_task(pool, self._fn, self._fn_info, self._flags, chunk, None,
+                         group=self, index=self._count, on_done=self._on_done)
+        self._tasks[self._count] = task
+        self._count += 1
+        pool._submit(task)
+
+    def _fill(self) -> None:
+        """Pull from a sync input until ``buffersize`` chunks are in flight."""
+        assert self._it is not None
+        while not self._exhausted and len(self._tasks) < self._buffersize:
+            try:
+                chunk = list(itertools.islice(self._it, self._chunksize))
+                if chunk:
+                    self._submit(chunk)
+            except Exception as exc:  # noqa: BLE001 - raised to the consumer, in order
+                self._error = exc
+                self._exhausted = True
+                return
+            if len(chunk) < self._chunksize:
+                self._exhausted = True
+
+    async def _feed(self) -> None:
+        """Pull from an async input while there is room (a task in the pool's group)."""
+        ait = self._ait
+        assert ait is not None and self._scope is not None
+        finished = False  # the input said StopAsyncIteration
+        try:
+            with self._scope:
+                while not finished:
+                    while len(self._tasks) >= self._buffersize:
+                        self._space = anyio.Event()
+                        await self._space.wait()
+                    self._space = None
+                    chunk: list[Any] = []
+                    try:
+                        while len(chunk) < self._chunksize:
+                            chunk.append(await ait.__anext__())
+                    except StopAsyncIteration:
+                        finished = True
+                    if self._closed is not None:
+                        break  # closed while the input was read (an event wins over a cancel)
+                    if chunk:
+                        self._submit(chunk)
+        except Exception as exc:  # noqa: BLE001 - raised to the consumer, in order
+            self._error = exc
+        finally:
+            self._exhausted = True
+            self._space = None
+            if self._wake is not None:
+                self._wake.set()
+            # An async generator we stopped reading gets its finally blocks run now. Other
+            # async iterables (a memory stream, say) are the caller's to close.
+            if not finished and inspect.isasyncgen(ait):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self._pool._grace):
+                    await ait.aclose()
+
+    def _on_done(self, task: Task) -> None:
+        if not self._ordered:
+            self._done.append(task)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _close(self, error: BaseException | None) -> None:
+        if self._closed is not None:
+            return
+        self._closed = error if error is not None else StopAsyncIteration()
+        if self._scope is not None:
+            self._scope.cancel()
+        for task in self._tasks.values():
+            if task.state == QUEUED:
+                self._pool._sched.drop(task)
+        self._tasks.clear()
+        self._done.clear()
+        self._items.clear()
+        self._exhausted = True
+        self._pool._iterators.pop(self, None)
+        if self._wake is not None:
+            self._wake.set()

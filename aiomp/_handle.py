@@ -1,0 +1,310 @@
+"""One Pool worker process as the pool sees it: its process, its channel, its outbox.
+
+A :class:`WorkerHandle` is made (from a task) right after ``_context.launch`` has started
+the process, and owns from then on the process's pidfd and the pool's end of its stream
+socket. Its :meth:`WorkerHandle.run` is the worker's *watcher*, one task in the pool's
+task group, and the only task that:
+
+* waits for the process's exit (the pidfd) and signals or reaps it;
+* reads its channel (on asyncio, through a reader callback that stays registered and
+  hands each message to ``on_message`` at once; on trio, a reader task);
+* flushes what did not fit in the socket buffer (the outbox, in order).
+
+It reports upward through four callbacks: ``on_message(handle, (data, fds))``,
+``on_lost(handle, exc)`` (a message could not be received or handled: the channel is
+unusable), ``on_failed(handle, tid, exc)`` (a queued task's fds could not be sent) and
+``on_exit(handle, exitcode, unsent)``, called once, after the process has exited and the
+channel is closed.
+
+:meth:`send`, :meth:`send_exit`, :meth:`cancel` and :meth:`kill` never block and never
+touch anyio, so the scheduler may call them from a reader callback. The watcher is
+shielded from cancellation around the pool: it always ends, because killing is bounded
+(SIGTERM, the grace period, SIGKILL).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from . import _context, _transport
+from . import _protocol as P
+from ._scheduler import Task
+from ._wakeup import Signal, Wakeup
+
+_EXIT = P.control(P.OP_EXIT)
+
+
+class WorkerHandle:
+    """See the module docstring."""
+
+    def __init__(self, slot: int, child: _context._Child, loop: Any, grace: float,
+                 on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
+                 on_lost: Callable[[WorkerHandle, BaseException], None],
+                 on_failed: Callable[[WorkerHandle, int, BaseException], None],
+                 on_exit: Callable[[WorkerHandle, int | None, list[int]], None]) -> None:
+        self.slot = slot
+        self.child = child
+        sock, child.sock = child.sock, None  # the channel is ours to own from here
+        assert sock is not None
+        self.chan = _transport.Stream(sock)
+        self._loop = loop
+        self._grace = grace
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._on_failed = on_failed
+        self._on_exit = on_exit
+        # Frames (bytes, or (bytes, fds)) and tasks waiting for room in the socket buffer.
+        self._outbox: collections.deque[Any] = collections.deque()
+        self._partial: memoryview | None = None  # the unsent rest of a frame sent in part
+        self._more = Wakeup(loop)  # the outbox has something
+        self._kill = Signal(loop)
+        self.fns: set[int] = set()  # ids of the functions DEF'd to it
+        self.closed = False  # its channel is closed: nothing more goes out
+        # Made here, in a task (handles are never made in a loop callback); set by the
+        # watcher. Any number of tasks may wait for it.
+        self.dead = anyio.Event()
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.slot} (pid {self.child.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    # -- sending (never blocks) ------------------------------------------------------
+    def send(self, task: Task) -> bool:
+        """Send ``task`` (its function's DEF first, if this worker lacks it).
+
+        True: sent, or queued behind earlier frames for the flusher. False: the worker
+        has gone and nothing of the task was sent (it may go to another worker). Raises
+        :class:`aiomp.TransportError` when the task's fds cannot be sent (the fd limit):
+        the task's own failure, not the worker's.
+        """
+        if self.closed:
+            return False
+        fid = task.fn_id
+        if fid and fid not in self.fns:
+            if not self._send_frame(task.define, None):
+                return False
+            self.fns.add(fid)
+        if self._outbox or self._partial is not None:
+            self._outbox.append(task)
+            return True
+        msg = task.message
+        sent = (self._try_send(msg, None) if type(msg) is bytes
+                else self._try_send(msg.frame, msg.fds))
+        if sent is None:
+            return False
+        if sent == 0:
+            self._outbox.append(task)
+            self._more.set()
+        elif type(msg) is not bytes:
+            msg.close()  # its fds are in the socket now (and its rest in _partial)
+        return True
+
+    def send_frame(self, frame: bytes, fds: list[int] | None = None) -> None:
+        """Send a control frame (INIT, CANCEL); dropped if the worker has gone."""
+        self._send_frame(frame, fds)
+
+    def send_exit(self) -> None:
+        self._send_frame(_EXIT, None)
+
+    def cancel(self, tid: int) -> None:
+        """Ask the worker to cancel async task ``tid``."""
+        self._send_frame(P.control(P.OP_CANCEL, tid), None)
+
+    def kill(self) -> None:
+        """Have the watcher terminate the process (SIGTERM, grace period, SIGKILL)."""
+        self._kill.set()
+
+    def _send_frame(self, frame: bytes, fds: list[int] | None) -> bool:
+        if self.closed:
+            return False
+        if self._outbox or self._partial is not None:
+            self._outbox.append(frame if fds is None else (frame, fds))
+            return True
+        sent = self._try_send(frame, fds)
+        if sent is None:
+            return False
+        if sent == 0:
+            self._outbox.append(frame if fds is None else (frame, fds))
+            self._more.set()
+        return True
+
+    def _try_send(self, data: bytes, fds: list[int] | None) -> int | None:
+        """Bytes of ``data`` sent (0: the buffer is full); None: the worker has gone.
+
+        The rest of a frame sent in part goes to ``_partial`` and the flusher is woken.
+        Raises TransportError when the fds cannot be sent (nothing was).
+        """
+        try:
+            n = self.chan.try_send(data, fds or [])
+        except _transport.Closed:
+            return None
+        if 0 < n < len(data):
+            self._partial = memoryview(data)[n:]
+            self._more.set()
+        return n
+
+    # -- the watcher -----------------------------------------------------------------
+    async def run(self) -> None:
+        """Watch the process until it exits (or is killed), then report and clean up.
+
+        Shielded: cancelling the pool's task group does not stop it; :meth:`kill` does,
+        after the termination it starts, which is bounded.
+        """
+        child = self.child
+        try:
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._read)
+                    tg.start_soon(self._flush)
+                    exit_wait = anyio.CancelScope()
+
+                    async def killer() -> None:
+                        await self._kill.wait()
+                        exit_wait.cancel()
+
+                    tg.start_soon(killer)
+                    with exit_wait:
+                        await child.wait_exit()
+                    if not child.exited:
+                        await _context.terminate_all([child], self._grace)
+                    tg.cancel_scope.cancel()
+        finally:
+            unsent = self._close()
+            self._on_exit(self, child.exitcode, unsent)
+            self.dead.set()
+
+    def _close(self) -> list[int]:
+        """Close the channel; the ids of tasks that never left the outbox."""
+        if self.child.exited:
+            self._drain()  # results sent just before the exit
+        # Tasks still here never reached the worker: the scheduler queues them again.
+        unsent = [t.tid for t in self._outbox if isinstance(t, Task)]
+        self._outbox.clear()
+        self._partial = None
+        self.closed = True
+        self.chan.close()
+        return unsent
+
+    async def _read(self) -> None:
+        """The one reader of the channel, until end of stream or cancellation."""
+        chan = self.chan
+        loop = self._loop
+        if loop is None:
+            while True:
+                try:
+                    got = await chan.recv_async()
+                except _transport.Closed:
+                    return  # the process is exiting: the watcher sees it next
+                except OSError as exc:  # fds were lost (fd limit): the channel is unusable
+                    self._on_lost(self, exc)
+                    return
+                if not self._handle(got):
+                    return
+        # asyncio: a reader callback that stays registered. It hands each message on
+        # straight away (resolving its caller's future), without waking a task and without
+        # re-registering the fd for every message (two epoll_ctl calls per round trip cost
+        # more than they save). One read per call: the selector is level-triggered.
+        eof = loop.create_future()
+        try_recv, take, handle = chan.try_recv, chan.take, self._handle
+
+        def readable() -> None:
+            try:
+                got = try_recv()
+            except _transport.Closed:
+                loop.remove_reader(fd)
+                if not eof.done():
+                    eof.set_result(None)
+                return
+            except OSError as exc:
+                loop.remove_reader(fd)  # fds were lost: the channel is unusable
+                self._on_lost(self, exc)
+                return
+            while got is not None:
+                if not handle(got):
+                    loop.remove_reader(fd)
+                    return
+                got = take()  # more that came in the same read
+
+        fd = chan.fileno()
+        loop.add_reader(fd, readable)
+        try:
+            await eof
+        finally:
+            loop.remove_reader(fd)
+
+    def _handle(self, got: tuple[bytes, list[int]]) -> bool:
+        try:
+            self._on_message(self, got)
+        except Exception as exc:  # noqa: BLE001 - a bug or an unreadable message
+            self._on_lost(self, exc)
+            return False
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                got = self.chan.try_recv()
+            except (_transport.Closed, OSError):
+                return
+            if got is None or not self._handle(got):
+                return
+
+    async def _flush(self) -> None:
+        """Send what waits in the outbox, in order, as the socket drains."""
+        chan = self.chan
+        while True:
+            await self._more.wait()
+            try:
+                while True:
+                    if self._partial is not None:
+                        rest = self._partial
+                        n = chan.try_send(rest, [])
+                        if n < len(rest):
+                            self._partial = rest[n:]
+                            await anyio.wait_writable(chan.sock)
+                            continue
+                        self._partial = None
+                    if not self._outbox:
+                        break
+                    if not self._flush_one():
+                        await anyio.wait_writable(chan.sock)
+            except _transport.Closed:
+                return  # dying: the watcher sees it, and the scheduler fails or requeues
+
+    def _flush_one(self) -> bool:
+        """Send the head of the outbox; False if the buffer is full."""
+        item = self._outbox[0]
+        if isinstance(item, Task):
+            msg = item.message
+            data, fds = (msg, None) if type(msg) is bytes else (msg.frame, msg.fds)
+        elif isinstance(item, tuple):
+            data, fds = item
+        else:
+            data, fds = item, None
+        try:
+            n = self.chan.try_send(data, fds or [])
+        except _transport.Closed:
+            raise
+        except OSError as exc:  # TransportError: too many fds in flight
+            self._outbox.popleft()
+            if isinstance(item, Task):
+                self._on_failed(self, item.tid, exc)  # that task's failure alone
+            else:
+                self._on_lost(self, exc)
+            return True
+        if n == 0:
+            return False
+        self._outbox.popleft()
+        if n < len(data):
+            self._partial = memoryview(data)[n:]
+        if isinstance(item, Task) and type(item.message) is not bytes:
+            item.message.close()
+        return True

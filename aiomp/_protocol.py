@@ -1,0 +1,229 @@
+"""The wire format between :class:`aiomp.Pool` and its workers, used by both sides.
+
+Every message, both ways, is one ``_transport`` datagram framed on the worker's
+:class:`_transport.Stream` (a stream socket: a worker blocked in ``recvmsg`` on one wakes
+far sooner than on a datagram socket; see ``_transport``). Its body is a 10-byte header
+followed by a pickle made with ``_reduction`` (so fds of shared arrays ride in the same
+datagram)::
+
+    header   op: u8 | task id: u64 little-endian | flags: u8
+    TASK     header | function id: u32 | pickle of (items, kwds), or (fn, items, kwds)
+    DEF      header (task id = function id) | pickle of the function
+    OK       header | pickle of the result
+    ERR      header | pickle of an ErrorPayload
+    INIT     header | pickle of (initializer, initargs)
+    CANCEL, EXIT, READY: the header alone
+
+The task id sits outside the pickle so that a message that cannot be unpickled can still
+be answered. A plain function (pickled by reference) is sent to each worker once, in a
+``DEF``; its tasks then name it by id and carry only their arguments (or nothing at all,
+with ``F_NOARGS``). Function id 0 means the callable travels in every task: a bound
+method or a partial, whose state may change between calls.
+
+The fused structs below pack a stream frame header, the transport's kind byte and the
+message header in one call: the ``apply`` round trip packs each message once.
+
+Standard library and aiomp's small modules only: every worker imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+
+from . import _transport
+
+# parent -> worker
+OP_INIT = 1
+OP_TASK = 2
+OP_CANCEL = 3
+OP_EXIT = 4
+OP_DEF = 9
+# worker -> parent
+OP_READY = 5
+OP_INIT_ERR = 6
+OP_OK = 7
+OP_ERR = 8
+
+#: TASK flags: fn is a coroutine function; items are argument tuples (starmap); the task
+#: is one call ``fn(*args, **kwds)`` whose result is the value itself (apply), not a list;
+#: ``fn()`` with no arguments, the task carrying no pickle at all.
+F_ASYNC = 1
+F_STAR = 2
+F_APPLY = 4
+F_NOARGS = 8
+
+HEADER_SIZE = 10
+_KIND_DATA = _transport.KIND_DATA
+#: An inline datagram: the transport's kind byte, then the header.
+_HEAD = struct.Struct("<BBQB")
+#: The same behind its stream frame header (datagram length, fd count).
+_FRAMED_HEAD = struct.Struct("<IBBBQB")
+#: A framed TASK header with its function id.
+_FRAMED_TASK = struct.Struct("<IBBBQBI")
+_FID = struct.Struct("<I")
+_FRAME_OVERHEAD = _FRAMED_HEAD.size - HEADER_SIZE
+#: Below this a received payload is copied out of its datagram (cheaper than a view).
+_COPY_BELOW = 2048
+
+#: Values of these types cannot hold an fd or an array: plain pickle, a third of the cost.
+PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
+
+
+def header(op: int, tid: int = 0, flags: int = 0) -> bytes:
+    return bytes((op,)) + tid.to_bytes(8, "little") + bytes((flags,))
+
+
+def control(op: int, tid: int = 0) -> bytes:
+    """A framed message that is a header alone (CANCEL, EXIT, READY)."""
+    return _FRAMED_HEAD.pack(HEADER_SIZE + 1, 0, _KIND_DATA, op, tid, 0)
+
+
+def framed(op: int, tid: int, flags: int, pickled: bytes) -> bytes:
+    """A framed message whose small pickle stays inline (no fds)."""
+    return _FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(pickled), 0, _KIND_DATA, op, tid,
+                             flags) + pickled
+
+
+def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
+    """A small framed TASK without fds."""
+    return _FRAMED_TASK.pack(HEADER_SIZE + 5 + len(pickled), 0, _KIND_DATA, OP_TASK, tid,
+                             flags, fid) + pickled
+
+
+def task_body(fid: int, pickled: bytes) -> bytes:
+    """What follows a TASK header: the function id, then the pickle."""
+    return _FID.pack(fid) + pickled
+
+
+def fits_inline(pickled: bytes) -> bool:
+    """Whether a pickle this size travels inside its datagram with a task header."""
+    return len(pickled) < _transport.MAX_INLINE - 32
+
+
+def function_id(payload: bytes | memoryview) -> int:
+    return int(_FID.unpack_from(payload)[0])
+
+
+def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryview, list[int]]:
+    """``(op, tid, flags, payload, fds)`` of a received datagram."""
+    if data[0] == _KIND_DATA:
+        _, op, tid, flags = _HEAD.unpack_from(data)
+        payload = data[11:] if len(data) < _COPY_BELOW else memoryview(data)[11:]
+        return op, tid, flags, payload, fds
+    _, body, fds = _transport.decode(data, fds)
+    view = memoryview(body)
+    return view[0], int.from_bytes(view[1:9], "little"), view[9], view[HEADER_SIZE:], fds
+
+
+class Message:
+    """One encoded message that may carry fds: owns its datagram, fds and extra memfd.
+
+    ``close()`` releases what this process holds for it, whether it was sent or not;
+    ``discard()`` also undoes what pickling promised to receivers that will never come
+    (a ``file_system`` send count).
+    """
+
+    __slots__ = ("_extra", "_out", "fds", "frame")
+
+    def __init__(self, op: int, tid: int, flags: int, prefix: bytes, obj: object) -> None:
+        from . import _reduction
+
+        out = _reduction.dumps(obj)
+        try:
+            datagram, fds, extra = _transport.encode(header(op, tid, flags) + prefix + out.body,
+                                                     out.fds)
+        except BaseException:
+            out.close()
+            raise
+        self._out: _reduction.Outgoing | None = out
+        self._extra = extra
+        self.fds = fds
+        self.frame = _transport.frame(datagram, len(fds))
+
+    def sent_again(self) -> None:
+        """The message goes to one more receiver than it was pickled for."""
+        if self._out is not None:
+            self._out.copies(2)
+
+    def close(self) -> None:
+        self._release(discard=False)
+
+    def discard(self) -> None:
+        """Never to be sent: undo what pickling promised, then close."""
+        self._release(discard=True)
+
+    def _release(self, discard: bool) -> None:
+        out, self._out = self._out, None
+        if out is None:
+            return
+        if self._extra >= 0:
+            os.close(self._extra)
+            self._extra = -1
+        self.frame = b""
+        self.fds = []
+        if discard:
+            out.discard()
+        else:
+            out.close()
+
+
+class ErrorPayload:
+    """A worker's exception as it travels to the parent (the body of ERR and INIT_ERR).
+
+    The exception is pickled on its own, and unpickled once in the worker to be sure the
+    parent can rebuild it, so that its type, text and traceback arrive even when the
+    exception itself cannot.
+    """
+
+    __slots__ = ("data", "message", "text", "type_name", "why")
+
+    def __init__(self, text: str, data: bytes | None, type_name: str, message: str,
+                 why: str) -> None:
+        self.text = text  # the formatted traceback in the worker
+        self.data = data  # the pickled exception, or None
+        self.type_name = type_name
+        self.message = message  # str(exc)
+        self.why = why  # why the exception itself could not travel
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return ErrorPayload, (self.text, self.data, self.type_name, self.message, self.why)
+
+    @classmethod
+    def of(cls, exc: BaseException, context: str = "") -> ErrorPayload:
+        from . import _child
+
+        text = _child.format_error(exc, context)
+        kind = type(exc)
+        name = (kind.__qualname__ if kind.__module__ == "builtins"
+                else f"{kind.__module__}.{kind.__qualname__}")
+        data: bytes | None = None
+        why = ""
+        try:
+            pickled = pickle.dumps(exc, protocol=5)
+            pickle.loads(pickled)
+            data = pickled
+        except BaseException as err:  # noqa: BLE001 - any failure means: send the text only
+            why = f"{type(err).__name__}: {err}"
+        try:
+            message = str(exc)
+        except BaseException:  # noqa: BLE001
+            message = "<str() failed>"
+        return cls(text, data, name, message, why)
+
+    def rebuild(self) -> tuple[BaseException | None, str]:
+        """``(the exception, or None with why not)``, in the parent."""
+        if self.data is None:
+            return None, self.why
+        try:
+            exc = pickle.loads(self.data)
+        except Exception as err:  # noqa: BLE001
+            return None, f"{type(err).__name__}: {err}"
+        if not isinstance(exc, Exception):
+            return None, f"it is a BaseException ({self.type_name}), not an Exception"
+        return exc, ""
+
+
+def fn_name(fn: object) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)

@@ -1,0 +1,442 @@
+"""The Pool's scheduler: which task runs on which worker, and when workers come and go.
+
+Synchronous and pure: no sockets, no processes, no anyio, no awaits. Every method runs to
+completion and may be called from a task or from an event loop's reader callback. It
+talks to workers through the few methods of :class:`Handle` (a worker process in the
+pool, a fake in the unit tests) and hands back the one decision it cannot carry out
+itself, starting a worker, as a slot in :attr:`Scheduler.to_spawn` plus a call of
+``on_spawn``; the pool starts the process from a task.
+
+The rules (the why is in ``aiomp._pool``'s docstring):
+
+* A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
+  worker's outbox), *done* or *dropped* (its caller left before it started: it never
+  starts).
+* Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
+  goes to the least loaded worker with a free slot; a sync task needs a whole worker
+  (weight ``concurrency``), except that a sync chunk of a map may wait behind one other
+  sync chunk of the same call.
+* The head of the queue is never overtaken.
+* A send that fails because the worker has gone did not start the task: it goes back to
+  the head of the queue. Tasks still in a dead worker's outbox go back the same way.
+* A worker that dies fails the tasks it held with :class:`BrokenWorkerError` and is
+  replaced. One that dies before it is ready is replaced too, unless that slot's workers
+  died during start-up :data:`MAX_START_FAILURES` times in a row: then, as when the
+  initializer raises, the pool is *broken* and every pending and later task fails with
+  :class:`BrokenPoolError`.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from ._errors import BrokenPoolError, BrokenWorkerError, exit_description
+
+QUEUED, RUNNING, DONE, DROPPED = range(4)
+#: Start-up deaths in a row of one slot's workers that break the pool.
+MAX_START_FAILURES = 3
+
+
+def fresh(exc: BaseException) -> BaseException:
+    """A copy of ``exc`` to raise in one more place (raising one object again and again
+    would grow its traceback)."""
+    try:
+        new = copy.copy(exc)
+    except Exception:  # noqa: BLE001
+        return exc
+    new.__cause__ = exc.__cause__
+    new.__traceback__ = None
+    return new
+
+
+class Task:
+    """One message's worth of work: an ``apply`` call or a chunk of a map.
+
+    ``message`` is whatever the worker handle sends (the scheduler never looks inside);
+    ``release(message)`` is called once the message is no longer needed, sent or not,
+    and ``dropped(message)`` instead when it will never be sent.
+    """
+
+    __slots__ = (
+        "define",
+        "fn_id",
+        "group",
+        "index",
+        "is_async",
+        "message",
+        "name",
+        "ok",
+        "on_done",
+        "size",
+        "state",
+        "tid",
+        "value",
+        "weight",
+        "worker",
+    )
+
+    def __init__(self, tid: int, name: str, weight: int, is_async: bool, message: Any,
+                 *, fn_id: int = 0, define: bytes = b"", group: object = None, index: int = 0,
+                 size: int = 1, on_done: Callable[[Task], None] | None = None) -> None:
+        self.tid = tid
+        self.name = name  # of the function, for error messages
+        self.weight = weight
+        self.is_async = is_async
+        self.message = message
+        self.fn_id = fn_id  # nonzero: the worker must know DEF ``define`` first
+        self.define = define
+        self.group = group  # the map / imap call it is a chunk of; None for apply
+        self.index = index
+        self.size = size  # inputs it carries
+        self.on_done = on_done
+        self.state = QUEUED
+        self.worker: Worker | None = None
+        self.ok = False
+        self.value: Any = None
+
+    def finish(self, ok: bool, value: object) -> None:
+        release = getattr(self.message, "close", None)
+        if release is not None:
+            release()
+        self.state = DONE
+        self.ok = ok
+        self.value = value
+        if self.on_done is not None:
+            self.on_done(self)
+
+    def drop(self) -> None:
+        discard = getattr(self.message, "discard", None)
+        if discard is not None:
+            discard()
+        self.state = DROPPED
+
+
+class Handle(Protocol):
+    """What the scheduler needs of a worker. None of these may block or await."""
+
+    slot: int
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    def send(self, task: Task) -> bool:
+        """Send (or queue in order for sending) ``task``; False: the worker has gone and
+        nothing was sent. An OSError: the task cannot be sent anywhere (its fds)."""
+
+    def send_exit(self) -> None:
+        """Ask the worker to exit once it has sent its results."""
+
+    def kill(self) -> None:
+        """Terminate the worker (SIGTERM, grace period, SIGKILL); report its exit later."""
+
+
+class Worker:
+    """The scheduler's record of one worker."""
+
+    __slots__ = ("dispatched", "exit_sent", "gone", "handle", "killed", "load", "ready",
+                 "reason", "replaced", "retiring", "running", "slot")
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+        self.slot = handle.slot
+        self.ready = False
+        self.load = 0  # slots in use: 1 per async task, `concurrency` for a sync one
+        self.running: dict[int, Task] = {}
+        self.dispatched = 0
+        self.retiring = False  # maxtasksperchild reached: no new tasks, exit when empty
+        self.killed = False  # being terminated by the pool
+        self.gone = False  # a send found it dead: its exit is on its way
+        self.exit_sent = False
+        self.replaced = False  # a worker has been asked for in its place
+        self.reason = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not (self.retiring or self.killed or self.gone)
+
+
+_OPEN, _CLOSING, _CLOSED = range(3)
+
+
+class Scheduler:
+    """Tasks, workers and the decisions between them. See the module docstring."""
+
+    def __init__(self, processes: int, concurrency: int, maxtasks: int | None,
+                 on_spawn: Callable[[], None] = lambda: None,
+                 on_drained: Callable[[], None] = lambda: None) -> None:
+        self.processes = processes
+        self.concurrency = concurrency
+        self.maxtasks = maxtasks
+        self.on_spawn = on_spawn  # to_spawn grew
+        self.on_drained = on_drained  # no task is queued or running any more
+        self.to_spawn: collections.deque[int] = collections.deque()
+        self.workers: dict[Handle, Worker] = {}
+        self.idle: dict[Worker, None] = {}  # insertion order: popitem() is LIFO
+        self.queue: collections.deque[Task] = collections.deque()
+        self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
+        self.unfinished = 0  # tasks queued or running
+        self.completed = 0
+        self.replaced = 0
+        self.start_failures: dict[int, int] = {}
+        self.broken: BrokenPoolError | None = None
+        self._state = _OPEN
+
+    # -- workers ---------------------------------------------------------------------
+    def add(self, handle: Handle) -> None:
+        """A worker process has been started for ``handle.slot``; it is not ready yet."""
+        self.workers[handle] = Worker(handle)
+
+    def ready(self, handle: Handle) -> None:
+        w = self.workers.get(handle)
+        if w is None or w.ready:
+            return
+        w.ready = True
+        self.start_failures[w.slot] = 0
+        self._make_available(w)
+
+    def init_failed(self, handle: Handle, error: BaseException) -> None:
+        """The initializer raised in ``handle``'s worker: deterministic, so the pool breaks."""
+        self._break(error)
+
+    def kill(self, handle: Handle, reason: str) -> None:
+        """Terminate ``handle``'s worker (its tasks fail once it has exited); replace it."""
+        w = self.workers.get(handle)
+        if w is None:
+            return
+        if not w.killed:
+            w.killed = True
+            w.reason = w.reason or reason
+            self.idle.pop(w, None)
+            self._replace(w)
+        handle.kill()
+
+    def exited(self, handle: Handle, exitcode: int | None,
+               unsent: Iterable[int] = ()) -> None:
+        """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL).
+
+        ``unsent``: ids of tasks that never left the pool (its outbox): they go back to the
+        head of the queue. The rest it held fail with :class:`BrokenWorkerError`.
+        """
+        w = self.workers.pop(handle, None)
+        if w is None:
+            return
+        self.idle.pop(w, None)
+        tasks = w.running
+        w.running = {}
+        w.load = 0
+        back = [tasks.pop(tid) for tid in unsent if tid in tasks]
+        for task in reversed(back):
+            task.state = QUEUED
+            task.worker = None
+            self.queue.appendleft(task)
+            self.queued += 1
+        if exitcode is None:
+            # It survived SIGKILL (uninterruptible sleep): the pool gives up on it.
+            for task in tasks.values():
+                self._finish(task, False, RuntimeError(
+                    f"{handle.name} could not be terminated while it ran {task.name}"))
+        else:
+            what, sig = exit_description(exitcode)
+            for task in tasks.values():
+                self._finish(task, False, BrokenWorkerError(
+                    f"{handle.name} {what} while it ran {task.name}{w.reason}",
+                    w.slot, handle.pid, exitcode, sig))
+            if not (w.ready or w.killed or w.retiring) and self.broken is None:
+                failures = self.start_failures.get(w.slot, 0) + 1
+                self.start_failures[w.slot] = failures
+                if failures >= MAX_START_FAILURES:
+                    err = BrokenWorkerError(f"{handle.name} {what} during start-up",
+                                            w.slot, handle.pid, exitcode, sig)
+                    self._break(BrokenPoolError(
+                        f"the pool's worker {w.slot} died during start-up {failures} times "
+                        f"in a row, the last time: {err}"), cause=err)
+        self._replace(w)
+        self._dispatch()
+        self._check_drained()
+
+    # -- tasks -------------------------------------------------------------------------
+    def submit(self, task: Task) -> None:
+        """Start ``task`` on a worker, or queue it. On a broken pool it fails at once."""
+        if self.broken is not None:
+            task.finish(False, fresh(self.broken))
+            return
+        self.unfinished += 1
+        if not self.queued:
+            w = self._pick(task)
+            while w is not None:
+                if self._start(w, task):
+                    return
+                w = self._pick(task)  # that one had gone: the next
+        self.queue.append(task)
+        self.queued += 1
+
+    def drop(self, task: Task) -> None:
+        """A queued task's caller has gone: it never starts."""
+        if task.state == QUEUED:
+            task.drop()
+            self.queued -= 1
+            self.unfinished -= 1
+            self._check_drained()
+
+    def task(self, handle: Handle, tid: int) -> Task | None:
+        w = self.workers.get(handle)
+        return None if w is None else w.running.get(tid)
+
+    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> None:
+        """A result (or an error) for task ``tid`` came from ``handle``'s worker."""
+        w = self.workers.get(handle)
+        task = None if w is None else w.running.pop(tid, None)
+        if task is None:
+            return
+        assert w is not None
+        w.load -= task.weight
+        self._finish(task, ok, value)
+        self._make_available(w)
+        if not self.unfinished:
+            self.on_drained()
+
+    def close(self) -> None:
+        """No new calls; queued tasks still run (replacing workers as needed)."""
+        self._state = max(self._state, _CLOSING)
+
+    def terminate(self, error: BaseException) -> None:
+        """Shut down: queued tasks fail with ``error``; no worker is started again."""
+        self._state = _CLOSED
+        self._fail_queued(error)
+
+    # -- internals ---------------------------------------------------------------------
+    def _finish(self, task: Task, ok: bool, value: object) -> None:
+        self.unfinished -= 1
+        self.completed += 1
+        task.finish(ok, value)
+
+    def _check_drained(self) -> None:
+        if self.unfinished == 0:
+            self.on_drained()
+
+    def _replace(self, w: Worker) -> None:
+        """Start a worker in ``w``'s place, if the pool still wants one (once per worker)."""
+        if w.replaced or self.broken is not None:
+            return
+        if self._state == _CLOSED or (self._state == _CLOSING and not self.queued):
+            return
+        w.replaced = True
+        self.to_spawn.append(w.slot)
+        self.replaced += 1
+        self.on_spawn()
+
+    def spawn_failed(self, slot: int, error: BaseException) -> None:
+        """The pool could not start a process for ``slot`` (fork failed: EAGAIN, EMFILE)."""
+        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}: {error}")
+        self._break(err, cause=error)
+
+    def _break(self, error: BaseException, cause: BaseException | None = None) -> None:
+        if self.broken is None:
+            if isinstance(error, BrokenPoolError):
+                self.broken = error
+            else:
+                self.broken = BrokenPoolError(f"the pool is broken: {error}")
+                cause = error
+            if cause is not None:
+                self.broken.__cause__ = cause
+        self._fail_queued(self.broken)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        queue = self.queue
+        while queue:
+            task = queue.popleft()
+            if task.state == QUEUED:
+                self.queued -= 1
+                self._finish(task, False, fresh(error))
+        self._check_drained()
+
+    def _make_available(self, w: Worker) -> None:
+        """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
+        if w.killed or w.gone or not w.ready:
+            return
+        if w.retiring:
+            if not w.running and not w.exit_sent:
+                w.exit_sent = True
+                w.handle.send_exit()
+            return
+        if w.load == 0 and self._state != _CLOSED:
+            self.idle[w] = None
+        if self.queue:
+            self._dispatch()
+
+    def _pick(self, task: Task) -> Worker | None:
+        if self.idle:
+            return self.idle.popitem()[0]
+        if task.weight < self.concurrency:  # async: the least loaded with a free slot
+            best: Worker | None = None
+            for w in self.workers.values():
+                if (w.usable and w.load + task.weight <= self.concurrency
+                        and (best is None or w.load < best.load)):
+                    best = w
+            return best
+        if task.group is None or task.is_async:
+            return None
+        for w in self.workers.values():  # a sync chunk: behind one of its own call's chunks
+            if len(w.running) == 1 and w.usable:
+                (other,) = w.running.values()
+                if other.group is task.group and not other.is_async:
+                    return w
+        return None
+
+    def _dispatch(self) -> None:
+        if self._state == _CLOSED:
+            return
+        queue = self.queue
+        while queue:
+            task = queue[0]
+            if task.state != QUEUED:
+                queue.popleft()
+                continue
+            w = self._pick(task)
+            if w is None:
+                return
+            queue.popleft()
+            self.queued -= 1
+            if not self._start(w, task):
+                queue.appendleft(task)
+                self.queued += 1
+
+    def _start(self, w: Worker, task: Task) -> bool:
+        """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued."""
+        task.state = RUNNING
+        task.worker = w
+        w.running[task.tid] = task
+        w.load += task.weight
+        try:
+            sent = w.handle.send(task)
+        except OSError as exc:  # its fds cannot travel (fd limit): that task's failure
+            del w.running[task.tid]
+            w.load -= task.weight
+            self._finish(task, False, exc)
+            if w.load == 0 and w.usable:
+                self.idle[w] = None
+            return True
+        if not sent:
+            del w.running[task.tid]
+            w.load -= task.weight
+            task.state = QUEUED
+            task.worker = None
+            w.gone = True
+            self.idle.pop(w, None)
+            return False
+        w.dispatched += 1
+        if self.maxtasks is not None and w.dispatched >= self.maxtasks and not w.retiring:
+            w.retiring = True
+            self.idle.pop(w, None)
+            self._replace(w)
+        return True
+
+    # -- statistics --------------------------------------------------------------------
+    def live_workers(self) -> list[Worker]:
+        return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
