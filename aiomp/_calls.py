@@ -409,7 +409,6 @@ class ResultIterator(Generic[T]):
 
     def _submit(self, chunk: list[Any]) -> None:
         pool = self._pool
-        pool._check_open()
         task = make_task(pool, self._fn, self._fn_info, self._flags, chunk, None,
                          group=self, index=self._count, on_done=self._on_done)
         self._tasks[self._count] = task
@@ -422,12 +421,12 @@ class ResultIterator(Generic[T]):
         while not self._exhausted and len(self._tasks) < self._buffersize:
             try:
                 chunk = list(itertools.islice(self._it, self._chunksize))
-                if chunk:
-                    self._submit(chunk)
             except Exception as exc:  # noqa: BLE001 - raised to the consumer, in order
                 self._error = exc
                 self._exhausted = True
                 return
+            if chunk:
+                self._submit(chunk)
             if len(chunk) < self._chunksize:
                 self._exhausted = True
 

@@ -1,0 +1,38 @@
+"""Functions that Pool workers run in tests/test_pool_lifecycle.py (importable by children)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests._funcs import gate_wait
+
+
+def init_at_gate(address: str) -> None:
+    """An initializer that says ready (keyed by pid) and waits for the test's release."""
+    gate_wait(os.getpid(), address)
+
+
+def append(path: str, word: str) -> None:
+    with open(path, "a") as f:
+        f.write(word + "\n")
+
+
+def pid(*_: object) -> int:
+    return os.getpid()
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def kill_self_at(x: int, victim: int) -> int:
+    """``x * x``, except that input ``victim`` SIGKILLs its worker."""
+    if x == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+def init_kill_self() -> None:
+    """An initializer whose worker dies by a signal (as under the OOM killer)."""
+    os.kill(os.getpid(), signal.SIGKILL)
