@@ -1,0 +1,319 @@
+"""Unit tests of the Pool's scheduler (``aiomp._scheduler``), with fake worker handles.
+
+No processes, no sockets, no event loop: the scheduler is synchronous and pure, so every
+rule of dispatch and every lifecycle decision is checked here directly, including issue
+8's four bugs at the scheduler level.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import aiomp
+from aiomp._scheduler import DONE, DROPPED, MAX_START_FAILURES, QUEUED, RUNNING, Scheduler, Task
+
+
+class FakeHandle:
+    """A worker that records what it was sent; ``alive=False`` makes sends fail."""
+
+    def __init__(self, slot: int, pid: int = 0) -> None:
+        self.slot = slot
+        self.pid = pid or 1000 + slot
+        self.sent: list[int] = []
+        self.alive = True
+        self.exit_requested = False
+        self.killed = False
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.slot} (pid {self.pid})"
+
+    def send(self, task: Task) -> bool:
+        if not self.alive:
+            return False
+        self.sent.append(task.tid)
+        return True
+
+    def send_exit(self) -> None:
+        self.exit_requested = True
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+class Rig:
+    """A scheduler with fake workers, and helpers to make tasks."""
+
+    def __init__(self, processes: int = 2, concurrency: int = 1,
+                 maxtasks: int | None = None) -> None:
+        self.spawns = 0
+        self.drained = 0
+        self.sched = Scheduler(processes, concurrency, maxtasks, self._spawn, self._drained)
+        self.handles: list[FakeHandle] = []
+        self.done: list[Task] = []
+        self._tid = 0
+        for slot in range(processes):
+            self.start(slot)
+
+    def _spawn(self) -> None:
+        self.spawns += 1
+
+    def _drained(self) -> None:
+        self.drained += 1
+
+    def start(self, slot: int, ready: bool = True) -> FakeHandle:
+        h = FakeHandle(slot, pid=2000 + len(self.handles))
+        self.handles.append(h)
+        self.sched.add(h)
+        if ready:
+            self.sched.ready(h)
+        return h
+
+    def spawn_requested(self) -> list[FakeHandle]:
+        """Start what the scheduler asked for (as the pool's supervisor does)."""
+        out = []
+        while self.sched.to_spawn:
+            out.append(self.start(self.sched.to_spawn.popleft(), ready=False))
+        return out
+
+    def task(self, weight: int | None = None, group: Any = None, is_async: bool = False,
+             size: int = 1) -> Task:
+        self._tid += 1
+        w = weight if weight is not None else (1 if is_async else self.sched.concurrency)
+        return Task(self._tid, "f", w, is_async, b"msg", group=group, size=size,
+                    on_done=self.done.append)
+
+    def submit(self, *tasks: Task) -> None:
+        for t in tasks:
+            self.sched.submit(t)
+
+
+def test_idle_workers_first_most_recently_idle_first() -> None:
+    r = Rig(2)
+    a, b = r.handles
+    t1 = r.task()
+    r.submit(t1)
+    assert b.sent == [t1.tid]  # the last to become ready (LIFO)
+    r.sched.complete(b, t1.tid, True, 1)
+    t2 = r.task()
+    r.submit(t2)
+    assert b.sent == [t1.tid, t2.tid]  # the hot worker again
+    assert t1.state == DONE and t1.ok and t1.value == 1
+
+
+def test_fifo_queue_and_the_head_is_never_overtaken() -> None:
+    r = Rig(1, concurrency=2)
+    (w,) = r.handles
+    sync1, sync2, async1 = r.task(), r.task(), r.task(is_async=True)
+    r.submit(sync1, sync2, async1)
+    assert w.sent == [sync1.tid]
+    assert r.sched.queued == 2
+    r.sched.complete(w, sync1.tid, True, None)
+    assert w.sent == [sync1.tid, sync2.tid]  # the sync head first, though async1 would fit
+    r.sched.complete(w, sync2.tid, True, None)
+    assert w.sent[-1] == async1.tid
+
+
+def test_async_tasks_go_to_the_least_loaded_worker_with_room() -> None:
+    r = Rig(2, concurrency=3)
+    tasks = [r.task(is_async=True) for _ in range(6)]
+    r.submit(*tasks)
+    assert sorted(len(h.sent) for h in r.handles) == [3, 3]
+    extra = r.task(is_async=True)
+    r.submit(extra)
+    assert extra.state == QUEUED
+
+
+def test_a_maps_next_sync_chunk_may_wait_behind_its_own_chunk() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    group, other = object(), object()
+    c1, c2, c3 = (r.task(group=group) for _ in range(3))
+    r.submit(c1, c2, c3)
+    assert w.sent == [c1.tid, c2.tid]  # one chunk of the same call waits in the worker
+    x = r.task(group=other)
+    r.submit(x)
+    assert x.state == QUEUED
+
+
+def test_dropped_tasks_never_start() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    busy, queued = r.task(), r.task()
+    r.submit(busy, queued)
+    r.sched.drop(queued)
+    assert queued.state == DROPPED
+    r.sched.complete(w, busy.tid, True, None)
+    assert w.sent == [busy.tid]
+    assert r.sched.unfinished == 0 and r.drained >= 1
+
+
+def test_bug1_retire_and_replace_are_decisions_not_actions() -> None:
+    """Issue 8 bug 1 at the scheduler level: retiring asks for a replacement through
+    ``to_spawn`` (the pool starts it from a task), never by starting one itself."""
+    r = Rig(1, maxtasks=1)
+    (w,) = r.handles
+    t1, t2 = r.task(), r.task()
+    r.submit(t1, t2)
+    assert list(r.sched.to_spawn) == [0] and r.spawns == 1
+    assert t2.state == QUEUED  # not sent to a retiring worker
+    r.sched.complete(w, t1.tid, True, None)
+    assert w.exit_requested
+    (new,) = r.spawn_requested()
+    r.sched.ready(new)
+    assert new.sent == [t2.tid]
+    assert r.sched.replaced == 2  # the new one retires at once too (maxtasks=1)
+
+
+def test_bug3_a_send_to_a_dead_worker_requeues_the_task() -> None:
+    """Issue 8 bug 3: a send that fails because the worker has gone did not start the
+    task: it goes to another worker (or waits), never fails with BrokenWorkerError."""
+    r = Rig(2)
+    a, b = r.handles
+    b.alive = False  # died while idle; its exit has not been seen yet
+    t = r.task()
+    r.submit(t)
+    assert a.sent == [t.tid] and t.state == RUNNING
+    a.alive = False
+    r.sched.complete(a, t.tid, True, None)
+    t2 = r.task()
+    r.submit(t2)
+    assert t2.state == QUEUED  # nobody alive: it waits for a replacement
+    r.sched.exited(b, -9)
+    r.sched.exited(a, -9)
+    assert t2.state == QUEUED and not r.done[1:]
+    (n1, n2) = r.spawn_requested()
+    r.sched.ready(n2)
+    assert n2.sent == [t2.tid]
+
+
+def test_tasks_left_in_a_dead_workers_outbox_are_requeued_first() -> None:
+    r = Rig(1, concurrency=4)
+    (w,) = r.handles
+    t1, t2, t3 = (r.task(is_async=True) for _ in range(3))
+    r.submit(t1, t2, t3)
+    r.sched.exited(w, -9, unsent=[t2.tid, t3.tid])
+    assert t1.state == DONE and isinstance(t1.value, aiomp.BrokenWorkerError)
+    assert "terminated with signal SIGKILL while it ran f" in str(t1.value)
+    assert [t.tid for t in r.sched.queue] == [t2.tid, t3.tid]
+    (new,) = r.spawn_requested()
+    r.sched.ready(new)
+    assert new.sent == [t2.tid, t3.tid]
+
+
+def test_bug4_a_death_during_start_up_is_replaced() -> None:
+    """Issue 8 bug 4: a worker killed before it was ready (the OOM killer) is replaced;
+    the pool breaks only after MAX_START_FAILURES start-up deaths in a row of one slot."""
+    r = Rig(2)
+    a, b = r.handles
+    queued = [r.task() for _ in range(5)]
+    r.submit(*queued)
+    r.sched.exited(b, -9)  # a ready worker's death: not a start-up death
+    for n in range(1, MAX_START_FAILURES + 1):
+        (victim,) = r.spawn_requested()  # not ready yet: holds no task
+        assert not victim.sent
+        r.sched.exited(victim, -9)
+        if n < MAX_START_FAILURES:
+            assert r.sched.broken is None
+            assert not any(t.state == DONE for t in queued[1:])  # no task failed
+        else:
+            assert isinstance(r.sched.broken, aiomp.BrokenPoolError)
+            assert f"{MAX_START_FAILURES} times in a row" in str(r.sched.broken)
+    assert not r.sched.to_spawn
+    assert all(isinstance(t.value, aiomp.BrokenPoolError) for t in queued[2:])
+
+
+def test_a_ready_worker_resets_its_slots_start_up_count() -> None:
+    r = Rig(1)
+    for _ in range(2 * MAX_START_FAILURES):
+        (w,) = [h for h in r.handles if not h.killed][-1:]
+        r.sched.exited(w, -9)
+        (new,) = r.spawn_requested()
+        r.sched.exited(new, -9)  # one start-up death
+        (new,) = r.spawn_requested()
+        r.sched.ready(new)  # then a healthy start
+        r.handles = [new]
+    assert r.sched.broken is None
+
+
+def test_an_initializer_that_raises_breaks_the_pool() -> None:
+    r = Rig(2)
+    t = r.task()
+    r.sched.kill(r.handles[0], "")  # busy with nothing; irrelevant
+    r.submit(t)
+    cause = ValueError("init")
+    r.sched.init_failed(r.handles[1], cause)
+    later = r.task()
+    r.submit(later)
+    assert isinstance(later.value, aiomp.BrokenPoolError) and later.value.__cause__ is cause
+
+
+def test_broken_pool_fails_queued_tasks_with_fresh_errors() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    busy, q1, q2 = r.task(), r.task(), r.task()
+    r.submit(busy, q1, q2)
+    r.sched.init_failed(w, RuntimeError("x"))
+    assert isinstance(q1.value, aiomp.BrokenPoolError)
+    assert q1.value is not q2.value  # each raise site its own copy
+    assert busy.state == RUNNING  # its own worker decides its fate
+
+
+def test_kill_fails_the_tasks_only_once_the_worker_has_exited() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    t = r.task()
+    r.submit(t)
+    r.sched.kill(w, " (cancelled)")
+    assert w.killed and t.state == RUNNING
+    assert list(r.sched.to_spawn) == [0]
+    r.sched.exited(w, -15)
+    assert isinstance(t.value, aiomp.BrokenWorkerError)
+    assert str(t.value).endswith("(cancelled)")
+    assert list(r.sched.to_spawn) == [0]  # replaced once, not twice
+
+
+def test_a_task_whose_fds_cannot_be_sent_fails_alone() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+
+    def refuse(task: Task) -> bool:
+        raise aiomp.TransportError("too many fds in flight")
+
+    w.send = refuse  # type: ignore[method-assign]
+    t = r.task()
+    r.submit(t)
+    assert isinstance(t.value, aiomp.TransportError)
+    assert r.sched.idle and not r.sched.to_spawn
+
+
+def test_terminate_fails_the_queue_and_starts_nothing() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    busy, q = r.task(), r.task()
+    r.submit(busy, q)
+    r.sched.terminate(RuntimeError("shutting down"))
+    assert isinstance(q.value, RuntimeError)
+    r.sched.kill(w, "")
+    r.sched.exited(w, -15)
+    assert not r.sched.to_spawn and r.sched.unfinished == 0
+
+
+@pytest.mark.parametrize("exitcode", [None, 1, -9])
+def test_unfinished_count_is_exact_on_every_way_out(exitcode: int | None) -> None:
+    r = Rig(2, concurrency=2)
+    tasks = [r.task(is_async=True) for _ in range(7)]
+    r.submit(*tasks)
+    r.sched.drop(tasks[-1])
+    a, b = r.handles
+    r.sched.exited(a, exitcode)
+    for h in r.spawn_requested():
+        r.sched.ready(h)
+    while r.sched.unfinished:
+        for h in r.handles:
+            for t in list(h.sent):
+                r.sched.complete(h, t, True, None)
+    assert r.sched.queued == 0 and r.drained >= 1
+    assert all(t.state in (DONE, DROPPED) for t in tasks)
