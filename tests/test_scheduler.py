@@ -92,7 +92,7 @@ class Rig:
 
 def test_idle_workers_first_most_recently_idle_first() -> None:
     r = Rig(2)
-    a, b = r.handles
+    _a, b = r.handles
     t1 = r.task()
     r.submit(t1)
     assert b.sent == [t1.tid]  # the last to become ready (LIFO)
@@ -184,7 +184,7 @@ def test_bug3_a_send_to_a_dead_worker_requeues_the_task() -> None:
     r.sched.exited(b, -9)
     r.sched.exited(a, -9)
     assert t2.state == QUEUED and not r.done[1:]
-    (n1, n2) = r.spawn_requested()
+    (_n1, n2) = r.spawn_requested()
     r.sched.ready(n2)
     assert n2.sent == [t2.tid]
 
@@ -207,7 +207,7 @@ def test_bug4_a_death_during_start_up_is_replaced() -> None:
     """Issue 8 bug 4: a worker killed before it was ready (the OOM killer) is replaced;
     the pool breaks only after MAX_START_FAILURES start-up deaths in a row of one slot."""
     r = Rig(2)
-    a, b = r.handles
+    _a, b = r.handles
     queued = [r.task() for _ in range(5)]
     r.submit(*queued)
     r.sched.exited(b, -9)  # a ready worker's death: not a start-up death
@@ -307,7 +307,7 @@ def test_unfinished_count_is_exact_on_every_way_out(exitcode: int | None) -> Non
     tasks = [r.task(is_async=True) for _ in range(7)]
     r.submit(*tasks)
     r.sched.drop(tasks[-1])
-    a, b = r.handles
+    a, _b = r.handles
     r.sched.exited(a, exitcode)
     for h in r.spawn_requested():
         r.sched.ready(h)
