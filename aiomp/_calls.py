@@ -50,13 +50,14 @@ class _Fn:
     every task: their state may change between calls.
     """
 
-    __slots__ = ("define", "fid", "is_async", "name")
+    __slots__ = ("checked", "define", "fid", "is_async", "name")
 
     def __init__(self, name: str, is_async: bool, fid: int = 0, define: bytes = b"") -> None:
         self.name = name
         self.is_async = is_async
         self.fid = fid
         self.define = define
+        self.checked: set[str] = set()  # start methods whose children can import it
 
 
 #: fn -> _Fn. Weak: a cached function must not be kept alive by the cache.
@@ -95,7 +96,13 @@ def fn_info(fn: object) -> _Fn:
 def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, items: Any,
               kwds: dict[str, object] | None, *, group: object = None, index: int = 0,
               on_done: Callable[[Task], None] | None = None) -> Task:
-    """Pickle a task; raises here, in the caller, if it cannot be pickled."""
+    """Pickle a task; raises here, in the caller, if it cannot be pickled or if the
+    pool's workers could not import ``fn`` (a lambda, a function of an interactive
+    ``__main__``): the same check as ``spawn``'s, once per function and start method."""
+    method = pool._start_method
+    if method not in info.checked:
+        _context.check_function(fn, method)
+        info.checked.add(method)
     tid = next(_tids)
     weight = 1 if info.is_async else pool._concurrency
     fid = info.fid
@@ -118,7 +125,7 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
         message = P.Message(P.OP_TASK, tid, flags, P.task_body(fid, b""),
                             (items, kwds) if fid else (fn, items, kwds))
     except Exception as exc:
-        _context.check_function(fn, "spawn")  # a clearer error when fn is the problem
+        _context.check_function(fn, method)  # a clearer error when fn is the problem
         exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
         raise
     return task(message)

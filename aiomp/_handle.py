@@ -25,6 +25,7 @@ shielded from cancellation around the pool: it always ends, because killing is b
 from __future__ import annotations
 
 import collections
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -118,8 +119,11 @@ class WorkerHandle:
         """Ask the worker to cancel async task ``tid``."""
         self._send_frame(P.control(P.OP_CANCEL, tid), None)
 
-    def kill(self) -> None:
-        """Have the watcher terminate the process (SIGTERM, grace period, SIGKILL)."""
+    def kill(self, now: bool = False) -> None:
+        """Have the watcher terminate the process (SIGTERM, grace period, SIGKILL), or
+        with ``now`` send SIGKILL at once (a second Ctrl-C during shutdown)."""
+        if now:
+            self.child.signal(signal.SIGKILL)
         self._kill.set()
 
     def _send_frame(self, frame: bytes, fds: list[int] | None) -> bool:
@@ -177,6 +181,12 @@ class WorkerHandle:
                         await _context.terminate_all([child], self._grace)
                     tg.cancel_scope.cancel()
         finally:
+            if not child.exited:
+                # Only a native cancellation of this task (asyncio.run cancelling every
+                # task after its main one ended) gets here: no child may outlive it.
+                child.signal(signal.SIGKILL)
+                child.process.join(_context.KILL_TIMEOUT)
+                child.poll_exit()
             unsent = self._close()
             self._on_exit(self, child.exitcode, unsent)
             self.dead.set()

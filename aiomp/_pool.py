@@ -201,6 +201,23 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     return out
 
 
+async def _reap(handles: list[WorkerHandle],
+                interrupted: BaseException | None = None) -> BaseException | None:
+    """Wait until every watcher of ``handles`` has finished (bounded: each one's
+    termination is). A cancellation or KeyboardInterrupt meanwhile cannot cut this short,
+    as native asyncio cancellations pass anyio's shields: it means "now", SIGKILL for all,
+    and is returned, with ``interrupted``, once they are reaped."""
+    for h in handles:
+        while not h.dead.is_set():
+            try:
+                await h.dead.wait()
+            except BaseException as exc:  # noqa: BLE001 - returned once all are reaped
+                interrupted = interrupted or exc
+                for other in handles:
+                    other.kill(now=True)
+    return interrupted
+
+
 class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
@@ -346,18 +363,21 @@ class Pool:
         """
         tg = self._tg
         assert tg is not None
-        if exc is None:
+        error = exc
+        if error is None:
             try:
                 await self._join()
-            except BaseException as join_exc:
-                await self._shutdown(graceful=False)
-                if await _exit_task_group(tg, join_exc):
-                    return None
-                raise
-            await self._shutdown(graceful=True)
-        else:
-            await self._shutdown(graceful=False)
-        return await _exit_task_group(tg, exc)
+            except BaseException as join_exc:  # noqa: BLE001 - cancelled while waiting
+                error = join_exc
+        interrupted = await self._shutdown(graceful=error is None)
+        error = error or interrupted
+        if error is None:
+            return await _exit_task_group(tg, None)
+        if await _exit_task_group(tg, error) and error is exc:
+            return True
+        if error is exc:
+            return False  # the body's exception goes on as it was
+        raise error
 
     async def _join(self) -> None:
         self._state = _CLOSING
@@ -368,17 +388,26 @@ class Pool:
             self._drained = done = anyio.Event()
             await done.wait()
 
-    async def _shutdown(self, graceful: bool) -> None:
-        """Stop every worker: politely first if ``graceful``. Shielded and bounded."""
+    async def _shutdown(self, graceful: bool) -> BaseException | None:
+        """Stop every worker: politely first if ``graceful``. Shielded and bounded.
+
+        A cancellation or KeyboardInterrupt that arrives meanwhile (a second Ctrl-C: native
+        asyncio cancellations pass anyio's shield) does not stop it: it SIGKILLs the
+        workers at once, the shutdown still reaps them all, and it is returned.
+        """
+        interrupted: BaseException | None = None
         with anyio.CancelScope(shield=True):
             for it in list(self._iterators):
                 it._close(RuntimeError("the pool was terminated"))
             if graceful:
                 for h in list(self._handles):
                     h.send_exit()
-                with anyio.move_on_after(self._grace):
-                    for h in list(self._handles):
-                        await h.dead.wait()
+                try:
+                    with anyio.move_on_after(self._grace):
+                        for h in list(self._handles):
+                            await h.dead.wait()
+                except BaseException as exc:  # noqa: BLE001 - returned once all are reaped
+                    interrupted = exc
             self._state = _CLOSED
             self._sched.terminate(RuntimeError("the pool was terminated before the task started"))
             if self._supervisor is not None:
@@ -386,10 +415,10 @@ class Pool:
             handles = list(self._handles)
             for h in handles:
                 self._sched.kill(h, " (the pool was shutting down)")
-                h.kill()  # a handle the scheduler no longer knows (exited already)
-            for h in handles:
-                await h.dead.wait()  # bounded: each watcher's termination is
+                h.kill(now=interrupted is not None)  # and those the scheduler forgot
+            interrupted = await _reap(handles, interrupted)
             self._release_init()
+        return interrupted
 
     def _release_init(self) -> None:
         init, self._init = self._init, None
@@ -536,18 +565,25 @@ class Pool:
                     h.cancel(task.tid)
                 else:
                     kill[h] = None
+        interrupted: BaseException | None = None
         if coop:
-            with anyio.move_on_after(self._grace):
-                for task in coop:
-                    await _calls.wait_done(task, self._loop)
+            try:
+                with anyio.move_on_after(self._grace):
+                    for task in coop:
+                        await _calls.wait_done(task, self._loop)
+            except BaseException as exc:  # noqa: BLE001 - raised once the workers are reaped
+                interrupted = exc
             for task in coop:
                 if task.state == RUNNING:
                     assert task.worker is not None
                     kill[task.worker.handle] = None  # type: ignore[index]
         for h in kill:
             self._sched.kill(h, " (the pool terminated it to cancel a task)")
-        for h in kill:
-            await h.dead.wait()
+            if interrupted is not None:
+                h.kill(now=True)
+        interrupted = await _reap(list(kill), interrupted)
+        if interrupted is not None:
+            raise interrupted
 
     # -- public calls ------------------------------------------------------------------
     async def apply(self, fn: Callable[..., Any], args: Iterable[object] = (),

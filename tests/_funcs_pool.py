@@ -36,3 +36,9 @@ def kill_self_at(x: int, victim: int) -> int:
 def init_kill_self() -> None:
     """An initializer whose worker dies by a signal (as under the OOM killer)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def deaf_at_gate(address: str) -> None:
+    """Ignore SIGTERM (a worker slow to stop), say ready, wait for the test's release."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    gate_wait(os.getpid(), address)

@@ -256,3 +256,27 @@ async def test_random_worker_kills_during_a_stream_of_apply() -> None:
             assert ok + broken == 400
             assert await p.map(funcs.square, range(10)) == [x * x for x in range(10)]
             assert p.statistics().workers == 3
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
+                         ids=["asyncio", "uvloop"])
+async def test_a_second_cancel_during_shutdown_kills_at_once(gate: Gate) -> None:
+    """Issue 18 item 1, the Pool's side: a second native cancellation (a second Ctrl-C)
+    during the grace period must not abort termination and leave the worker alive; it
+    means "now": SIGKILL at once, and the worker is still reaped before the pool exits."""
+
+    async def service() -> None:
+        async with pool(1, grace_period=5) as p:
+            await p.apply(funcs.deaf_at_gate, (gate.address,))
+
+    task = asyncio.create_task(service())
+    (pid,) = (await gate.ready(1)).values()
+    start = time.monotonic()
+    task.cancel()
+    await asyncio.sleep(0.3)  # the interval between two Ctrl-Cs, not a wait for a child
+    assert not dead(pid)  # in its grace period: it ignores SIGTERM
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert dead(pid)
+    assert time.monotonic() - start < 5  # well before the grace period would have ended
