@@ -77,29 +77,56 @@ Errors
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._cuda import (
     DEFAULT_IPC_LIMIT,
+    IPC_BLOCK,
     MAX_IPC_EVENTS,
     CudaIpcError,
     IpcLimitError,
     IpcStatistics,
 )
+from ._cuda import empty as _empty
 from ._cuda import get_ipc_limit as _get_ipc_limit
 from ._cuda import ipc_collect as _ipc_collect
 from ._cuda import set_ipc_limit as _set_ipc_limit
 from ._cuda import statistics as _statistics
+from ._cuda import zeros as _zeros
 
 __all__ = (
     "DEFAULT_IPC_LIMIT",
+    "IPC_BLOCK",
     "MAX_IPC_EVENTS",
     "CudaIpcError",
     "IpcLimitError",
     "IpcStatistics",
+    "empty",
     "get_ipc_limit",
     "ipc_collect",
     "set_ipc_limit",
     "statistics",
+    "zeros",
 )
+
+
+def empty(shape: Any, dtype: Any = float) -> Any:
+    """A ``cupy.ndarray`` in an IPC-safe block: it travels in place, whatever its size.
+
+    The block is a whole cudaMalloc of a multiple of :data:`IPC_BLOCK` (2 MiB) bytes,
+    allocated on the current device outside CuPy's pool, so a consumer that opens it sees
+    this array's memory and nothing else. Blocks are pooled: once neither this process nor
+    any consumer it was sent to holds the array, its block is reused by the next call.
+    Contents are uninitialised. Out of device memory: collects released sent blocks,
+    frees cached ones (aiomp's and CuPy's) and retries once; a second failure raises
+    CuPy's error. Without a usable GPU: :class:`CudaIpcError`.
+    """
+    return _empty(shape, dtype)
+
+
+def zeros(shape: Any, dtype: Any = float) -> Any:
+    """:func:`empty`, filled with zeros on the current stream."""
+    return _zeros(shape, dtype)
 
 
 def ipc_collect() -> int:
