@@ -88,10 +88,9 @@ class FakeGPU:
             self.allocs[base] = (size, base)
             return base
         size = _round(max(size, 1), _SMALL_UNIT)
-        for bbase, (bsize, small, used, _live) in self.blocks.items():
-            if small and used + size <= bsize:
-                break
-        else:
+        bbase = next((b for b, (bsize, small, used, _live) in self.blocks.items()
+                      if small and used + size <= bsize), None)
+        if bbase is None:
             bbase = self._granules(GRANULE)
             self.blocks[bbase] = [GRANULE, True, 0, 0]
         block = self.blocks[bbase]
@@ -129,7 +128,7 @@ class FakeGPU:
         if base >= self.MAPPED:
             raise FakeCudaError("cudaErrorInvalidValue: memory opened from an IPC handle "
                                 "cannot be exported")
-        size, bbase = self.allocs[base]
+        bbase = self.allocs[base][1]
         bsize = self.blocks[bbase][0]
         return (b"H" + bbase.to_bytes(8, "little") + bsize.to_bytes(8, "little")
                 + (base - bbase).to_bytes(8, "little")).ljust(64, b"\0")
@@ -466,7 +465,7 @@ def no_gpu_cupy() -> types.ModuleType:
         raise NoGpuRuntimeError()
 
     class Device:
-        def __init__(self, id: int = 0) -> None:  # noqa: A002 - cupy's name
+        def __init__(self, id: int = 0) -> None:
             self.id = id
 
         def __enter__(self) -> Device:
@@ -475,7 +474,7 @@ def no_gpu_cupy() -> types.ModuleType:
         def __exit__(self, *exc: object) -> None:
             pass
 
-    class ndarray:  # noqa: N801 - cupy's name
+    class ndarray:
         def __init__(self) -> None:
             import numpy
 
@@ -843,7 +842,6 @@ async def gpu_fork_after_init(rank: int) -> str:
     import cupy
 
     import aiomp
-
     from tests._funcs import echo
 
     cupy.zeros(1).sum()

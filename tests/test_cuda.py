@@ -225,7 +225,7 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         empty = _cuda.IpcArrayMeta(None, 0, 0, (0,), (4,), "<f4", 0, "0000:01:00.0", None,
                                    1, -1, -1)
         with pytest.raises(aiomp.cuda.CudaIpcError,
-                           match="arrived, but process .* no usable CUDA device"):
+                           match=r"arrived, but process \d+ has no usable CUDA device"):
             _cuda._rebuild(empty)
         with pytest.raises(aiomp.cuda.CudaIpcError,
                            match="no usable CUDA device: cudaErrorNoDevice") as got:
