@@ -587,7 +587,8 @@ def gpu_send(rank: int, q: object, back: object, arrays: str) -> object:
         msg = (base,)
     elif arrays == "slice":
         msg = (base[1000:1100],)
-    elif arrays == "several":
+    elif arrays == "several":  # small: copied into one staging block
+        base = cupy.arange(4096, dtype=cupy.float32)
         msg = (base[:10], base[100:110], base[::-512])
     elif arrays == "ipc_safe":
         base = cuda.empty(1 << 20, dtype=cupy.float32)
@@ -618,7 +619,8 @@ def gpu_check(rank: int, q: object, back: object, arrays: str) -> object:
         ok = numpy.array_equal(cupy.asnumpy(msg[0]), ref[1000:1100])
         msg[0][:] = -1.0  # seen by the producer: these travel in place
         cupy.cuda.get_current_stream().synchronize()
-    else:  # small slices of a large allocation: copied into one IPC-safe block
+    else:  # small arrays: copied into one IPC-safe staging block
+        ref = ref[:4096]
         ok = (numpy.array_equal(cupy.asnumpy(msg[0]), ref[:10])
               and numpy.array_equal(cupy.asnumpy(msg[1]), ref[100:110])
               and numpy.array_equal(cupy.asnumpy(msg[2]), ref[::-512]))
