@@ -660,8 +660,8 @@ def _retry_oom(backend: Any, dev: int, fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-def empty(shape: Any, dtype: Any = float) -> Any:
-    """See :func:`aiomp.cuda.empty`."""
+def empty(shape: Any, dtype: Any = float, *, zero: bool = False) -> Any:
+    """See :func:`aiomp.cuda.empty` (``zero``: :func:`aiomp.cuda.zeros`)."""
     import numpy
 
     dt = numpy.dtype(dtype)
@@ -682,22 +682,14 @@ def empty(shape: Any, dtype: Any = float) -> Any:
         return backend.empty(dims, dt.str, dev)
     with _lock:
         block = _block_pool.take(backend, dev, nbytes)
+    if zero:
+        backend.memset(dev, block.ptr, nbytes)  # on the current stream, like cupy.zeros
     strides, acc = [], dt.itemsize
     for n in reversed(dims):
         strides.append(acc)
-        acc *= max(n, 1)
+        acc *= n
     return backend.wrap(block.ptr, block.size, block, dev, 0, dims, tuple(reversed(strides)),
                         dt.str)
-
-
-def zeros(shape: Any, dtype: Any = float) -> Any:
-    """See :func:`aiomp.cuda.zeros`."""
-    arr = empty(shape, dtype)
-    desc = get_backend().describe(arr)
-    if isinstance(desc.owner, IpcBlock):
-        lo, hi = extent(desc.shape, desc.strides, desc.itemsize)
-        get_backend().memset(desc.device, desc.ptr + lo, hi - lo)
-    return arr
 
 
 # -- producer -------------------------------------------------------------------------------

@@ -92,7 +92,6 @@ from ._cuda import get_ipc_limit as _get_ipc_limit
 from ._cuda import ipc_collect as _ipc_collect
 from ._cuda import set_ipc_limit as _set_ipc_limit
 from ._cuda import statistics as _statistics
-from ._cuda import zeros as _zeros
 
 __all__ = (
     "DEFAULT_IPC_LIMIT",
@@ -126,7 +125,7 @@ def empty(shape: Any, dtype: Any = float) -> Any:
 
 def zeros(shape: Any, dtype: Any = float) -> Any:
     """:func:`empty`, filled with zeros on the current stream."""
-    return _zeros(shape, dtype)
+    return _empty(shape, dtype, zero=True)
 
 
 def ipc_collect() -> int:
