@@ -1,34 +1,56 @@
 """CUDA IPC for CuPy arrays: handles, offsets, events, kernel-kept reference counts.
 
 What travels (:class:`IpcArrayMeta`, one small tuple per array): the ``cudaIpcMemHandle``
-of the array's *base allocation* (pooled allocators place arrays inside larger blocks;
-the driver's address-range query finds the block), the byte offset of element 0 in it,
-shape, strides, dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle``
-recorded on the sender's current stream, and the lease slot that keeps the block alive.
+of the block holding the array, the byte offset of element 0 in it, shape, strides,
+dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle`` recorded on the
+sender's current stream, and the lease slot that keeps the block alive.
+
+Which block (the CUDA guide: IPC shares the whole underlying memory block, and the
+driver sub-allocates small cudaMallocs from shared blocks, so share only allocations of
+whole 2 MiB multiples):
+
+- an array in an IPC-safe block (:func:`empty`: a whole cudaMalloc of a multiple of
+  :data:`IPC_BLOCK`, outside CuPy's pool) travels in place, in that block;
+- any other array whose bytes span less than :data:`IPC_BLOCK` is copied, on the
+  producer's current stream, into an IPC-safe *staging* block that the message's small
+  arrays share (:func:`_stage`), and travels there;
+- a larger array travels in place, in its base allocation (pooled allocators place
+  arrays inside larger blocks; the driver's address-range query finds it).
+
+IPC-safe blocks are pooled (:class:`_BlockPool`): a block whose :class:`IpcBlock` owner
+nobody references any more (no array, no sent record) is reused by the next request.
 
 Lifetime (DESIGN R6), with the leases of :mod:`aiomp._lease`:
 
 - The producer owns one lease memfd. Every sent block gets a slot (one byte of that
-  file) and a record holding a reference to the array's memory, so CuPy cannot free or
-  reuse the block. The message carries a handoff description that holds the slot's
-  lease while it is in flight (one description per message, whatever its array count).
+  file) and a record holding the memory of *every* array sent in it (CuPy's pool splits
+  one allocation into chunks and frees each with its last reference), so CuPy cannot
+  free or reuse any of it. The message carries a handoff description that holds the
+  slot's lease while it is in flight (one description per message, whatever its array
+  count).
 - The consumer takes its own lease on the slot through one description per producer
   lease file, opens the IPC handle (once per process: opened handles are cached and
   shared by every slot that names them), makes its current stream wait on the event and
   returns a ``cupy.ndarray`` view. When the last view of the slot dies, a finalizer
   synchronises the consumer's current stream (as torch does: its kernels may still be
-  reading), releases the lease and closes the handle if no other slot uses it.
+  reading), closes the handle if no other slot uses it, and only then releases the
+  lease (freeing exported memory that an importer still maps is undefined behaviour).
   A consumer that dies, by SIGKILL too, loses its leases with its descriptions.
 - The producer frees records whose slot nobody holds any more (:meth:`SlotTable.collect`,
-  one ``F_OFD_GETLK`` per held range), at every message sent and in
-  :func:`aiomp.cuda.ipc_collect`. At most :data:`DEFAULT_IPC_LIMIT`
-  blocks (settable) may be outstanding: past it, sending raises :class:`IpcLimitError`.
-  At most :data:`MAX_IPC_EVENTS` interprocess events are live (torch's cap); past it the
-  producer synchronises its stream instead and sends no event.
+  one ``F_OFD_GETLK`` per held range), at every message sent, in
+  :func:`aiomp.cuda.ipc_collect`, and when an allocation of its own fails for lack of
+  memory (:func:`_retry_oom`: collect, free cached blocks, retry once). At most
+  :data:`DEFAULT_IPC_LIMIT` blocks (settable) may be outstanding: past it, sending
+  raises :class:`IpcLimitError`. At most :data:`MAX_IPC_EVENTS` interprocess events are
+  live (torch's cap); past it the producer synchronises its stream instead and sends no
+  event.
+- A received array is never sent onward: that is checked first, before any CUDA call
+  (the driver refuses to export imported memory, and its error would hide this one).
 
 The CUDA calls sit behind a small backend (:class:`_CupyBackend`); the bookkeeping
-around it is plain Python that the tests drive with a fake backend on machines without
-a GPU. Importing this module imports neither cupy nor ctypes.
+around it is plain Python that the tests drive with a fake backend (a model of CuPy's
+pool and the driver's allocator) on machines without a GPU. Importing this module
+imports neither cupy nor ctypes.
 """
 
 from __future__ import annotations
