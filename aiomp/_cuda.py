@@ -447,14 +447,21 @@ class _CupyBackend:
     def malloc(self, dev: int, size: int) -> tuple[int, Any]:
         """A whole cudaMalloc of ``size`` bytes, outside CuPy's pool: freed when the
         returned ``cupy.cuda.Memory`` is collected."""
+        rt = self.rt
         with self._on(dev, "an IPC-safe block was asked for"):
-            mem = self.cp.cuda.Memory(size)
+            try:
+                mem = self.cp.cuda.Memory(size)
+            except rt.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                # CuPy's own error for it, as its pool raises (a MemoryError)
+                raise self.cp.cuda.memory.OutOfMemoryError(size, -1) from exc
         return int(mem.ptr), mem
 
     def is_oom(self, exc: BaseException) -> bool:
         if isinstance(exc, self.cp.cuda.memory.OutOfMemoryError):
-            return True
-        return (isinstance(exc, self.rt.CUDARuntimeError)
+            return True  # CuPy's pool, or malloc above
+        return (isinstance(exc, self.rt.CUDARuntimeError)  # cudaEventCreate, ...
                 and getattr(exc, "status", None) == _CUDA_ERROR_MEMORY_ALLOCATION)
 
     def free_cached(self, dev: int) -> None:

@@ -499,6 +499,184 @@ def no_gpu_cupy() -> types.ModuleType:
     return mod
 
 
+# -- a cupy module on the model, for the real backend (_CupyBackend) ---------------------
+
+
+class ModelRuntimeError(RuntimeError):
+    """cupy's CUDARuntimeError (``status``: the cudaError_t)."""
+
+    def __init__(self, status: int, msg: str = "") -> None:
+        self.status = status
+        super().__init__(msg or f"CUDA runtime error {status}")
+
+
+class ModelLibcuda:
+    """The two driver entry points aiomp calls through ctypes, on :class:`FakeGPU`."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+
+    def cuMemGetAddressRange_v2(self, pbase: Any, psize: Any, ptr: int) -> int:
+        try:
+            base, size = self.gpu.address_range(ptr)
+        except FakeCudaError:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        pbase._obj.value = base  # ctypes.byref(x)._obj is x
+        psize._obj.value = size
+        return 0
+
+    def cuGetErrorName(self, rc: int, pname: Any) -> int:
+        return 1
+
+
+def model_cupy(gpu: FakeGPU) -> types.ModuleType:
+    """A ``cupy`` module on :class:`FakeGPU` with the names, argument orders and types
+    of the CuPy API that ``aiomp._cuda._CupyBackend`` calls, so that the real backend's
+    code runs (and its mistakes show) without a GPU. ``calls`` logs the runtime calls."""
+    import numpy
+
+    calls: list[str] = []
+    current = [0]
+    pool = FakePool(gpu)
+
+    def call(name: str) -> None:
+        calls.append(name)
+
+    class Device:
+        def __init__(self, id: int | None = None) -> None:
+            self.id = current[0] if id is None else id
+            self._prev = 0
+
+        def __enter__(self) -> Device:
+            self._prev, current[0] = current[0], self.id
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = self._prev
+
+    class Stream:
+        ptr = 0
+
+        def synchronize(self) -> None:
+            call("synchronize")
+
+        def wait_event(self, event: object) -> None:
+            call("wait_event")
+
+    stream = Stream()
+
+    class Event:
+        _next = 1
+
+        def __init__(self, block: bool = False, disable_timing: bool = False,
+                     interprocess: bool = False) -> None:
+            assert interprocess and disable_timing
+            self.ptr = Event._next
+            Event._next += 1
+
+        def record(self, stream: object = None) -> None:
+            call("record")
+
+    class Memory:
+        def __init__(self, size: int) -> None:
+            try:
+                self.ptr = gpu.malloc(size)
+            except FakeOutOfMemory as exc:
+                raise ModelRuntimeError(2, f"cudaErrorMemoryAllocation: {exc}") from exc
+            self.size = size
+            self.device_id = current[0]
+            weakref.finalize(self, gpu.free, self.ptr)
+
+    class UnownedMemory:
+        def __init__(self, ptr: int, size: int, owner: object, device_id: int = -1) -> None:
+            self.ptr, self.size, self._owner, self.device_id = ptr, size, owner, device_id
+
+    class MemoryPointer:
+        def __init__(self, mem: Any, offset: int) -> None:
+            self.mem = mem
+            self.ptr = mem.ptr + offset
+            self.device_id = mem.device_id
+
+    class ndarray(FakeArray):
+        def __init__(self, shape: tuple[int, ...], dtype: Any = float,
+                     memptr: MemoryPointer | None = None,
+                     strides: tuple[int, ...] | None = None) -> None:
+            dt = numpy.dtype(dtype)
+            if memptr is None:
+                memptr = MemoryPointer(pool.malloc(int(numpy.prod(shape)) * dt.itemsize), 0)
+            super().__init__(gpu, memptr.mem, memptr.ptr, shape, dt.str, strides,
+                             memptr.device_id)
+            self.data = memptr
+            self.dtype = dt  # type: ignore[assignment]
+
+    def empty(shape: tuple[int, ...], dtype: Any = float) -> ndarray:
+        return ndarray(shape, dtype)
+
+    def ipc_get_mem_handle(ptr: int) -> bytes:
+        call("ipcGetMemHandle")
+        try:
+            return gpu.ipc_handle(ptr)
+        except (FakeCudaError, KeyError) as exc:
+            raise ModelRuntimeError(1, f"cudaErrorInvalidValue: {exc}") from exc
+
+    def ipc_open_mem_handle(handle: bytes, flags: int = 1) -> int:
+        call("ipcOpenMemHandle")
+        try:
+            return gpu.open(bytes(handle))
+        except FakeCudaError as exc:
+            raise ModelRuntimeError(217, str(exc)) from exc
+
+    def ipc_close_mem_handle(ptr: int) -> None:
+        call("ipcCloseMemHandle")
+        gpu.close(ptr)
+
+    def memcpy_async(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+        assert kind == 3, "expected cudaMemcpyDeviceToDevice"
+        call("memcpyAsync")
+        gpu.write(dst, gpu.read(src, size))
+
+    def memset_async(ptr: int, value: int, size: int, stream: int) -> None:
+        call("memsetAsync")
+        gpu.write(ptr, bytes([value]) * size)
+
+    def device_get_by_pci_bus_id(bus: str) -> int:
+        if bus != "0000:01:00.0":
+            raise ModelRuntimeError(101, "cudaErrorInvalidDevice: invalid device ordinal")
+        return 0
+
+    runtime = types.SimpleNamespace(
+        CUDARuntimeError=ModelRuntimeError,
+        memcpyDeviceToDevice=3,
+        getDeviceCount=lambda: 1,
+        getDevice=lambda: current[0],
+        deviceGetPCIBusId=lambda dev: "0000:01:00.0",
+        deviceGetByPCIBusId=device_get_by_pci_bus_id,
+        memGetInfo=lambda: (gpu.capacity, gpu.capacity),
+        ipcGetMemHandle=ipc_get_mem_handle,
+        ipcOpenMemHandle=ipc_open_mem_handle,
+        ipcCloseMemHandle=ipc_close_mem_handle,
+        ipcGetEventHandle=lambda ptr: b"E" + ptr.to_bytes(8, "little") + bytes(55),
+        ipcOpenEventHandle=lambda handle: 1000 + int.from_bytes(handle[1:9], "little"),
+        streamWaitEvent=lambda stream, event: call("streamWaitEvent"),
+        eventDestroy=lambda event: call("eventDestroy"),
+        memcpyAsync=memcpy_async,
+        memsetAsync=memset_async,
+    )
+    cuda = types.SimpleNamespace(
+        Device=Device, Event=Event, Memory=Memory, UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer, runtime=runtime, get_current_stream=lambda: stream,
+        memory=types.SimpleNamespace(OutOfMemoryError=FakeOutOfMemory),
+    )
+    mod = types.ModuleType("cupy")
+    mod.cuda = cuda  # type: ignore[attr-defined]
+    mod.ndarray = ndarray  # type: ignore[attr-defined]
+    mod.empty = empty  # type: ignore[attr-defined]
+    mod.get_default_memory_pool = lambda: pool  # type: ignore[attr-defined]
+    mod.calls = calls  # type: ignore[attr-defined]
+    mod.pool = pool  # type: ignore[attr-defined]
+    return mod
+
+
 # -- children of the fake-backend tests ---------------------------------------------------
 
 

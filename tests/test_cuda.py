@@ -285,6 +285,69 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
         _cuda.set_ipc_limit(_cuda.DEFAULT_IPC_LIMIT)
 
 
+def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real backend (_CupyBackend: CuPy's names and argument orders, the driver's
+    address-range query through ctypes), run on a model of CuPy since no GPU runs these
+    tests: in place, staged and IPC-safe arrays, forwarding refused, release."""
+    gpu = FakeGPU()
+    cupy = _funcs_cuda.model_cupy(gpu)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(_cuda, "_backend", None)
+    monkeypatch.setattr(_cuda, "_libcuda_lib", _funcs_cuda.ModelLibcuda(gpu))
+    _cuda._reset()
+    _reduction.register(cupy.ndarray, _cuda.reduce_array)
+    try:
+        big = cupy.ndarray((MiB,), "<f4")
+        big.set(numpy.arange(MiB, dtype="<f4"))
+        small = cupy.ndarray((100,), "<f8")
+        small.set(numpy.full(100, 0.25))
+        safe = aiomp.cuda.zeros((10,), "<i4")
+        assert isinstance(safe, cupy.ndarray) and safe.ptr % aiomp.cuda.IPC_BLOCK == 0
+        got = received((big, small, safe))
+        assert all(isinstance(g, cupy.ndarray) for g in got)
+        assert numpy.array_equal(got[0].get(), numpy.arange(MiB))
+        assert float(got[1].get().sum()) == 25.0
+        assert not got[2].get().any()
+        assert cupy.calls.count("ipcOpenMemHandle") == 3  # big, the staging block, safe
+        assert "memcpyAsync" in cupy.calls and "memsetAsync" in cupy.calls
+        assert "streamWaitEvent" in cupy.calls
+        cupy.calls.clear()
+        with pytest.raises(aiomp.cuda.CudaIpcError, match="received from another process"):
+            _reduction.dumps(got[0])
+        assert cupy.calls == []
+        del got
+        gc.collect()
+        assert cupy.calls.count("ipcCloseMemHandle") == 3 and not gpu.mapped
+        assert _cuda.ipc_collect() == 0
+        del big, small, safe
+    finally:
+        gc.collect()
+        _cuda._reset()
+
+
+def test_cupy_backend_out_of_memory_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 6 through the real backend: cudaMalloc's cudaErrorMemoryAllocation is
+    recognised, CuPy's cached blocks are freed, and the allocation retried once."""
+    gpu = FakeGPU(capacity=4 * MiB)
+    cupy = _funcs_cuda.model_cupy(gpu)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(_cuda, "_backend", None)
+    _cuda._reset()
+    try:
+        held = aiomp.cuda.empty(16)
+        cached = cupy.ndarray((MiB // 2,), "<f4")  # CuPy's pool keeps the last granule
+        del cached
+        assert all(gpu.granules)
+        again = aiomp.cuda.empty(16)
+        assert len(gpu.mallocs) == 4  # held, cached, a failure, the retry
+        with pytest.raises(MemoryError):
+            aiomp.cuda.empty(16)
+        del held, again
+    finally:
+        gc.collect()
+        _cuda._reset()
+
+
 # -- IPC-safe blocks --------------------------------------------------------------------------
 
 
