@@ -1,39 +1,62 @@
 """CUDA IPC for CuPy arrays: handles, offsets, events, kernel-kept reference counts.
 
 What travels (:class:`IpcArrayMeta`, one small tuple per array): the ``cudaIpcMemHandle``
-of the array's *base allocation* (pooled allocators place arrays inside larger blocks;
-the driver's address-range query finds the block), the byte offset of element 0 in it,
-shape, strides, dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle``
-recorded on the sender's current stream, and the lease slot that keeps the block alive.
+of the block holding the array, the byte offset of element 0 in it, shape, strides,
+dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle`` recorded on the
+sender's current stream, and the lease slot that keeps the block alive.
+
+Which block (the CUDA guide: IPC shares the whole underlying memory block, and the
+driver sub-allocates small cudaMallocs from shared blocks, so share only allocations of
+whole 2 MiB multiples):
+
+- an array in an IPC-safe block (:func:`empty`: a whole cudaMalloc of a multiple of
+  :data:`IPC_BLOCK`, outside CuPy's pool) travels in place, in that block;
+- any other array whose bytes span less than :data:`IPC_BLOCK` is copied, on the
+  producer's current stream, into an IPC-safe *staging* block that the message's small
+  arrays share (:func:`_stage`), and travels there;
+- a larger array travels in place, in its base allocation (pooled allocators place
+  arrays inside larger blocks; the driver's address-range query finds it).
+
+IPC-safe blocks are pooled (:class:`_BlockPool`): a block whose :class:`IpcBlock` owner
+nobody references any more (no array, no sent record) is reused by the next request.
 
 Lifetime (DESIGN R6), with the leases of :mod:`aiomp._lease`:
 
 - The producer owns one lease memfd. Every sent block gets a slot (one byte of that
-  file) and a record holding a reference to the array's memory, so CuPy cannot free or
-  reuse the block. The message carries a handoff description that holds the slot's
-  lease while it is in flight (one description per message, whatever its array count).
+  file) and a record holding the memory of *every* array sent in it (CuPy's pool splits
+  one allocation into chunks and frees each with its last reference), so CuPy cannot
+  free or reuse any of it. The message carries a handoff description that holds the
+  slot's lease while it is in flight (one description per message, whatever its array
+  count).
 - The consumer takes its own lease on the slot through one description per producer
   lease file, opens the IPC handle (once per process: opened handles are cached and
   shared by every slot that names them), makes its current stream wait on the event and
   returns a ``cupy.ndarray`` view. When the last view of the slot dies, a finalizer
   synchronises the consumer's current stream (as torch does: its kernels may still be
-  reading), releases the lease and closes the handle if no other slot uses it.
+  reading), closes the handle if no other slot uses it, and only then releases the
+  lease (freeing exported memory that an importer still maps is undefined behaviour).
   A consumer that dies, by SIGKILL too, loses its leases with its descriptions.
 - The producer frees records whose slot nobody holds any more (:meth:`SlotTable.collect`,
-  one ``F_OFD_GETLK`` per held range), at every message sent and in
-  :func:`aiomp.cuda.ipc_collect`. At most :data:`DEFAULT_IPC_LIMIT`
-  blocks (settable) may be outstanding: past it, sending raises :class:`IpcLimitError`.
-  At most :data:`MAX_IPC_EVENTS` interprocess events are live (torch's cap); past it the
-  producer synchronises its stream instead and sends no event.
+  one ``F_OFD_GETLK`` per held range), at every message sent, in
+  :func:`aiomp.cuda.ipc_collect`, and when an allocation of its own fails for lack of
+  memory (:func:`_retry_oom`: collect, free cached blocks, retry once). At most
+  :data:`DEFAULT_IPC_LIMIT` blocks (settable) may be outstanding: past it, sending
+  raises :class:`IpcLimitError`. At most :data:`MAX_IPC_EVENTS` interprocess events are
+  live (torch's cap); past it the producer synchronises its stream instead and sends no
+  event.
+- A received array is never sent onward: that is checked first, before any CUDA call
+  (the driver refuses to export imported memory, and its error would hide this one).
 
 The CUDA calls sit behind a small backend (:class:`_CupyBackend`); the bookkeeping
-around it is plain Python that the tests drive with a fake backend on machines without
-a GPU. Importing this module imports neither cupy nor ctypes.
+around it is plain Python that the tests drive with a fake backend (a model of CuPy's
+pool and the driver's allocator) on machines without a GPU. Importing this module
+imports neither cupy nor ctypes.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import heapq
 import os
@@ -41,6 +64,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any, NamedTuple, cast
 
 from . import _lease, _reduction
@@ -54,6 +78,14 @@ MAX_IPC_EVENTS = 1000
 #: Idle interprocess events kept per device for reuse.
 EVENT_POOL_SIZE = 64
 
+#: The CUDA programming guide: IPC shares the whole underlying memory block, and the
+#: driver sub-allocates smaller cudaMallocs from shared blocks, so only allocations of
+#: whole multiples of 2 MiB are safe to share. Smaller arrays travel as copies in blocks
+#: of this size.
+IPC_BLOCK = 2 << 20
+_STAGE_ALIGN = 512  # cudaMalloc's alignment, for arrays packed into one staging block
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2
 _CUDA_ERROR_NOT_INITIALIZED = 3
 _CUDA_ERROR_NO_DEVICE = 100
 _CUDA_ERROR_INVALID_CONTEXT = 201
@@ -253,21 +285,17 @@ class SlotTable:
 # -- the CUDA backend -----------------------------------------------------------------------
 
 
-class Export(NamedTuple):
-    """What the backend reports about an array being sent."""
+class Described(NamedTuple):
+    """What the backend reads from an array being sent, without calling CUDA."""
 
     device: int
-    bus_id: str
     ptr: int  #: address of element 0
-    base: int  #: base of the allocation holding it
-    size: int  #: size of that allocation
-    handle: bytes | None  #: its IPC handle (None for an empty array)
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: str
     itemsize: int
-    keep: object  #: keeps the memory alive while the block is sent
-    owner: object  #: the owner of the array's memory, if the backend can tell
+    keep: object  #: the array's own memory (CuPy: ``arr.data.mem``, a pool chunk)
+    owner: object  #: the owner of unowned memory (``UnownedMemory._owner``), else None
 
 
 _libcuda_lib: Any = None
@@ -334,8 +362,21 @@ def address_range(ptr: int, establish_context: Any = None) -> tuple[int, int]:
     return int(base.value), int(size.value)
 
 
+def _no_gpu(exc: BaseException, doing: str) -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (
+        f"{doing}, but process {os.getpid()} has no usable CUDA device: {exc}. Check that "
+        "the NVIDIA driver works here (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
+        f"(now {visible!r}) shows this process the GPUs it sends or receives arrays on"
+    )
+
+
 class _CupyBackend:
-    """The CUDA calls, through CuPy's documented API (and the driver for the base address)."""
+    """The CUDA calls, through CuPy's documented API (and the driver for the base address).
+
+    Every call that selects a device goes through :meth:`_on`, so that a process without
+    a usable GPU gets a :class:`CudaIpcError` naming the cause, not a raw runtime error.
+    """
 
     def __init__(self) -> None:
         import importlib
@@ -347,35 +388,45 @@ class _CupyBackend:
         self._local: dict[str, int] = {}
         self._events: dict[int, list[tuple[Any, bytes]]] = {}
 
+    @contextlib.contextmanager
+    def _on(self, dev: int, doing: str = "CUDA is needed") -> Iterator[None]:
+        device = self.cp.cuda.Device(dev)
+        try:
+            device.__enter__()
+        except self.rt.CUDARuntimeError as exc:
+            raise CudaIpcError(_no_gpu(exc, f"{doing} on device {dev}")) from exc
+        try:
+            yield
+        finally:
+            device.__exit__(None, None, None)
+
     # producer side
 
-    def export(self, arr: Any) -> Export:
-        cp, rt = self.cp, self.rt
-        memptr = arr.data
-        dev = int(arr.device.id)
-        ptr = int(memptr.ptr)
-        shape = tuple(int(n) for n in arr.shape)
-        strides = tuple(int(s) for s in arr.strides)
+    def describe(self, arr: Any) -> Described:
+        memptr = arr.data  # attributes only: no CUDA call
         dtype = arr.dtype
-        owner = getattr(memptr.mem, "_owner", None)
-        if arr.size == 0:
-            return Export(dev, self.bus_id(dev), ptr, ptr, 0, None, shape, strides,
-                          dtype.str, dtype.itemsize, None, owner)
-        with cp.cuda.Device(dev):
-            base, size = address_range(ptr, rt.memGetInfo)
+        mem = memptr.mem
+        return Described(int(memptr.device_id), int(memptr.ptr),
+                         tuple(int(n) for n in arr.shape), tuple(int(s) for s in arr.strides),
+                         dtype.str, int(dtype.itemsize), mem, getattr(mem, "_owner", None))
+
+    def address_range(self, dev: int, ptr: int) -> tuple[int, int]:
+        with self._on(dev, "a CuPy array is being sent"):
+            return address_range(ptr, self.rt.memGetInfo)
+
+    def ipc_handle(self, dev: int, base: int) -> bytes:
+        rt = self.rt
+        with self._on(dev, "a CuPy array is being sent"):
             try:
-                handle = bytes(rt.ipcGetMemHandle(base))
+                return bytes(rt.ipcGetMemHandle(base))
             except rt.CUDARuntimeError as exc:
                 raise CudaIpcError(
-                    f"cannot export this CuPy array's memory (device {dev}, pointer "
-                    f"{ptr:#x}) as a CUDA IPC handle: {exc}. Only memory from cudaMalloc "
-                    "(CuPy's default MemoryPool) can be shared; memory from "
+                    f"cannot export the CuPy allocation at {base:#x} (device {dev}) as a "
+                    f"CUDA IPC handle: {exc}. Only memory from cudaMalloc (CuPy's default "
+                    "MemoryPool, aiomp.cuda.empty) can be shared; memory from "
                     "cudaMallocAsync pools (MemoryAsyncPool), managed memory and "
-                    "virtual-memory allocators cannot: copy the array into a default-pool "
-                    "array first"
+                    "virtual-memory allocators cannot: copy the array into such memory first"
                 ) from exc
-        return Export(dev, self.bus_id(dev), ptr, base, size, handle, shape, strides,
-                      dtype.str, dtype.itemsize, memptr, owner)
 
     def bus_id(self, dev: int) -> str:
         bus = self._bus.get(dev)
@@ -387,9 +438,50 @@ class _CupyBackend:
             self._bus[dev] = bus
         return bus
 
+    def current_device(self) -> int:
+        try:
+            return int(self.rt.getDevice())
+        except self.rt.CUDARuntimeError as exc:
+            raise CudaIpcError(_no_gpu(exc, "an IPC-safe block was asked for")) from exc
+
+    def malloc(self, dev: int, size: int) -> tuple[int, Any]:
+        """A whole cudaMalloc of ``size`` bytes, outside CuPy's pool: freed when the
+        returned ``cupy.cuda.Memory`` is collected."""
+        rt = self.rt
+        with self._on(dev, "an IPC-safe block was asked for"):
+            try:
+                mem = self.cp.cuda.Memory(size)
+            except rt.CUDARuntimeError as exc:
+                if getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                # CuPy's own error for it, as its pool raises (a MemoryError)
+                raise self.cp.cuda.memory.OutOfMemoryError(size, -1) from exc
+        return int(mem.ptr), mem
+
+    def is_oom(self, exc: BaseException) -> bool:
+        if isinstance(exc, self.cp.cuda.memory.OutOfMemoryError):
+            return True  # CuPy's pool, or malloc above
+        return (isinstance(exc, self.rt.CUDARuntimeError)  # cudaEventCreate, ...
+                and getattr(exc, "status", None) == _CUDA_ERROR_MEMORY_ALLOCATION)
+
+    def free_cached(self, dev: int) -> None:
+        with self._on(dev):
+            self.cp.get_default_memory_pool().free_all_blocks()
+
+    def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None:
+        cp = self.cp
+        with self._on(dev, "a CuPy array is being sent"):
+            self.rt.memcpyAsync(dst, src, nbytes, self.rt.memcpyDeviceToDevice,
+                                cp.cuda.get_current_stream().ptr)
+
+    def memset(self, dev: int, ptr: int, nbytes: int) -> None:
+        cp = self.cp
+        with self._on(dev):
+            self.rt.memsetAsync(ptr, 0, nbytes, cp.cuda.get_current_stream().ptr)
+
     def record_event(self, dev: int) -> tuple[Any, bytes]:
         cp = self.cp
-        with cp.cuda.Device(dev):
+        with self._on(dev, "a CuPy array is being sent"):
             idle = self._events.get(dev)
             if idle:
                 event, handle = idle.pop()
@@ -399,49 +491,54 @@ class _CupyBackend:
             event.record(cp.cuda.get_current_stream())
         return event, handle
 
+    def record(self, event: Any, dev: int) -> None:
+        with self._on(dev, "a CuPy array is being sent"):
+            event.record(self.cp.cuda.get_current_stream())
+
     def recycle_event(self, dev: int, event: Any, handle: bytes) -> None:
         idle = self._events.setdefault(dev, [])
         if len(idle) < EVENT_POOL_SIZE:
             idle.append((event, handle))
 
     def sync(self, dev: int) -> None:
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             self.cp.cuda.get_current_stream().synchronize()
 
     # consumer side
 
     def local_device(self, bus_id: str, device: int) -> int:
         rt = self.rt
+        what = (f"the GPU at PCI bus id {bus_id} (device {device} in the sending process)"
+                if bus_id else f"device {device}")
+        try:
+            count = int(rt.getDeviceCount())
+        except rt.CUDARuntimeError as exc:
+            raise CudaIpcError(_no_gpu(exc, f"a CuPy array on {what} arrived")) from exc
         if not bus_id:
-            count = rt.getDeviceCount()
             if not 0 <= device < count:
-                raise CudaIpcError(self._invisible(f"device {device}", count))
+                raise CudaIpcError(self._invisible(what, count))
             return device
         dev = self._local.get(bus_id)
         if dev is None:
             try:
                 dev = int(rt.deviceGetByPCIBusId(bus_id))
             except rt.CUDARuntimeError as exc:
-                raise CudaIpcError(
-                    self._invisible(f"the GPU at PCI bus id {bus_id} (device {device} in "
-                                    "the sending process)", None)
-                ) from exc
+                raise CudaIpcError(f"{self._invisible(what, count)} ({exc})") from exc
             self._local[bus_id] = dev
         return dev
 
     @staticmethod
-    def _invisible(what: str, count: int | None) -> str:
+    def _invisible(what: str, count: int) -> str:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        seen = "" if count is None else f" ({count} device(s) visible)"
         return (
             f"a CuPy array on {what} arrived, but this process cannot access that "
-            f"device{seen}; CUDA_VISIBLE_DEVICES={visible!r}. Make the device visible to "
-            "every process that receives arrays on it"
+            f"device ({count} device(s) visible); CUDA_VISIBLE_DEVICES={visible!r}. Make "
+            "the device visible to every process that receives arrays on it"
         )
 
     def wait(self, event_handle: bytes, dev: int) -> None:
         cp, rt = self.cp, self.rt
-        with cp.cuda.Device(dev):
+        with self._on(dev):
             event = rt.ipcOpenEventHandle(event_handle)
             try:
                 rt.streamWaitEvent(cp.cuda.get_current_stream().ptr, event)
@@ -450,27 +547,27 @@ class _CupyBackend:
                 rt.eventDestroy(event)
 
     def wait_local(self, event: Any, dev: int) -> None:
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             self.cp.cuda.get_current_stream().wait_event(event)
 
     def open(self, handle: bytes, dev: int) -> int:
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             return int(self.rt.ipcOpenMemHandle(handle))
 
     def close(self, ptr: int, dev: int) -> None:
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             self.rt.ipcCloseMemHandle(ptr)
 
     def wrap(self, ptr: int, size: int, owner: object, dev: int, offset: int,
              shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> Any:
         cp = self.cp
         mem = cp.cuda.UnownedMemory(ptr, size, owner, dev)
-        with cp.cuda.Device(dev):
+        with self._on(dev):
             return cp.ndarray(shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset),
                               strides=strides)
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any:
-        with self.cp.cuda.Device(dev):
+        with self._on(dev):
             return self.cp.empty(shape, dtype=dtype)
 
     def error_type(self) -> type[BaseException]:
@@ -492,22 +589,162 @@ def get_backend() -> Any:
     return _backend
 
 
+# -- IPC-safe blocks ------------------------------------------------------------------------
+
+
+class _Alloc:
+    """One whole cudaMalloc of a multiple of :data:`IPC_BLOCK` bytes, owned by the pool."""
+
+    __slots__ = ("device", "handle", "mem", "ptr", "size")
+
+    def __init__(self, device: int, size: int, ptr: int, mem: object) -> None:
+        self.device = device
+        self.size = size
+        self.ptr = ptr
+        self.mem = mem  # the backend's allocation: dropping it frees the memory
+        self.handle: bytes | None = None  # its IPC handle, asked for once
+
+
+class IpcBlock:
+    """The owner of an IPC-safe block while it is in use (by arrays, or by sent records).
+
+    Arrays from :func:`aiomp.cuda.empty` hold it through their memory's owner; when the
+    last reference goes, the allocation goes back to the pool's idle list.
+    """
+
+    __slots__ = ("__weakref__", "alloc")
+
+    def __init__(self, alloc: _Alloc) -> None:
+        self.alloc = alloc
+
+    @property
+    def ptr(self) -> int:
+        return self.alloc.ptr
+
+    @property
+    def size(self) -> int:
+        return self.alloc.size
+
+
+
+class _BlockPool:
+    """Idle IPC-safe allocations per (device, size), like the host-side segment pool.
+
+    A block is idle once nothing references its :class:`IpcBlock`: no array of the
+    producer's and no sent record, which the producer frees once every consumer's lease
+    is gone. So reuse follows the same leases as the rest of this module.
+    """
+
+    def __init__(self) -> None:
+        self.idle: dict[tuple[int, int], list[_Alloc]] = {}
+        self.pid = os.getpid()
+
+    def take(self, backend: Any, dev: int, nbytes: int) -> IpcBlock:
+        size = max(1, -(-nbytes // IPC_BLOCK)) * IPC_BLOCK
+        idle = self.idle.get((dev, size))
+        if idle:
+            alloc = idle.pop()
+        else:
+            ptr, mem = _retry_oom(backend, dev, backend.malloc, dev, size)
+            alloc = _Alloc(dev, size, ptr, mem)
+        block = IpcBlock(alloc)
+        weakref.finalize(block, self._give_back, alloc).atexit = False
+        return block
+
+    def _give_back(self, alloc: _Alloc) -> None:
+        with _lock:
+            if self is _block_pool and self.pid == os.getpid():
+                self.idle.setdefault((alloc.device, alloc.size), []).append(alloc)
+
+    def free_idle(self, dev: int) -> None:
+        for key in [k for k in self.idle if k[0] == dev]:
+            del self.idle[key]  # the last references: the backend frees them
+
+    def idle_count(self) -> int:
+        return sum(len(v) for v in self.idle.values())
+
+
+_block_pool = _BlockPool()
+
+
+def _retry_oom(backend: Any, dev: int, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``; on out-of-memory, reclaim what aiomp holds and retry once.
+
+    torch frees released IPC blocks from its allocator's out-of-memory callback; CuPy has
+    none, so aiomp does it where it allocates: collect the sent blocks every consumer has
+    released, free the idle IPC-safe blocks and CuPy's cached ones, and try again. A
+    second out-of-memory error propagates.
+    """
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        if not backend.is_oom(exc):
+            raise
+    with _lock:
+        prod = _producer_state
+        if prod is not None and prod.pid == os.getpid():
+            prod.collect()
+        _block_pool.free_idle(dev)
+    backend.free_cached(dev)
+    return fn(*args)
+
+
+def empty(shape: Any, dtype: Any = float, *, zero: bool = False) -> Any:
+    """See :func:`aiomp.cuda.empty` (``zero``: :func:`aiomp.cuda.zeros`)."""
+    import numpy
+
+    dt = numpy.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(f"a CUDA array cannot hold Python objects (dtype {dt})")
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not all(isinstance(n, int | numpy.integer) for n in dims):
+        raise TypeError(f"shape must be an int or a tuple of ints, not {shape!r}")
+    dims = tuple(int(n) for n in dims)
+    if any(n < 0 for n in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    nbytes = dt.itemsize
+    for n in dims:
+        nbytes *= n
+    backend = get_backend()
+    dev = backend.current_device()
+    if nbytes == 0:
+        return backend.empty(dims, dt.str, dev)
+    with _lock:
+        block = _block_pool.take(backend, dev, nbytes)
+    if zero:
+        backend.memset(dev, block.ptr, nbytes)  # on the current stream, like cupy.zeros
+    strides, acc = [], dt.itemsize
+    for n in reversed(dims):
+        strides.append(acc)
+        acc *= n
+    return backend.wrap(block.ptr, block.size, block, dev, 0, dims, tuple(reversed(strides)),
+                        dt.str)
+
+
 # -- producer -------------------------------------------------------------------------------
 
 
 class _Sent:
-    """A sent block, kept alive until every consumer has released it."""
+    """A sent block, kept alive until every consumer has released it.
+
+    ``keep`` holds the memory of *every* array sent in it (a pool allocation is split
+    into chunks that CuPy frees one by one), not only the first one's.
+    """
 
     __slots__ = ("base", "device", "event", "event_handle", "keep", "size")
 
-    def __init__(self, keep: object, event: object, event_handle: bytes | None, device: int,
+    def __init__(self, event: object, event_handle: bytes | None, device: int,
                  base: int, size: int) -> None:
-        self.keep = keep
+        self.keep: list[object] = []
         self.event = event
         self.event_handle = event_handle
         self.device = device
         self.base = base
         self.size = size
+
+    def hold(self, memory: object) -> None:
+        if not any(m is memory for m in self.keep):
+            self.keep.append(memory)
 
 
 class _Producer:
@@ -527,7 +764,8 @@ class _Producer:
         if record.event is not None:
             self.events_live -= 1
             self.backend.recycle_event(record.device, record.event, record.event_handle)
-        record.keep = record.event = None
+        record.keep = []
+        record.event = None
 
     def close_handoff(self, fd: int) -> None:
         with _lock:
@@ -582,56 +820,118 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
     """Reducer for ``cupy.ndarray`` in aiomp messages (see the module docstring)."""
     state = _reduction.current()
     backend = get_backend()
-    exp = backend.export(arr)
-    if isinstance(exp.owner, _SlotRef) or _consumer_maps(exp.device, exp.ptr):
+    desc = backend.describe(arr)
+    # Before any CUDA call: the driver may refuse to export imported memory, and that
+    # error would hide the real one (torch checks first too).
+    if isinstance(desc.owner, _SlotRef) or _consumer_maps(desc.device, desc.ptr):
         raise CudaIpcError(
             "cannot send a CuPy array that this process received from another process "
             "(its memory belongs to the sender, which tracks only the consumers it sent "
             "to): send a copy (arr.copy()), or have the original sender send it"
         )
-    if exp.handle is None:
-        meta = IpcArrayMeta(None, 0, 0, exp.shape, exp.strides, exp.dtype, exp.device,
-                            exp.bus_id, None, os.getpid(), -1, -1)
+    dev = desc.device
+    lo, hi = extent(desc.shape, desc.strides, desc.itemsize)
+    if hi == lo:
+        meta = IpcArrayMeta(None, 0, 0, desc.shape, desc.strides, desc.dtype, dev,
+                            backend.bus_id(dev), None, os.getpid(), -1, -1)
         return _rebuild, (meta,)
-    offset = locate(exp.ptr, exp.base, exp.size, exp.shape, exp.strides, exp.itemsize)
     with _lock:
         prod = _get_producer(backend)
         memo = state.memo
-        # One handoff description per message holds the leases of all its blocks.
-        handoff = cast("tuple[int, int] | None", memo.get((_MEMO, "handoff")))
-        if handoff is None:
-            prod.collect()  # the cadence: once per message
-        key = (_MEMO, exp.device, exp.base)
+        handoff = _handoff(prod, memo)
+        staged = False
+        if isinstance(desc.owner, IpcBlock):
+            block: IpcBlock | None = desc.owner
+        elif hi - lo < IPC_BLOCK:
+            # The driver sub-allocates small cudaMallocs from shared blocks and a handle
+            # shares the whole block: send a copy in an IPC-safe block of this message.
+            block, offset = _stage(backend, memo, desc, lo, hi)
+            staged = True
+        else:
+            block = None
+        if block is not None:
+            alloc = block.alloc
+            base, size, keep = alloc.ptr, alloc.size, cast("object", block)
+            if alloc.handle is None:
+                alloc.handle = backend.ipc_handle(dev, base)
+            handle = alloc.handle
+        else:
+            base, size = backend.address_range(dev, desc.ptr)
+            handle = backend.ipc_handle(dev, base)
+            keep = desc.keep
+        if not staged:
+            offset = locate(desc.ptr, base, size, desc.shape, desc.strides, desc.itemsize)
+        key = (_MEMO, dev, base)
         entry = cast("tuple[int, bytes | None] | None", memo.get(key))
         if entry is None:
-            if handoff is None:
-                fd = _lease.reopen(prod.table.fd)
-                prod.handoffs.add(fd)
-                try:
-                    index = _reduction.add_fd(fd)
-                except BaseException:
-                    prod.close_handoff(fd)
-                    raise
-                _reduction.on_sent(lambda fd=fd: prod.close_handoff(fd))
-                handoff = memo[(_MEMO, "handoff")] = (fd, index)
-            entry = memo[key] = _send_block(prod, exp, handoff[0])
+            entry = memo[key] = _send_block(prod, dev, base, size, handoff[0])
+        elif staged:
+            # The copy was queued after the slot's event was recorded: record it again,
+            # so that the consumer's wait (made once the message has arrived) covers it.
+            record = cast("_Sent", prod.table.records[entry[0]])
+            if record.event is not None:
+                backend.record(record.event, dev)
+            else:
+                backend.sync(dev)
         slot, event_handle = entry
-    assert handoff is not None
-    meta = IpcArrayMeta(exp.handle, exp.size, offset, exp.shape, exp.strides, exp.dtype,
-                        exp.device, exp.bus_id, event_handle, os.getpid(), slot, handoff[1])
+        cast("_Sent", prod.table.records[slot]).hold(keep)
+    meta = IpcArrayMeta(handle, size, offset, desc.shape, desc.strides, desc.dtype, dev,
+                        backend.bus_id(dev), event_handle, os.getpid(), slot, handoff[1])
     return _rebuild, (meta,)
 
 
-def _send_block(prod: _Producer, exp: Export, handoff_fd: int) -> tuple[int, bytes | None]:
+def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
+    """The message's handoff description (fd, index), made on its first block.
+
+    One description per message holds the leases of all its blocks; making it is also
+    the collection cadence (once per message).
+    """
+    handoff = cast("tuple[int, int] | None", memo.get((_MEMO, "handoff")))
+    if handoff is None:
+        prod.collect()
+        fd = _lease.reopen(prod.table.fd)
+        prod.handoffs.add(fd)
+        try:
+            index = _reduction.add_fd(fd)
+        except BaseException:
+            prod.close_handoff(fd)
+            raise
+        _reduction.on_sent(lambda fd=fd: prod.close_handoff(fd))
+        handoff = (fd, index)
+        memo[(_MEMO, "handoff")] = handoff
+    return handoff
+
+
+def _stage(backend: Any, memo: dict[object, object], desc: Described, lo: int,
+           hi: int) -> tuple[IpcBlock, int]:
+    """Copy the bytes ``[lo, hi)`` of a small array into this message's IPC-safe staging
+    block, on the producer's current stream; returns the block and element 0's offset.
+
+    Small arrays of one message share staging blocks (512-byte aligned, as cudaMalloc).
+    """
+    key = (_MEMO, "stage", desc.device)
+    stage = cast("list[Any] | None", memo.get(key))
+    n = hi - lo
+    if stage is None or stage[1] + n > stage[0].size:
+        stage = [_block_pool.take(backend, desc.device, IPC_BLOCK), 0]
+        memo[key] = stage
+    block, pos = stage
+    backend.copy(desc.device, block.ptr + pos, desc.ptr + lo, n)
+    stage[1] = pos + -(-n // _STAGE_ALIGN) * _STAGE_ALIGN
+    return block, pos - lo
+
+
+def _send_block(prod: _Producer, dev: int, base: int, size: int,
+                handoff_fd: int) -> tuple[int, bytes | None]:
     backend = prod.backend
     prod.table.check_room()
     if prod.events_live < MAX_IPC_EVENTS:
-        event, event_handle = backend.record_event(exp.device)
+        event, event_handle = _retry_oom(backend, dev, backend.record_event, dev)
         prod.events_live += 1
     else:
-        backend.sync(exp.device)
+        backend.sync(dev)
         event, event_handle = None, None
-    record = _Sent(exp.keep, event, event_handle, exp.device, exp.base, exp.size)
+    record = _Sent(event, event_handle, dev, base, size)
     try:
         slot = prod.table.allocate(record)
     except BaseException:
@@ -753,7 +1053,7 @@ def _import(cons: _Consumer, backend: Any, meta: IpcArrayMeta, fd: int,
             rec: _Sent = prod.table.records[meta.slot]  # type: ignore[assignment]
             if rec.event is not None:
                 backend.wait_local(rec.event, rec.device)
-            ref = _SlotRef(rec.base, rec.size, rec.device, rec.keep)
+            ref = _SlotRef(rec.base, rec.size, rec.device, list(rec.keep))
         else:
             dev = backend.local_device(meta.bus_id, meta.device)
             assert meta.handle is not None
@@ -822,22 +1122,31 @@ def _release(cons: _Consumer, key: tuple[tuple[int, int], int],
 
 def _drop(cons: _Consumer, backend: Any, ident: tuple[int, int], slot: int,
           mapping_key: tuple[bytes, int] | None) -> None:
-    holder = cons.holders.get(ident)
-    if holder is not None:
-        try:
-            _lease.release(holder.fd, slot, 1)
-        finally:
-            holder.count -= 1
-            if holder.count <= 0:
-                del cons.holders[ident]
-                os.close(holder.fd)
-    if mapping_key is not None:
-        mapping = cons.mappings.get(mapping_key)
-        if mapping is not None:
-            mapping.count -= 1
-            if mapping.count <= 0:
-                del cons.mappings[mapping_key]
-                backend.close(mapping.ptr, mapping_key[1])
+    """Close the slot's mapping if no other slot uses it, then release its lease.
+
+    In that order: the producer may free the memory as soon as the lease goes, and
+    freeing an exported region before the importer has closed its mapping is undefined
+    behaviour (CUDA driver API, cuIpcCloseMemHandle). The release (and the close of the
+    lease description) happens whatever the close does.
+    """
+    try:
+        if mapping_key is not None:
+            mapping = cons.mappings.get(mapping_key)
+            if mapping is not None:
+                mapping.count -= 1
+                if mapping.count <= 0:
+                    del cons.mappings[mapping_key]
+                    backend.close(mapping.ptr, mapping_key[1])
+    finally:
+        holder = cons.holders.get(ident)
+        if holder is not None:
+            try:
+                _lease.release(holder.fd, slot, 1)
+            finally:
+                holder.count -= 1
+                if holder.count <= 0:
+                    del cons.holders[ident]
+                    os.close(holder.fd)
 
 
 # -- fork, public helpers ------------------------------------------------------------------
@@ -848,8 +1157,11 @@ _fork_orphans: list[object] = []
 
 def _after_fork_in_child() -> None:
     """A forked child owns none of its parent's leases: drop the copies, release nothing."""
-    global _producer_state, _consumer_state, _lock
+    global _producer_state, _consumer_state, _lock, _block_pool
     _lock = threading.RLock()
+    # The parent's idle IPC-safe blocks: kept, never freed or reused here.
+    _fork_orphans.append(_block_pool)
+    _block_pool = _BlockPool()
     prod, _producer_state = _producer_state, None
     cons, _consumer_state = _consumer_state, None
     fds: list[int] = []
@@ -935,6 +1247,7 @@ class IpcStatistics(NamedTuple):
     received_held: int  #: received blocks this process still has views of
     received_open: int  #: IPC memory handles this process has open
     limit: int  #: the outstanding-block limit
+    idle_blocks: int  #: IPC-safe blocks (aiomp.cuda.empty, staging) cached for reuse
 
 
 IpcStatistics.__module__ = "aiomp.cuda"
@@ -953,13 +1266,15 @@ def statistics() -> IpcStatistics:
             held,
             len(cons.mappings) if cons else 0,
             _limit,
+            _block_pool.idle_count(),
         )
 
 
 def _reset() -> None:
     """Forget all state, closing this process's lease fds (tests only)."""
-    global _producer_state, _consumer_state
+    global _producer_state, _consumer_state, _block_pool
     with _lock:
+        _block_pool = _BlockPool()
         prod, _producer_state = _producer_state, None
         cons, _consumer_state = _consumer_state, None
         if prod is not None:

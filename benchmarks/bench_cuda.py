@@ -10,6 +10,10 @@ producer, the host array through an aiomp Queue, upload in the consumer), and ag
 
 The consumer holds each received array until the next one arrives and then drops it, so
 the producer's lease bookkeeping runs as in a real pipeline.
+
+Small arrays (issue 16's 2 MiB rule): a 64 KiB array from CuPy's pool travels as a copy
+in an IPC-safe staging block; the same array from ``aiomp.cuda.empty`` travels in place.
+Their ratio is the cost of the staging copy.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from benchmarks import _common as c
 
 SIZES = (4 << 20, 1 << 30)
+SMALL = 64 << 10
 ROUNDS = 50
 
 
@@ -61,6 +66,9 @@ async def main() -> None:
         for n in SIZES:
             rows.append(c.row(f"CuPy {n >> 20} MiB put -> get", None, None,
                               "host round trip", None, f"skipped: {why}"))
+        rows.append(c.row("CuPy 64 KiB put -> get (copied into a staging block)", None,
+                          None, "aiomp.cuda.zeros 64 KiB (in place)", None,
+                          f"skipped: {why}"))
         c.emit("cuda", rows, notes)
         return
     import cupy
@@ -91,6 +99,22 @@ async def main() -> None:
             results[f"host {n}"] = c.median(times)
             del arr
             aiomp.cuda.ipc_collect()
+        for kind in ("pool", "ipc_safe"):
+            if kind == "pool":
+                arr = cupy.ones(SMALL // 4, dtype=cupy.float32)
+            else:
+                arr = aiomp.cuda.zeros(SMALL // 4, dtype=cupy.float32)
+            await qin.put(arr)
+            await qout.get()
+            times = []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                await qin.put(arr)
+                await qout.get()
+                times.append(time.perf_counter() - t)
+            results[f"small {kind}"] = c.median(times)
+            del arr
+            aiomp.cuda.ipc_collect()
         await qin.put(None)
     small, big = SIZES
     rows.append(c.row("CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3,
@@ -100,6 +124,9 @@ async def main() -> None:
     for n in SIZES:
         rows.append(c.row(f"CuPy {n >> 20} MiB put -> get (IPC)", results[f"ipc {n}"],
                           results[f"host {n}"], "asnumpy + aiomp queue + upload", None, ""))
+    rows.append(c.row("CuPy 64 KiB put -> get (copied into a staging block)",
+                      results["small pool"], results["small ipc_safe"],
+                      "aiomp.cuda.zeros 64 KiB put -> get (in place)", None, ""))
     notes.append(f"cuda: median of {rounds} puts after the first open; device "
                  f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
                  f"pid {os.getpid()}. torch CUDA comparison: not implemented yet.")

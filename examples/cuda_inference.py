@@ -6,7 +6,10 @@ The parent plays an async server: N_REQUESTS concurrent request handlers each bu
 batch on the GPU and put it on a request queue; GPU worker processes take batches, run a
 "model" (a matrix product and an argmax) and put the result back; a dispatcher task
 routes every result to the handler waiting for it. Batches and results travel as CUDA
-IPC handles: no copy through the host.
+IPC handles: no copy through the host. Each batch is built in an IPC-safe block
+(``aiomp.cuda.empty``) and travels in place; the workers' small label arrays come from
+CuPy's pool, so aiomp copies each into an IPC-safe staging block on the worker's stream
+(a CUDA IPC handle would otherwise share the neighbours the driver packs beside them).
 
 The release protocol, done right (see ``aiomp.cuda``):
 
@@ -98,7 +101,8 @@ async def serve() -> None:
 
     async def handle(request_id: int) -> None:
         nonlocal agree
-        batch = rng.standard_normal((BATCH, FEATURES), dtype=cupy.float32)
+        batch = aiomp.cuda.empty((BATCH, FEATURES), dtype=cupy.float32)  # travels in place
+        batch[...] = rng.standard_normal((BATCH, FEATURES), dtype=cupy.float32)
         expected = cupy.asnumpy(cupy.argmax(batch @ w, axis=1))
         done[request_id] = anyio.Event()
         await requests.put((request_id, batch))
