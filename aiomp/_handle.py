@@ -108,6 +108,14 @@ class WorkerHandle:
             msg.close()  # its fds are in the socket now (and its rest in _partial)
         return True
 
+    def unsend(self, task: Task) -> bool:
+        """Take ``task`` back if it is still waiting in the outbox (nothing of it sent)."""
+        try:
+            self._outbox.remove(task)
+        except ValueError:
+            return False
+        return True
+
     def send_frame(self, frame: bytes, fds: list[int] | None = None) -> None:
         """Send a control frame (INIT, CANCEL); dropped if the worker has gone."""
         self._send_frame(frame, fds)

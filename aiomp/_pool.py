@@ -556,7 +556,7 @@ class Pool:
         for task in tasks:
             if task.state == QUEUED:
                 self._sched.drop(task)
-            elif task.state == RUNNING:
+            elif task.state == RUNNING and not self._sched.recall(task):
                 assert task.worker is not None
                 w = task.worker
                 h: WorkerHandle = w.handle  # type: ignore[assignment]

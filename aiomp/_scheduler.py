@@ -129,6 +129,9 @@ class Handle(Protocol):
         """Send (or queue in order for sending) ``task``; False: the worker has gone and
         nothing was sent. An OSError: the task cannot be sent anywhere (its fds)."""
 
+    def unsend(self, task: Task) -> bool:
+        """Take back ``task`` if none of it has left the pool yet (True), else False."""
+
     def send_exit(self) -> None:
         """Ask the worker to exit once it has sent its results."""
 
@@ -283,6 +286,22 @@ class Scheduler:
             self.queued -= 1
             self.unfinished -= 1
             self._check_drained()
+
+    def recall(self, task: Task) -> bool:
+        """A running task's caller has gone: if the task never left the pool (it waits in
+        its worker's outbox), drop it as if it had been queued. False: it has started."""
+        w = task.worker
+        if task.state != RUNNING or w is None or not w.handle.unsend(task):
+            return False
+        del w.running[task.tid]
+        w.load -= task.weight
+        w.dispatched -= 1
+        task.state = QUEUED
+        task.worker = None
+        self.queued += 1  # drop() counts it out
+        self.drop(task)
+        self._make_available(w)
+        return True
 
     def task(self, handle: Handle, tid: int) -> Task | None:
         w = self.workers.get(handle)

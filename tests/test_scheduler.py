@@ -22,6 +22,7 @@ class FakeHandle:
         self.slot = slot
         self.pid = pid or 1000 + slot
         self.sent: list[int] = []
+        self.outbox: list[int] = []  # sent, but still waiting for room in the socket
         self.alive = True
         self.exit_requested = False
         self.killed = False
@@ -35,6 +36,13 @@ class FakeHandle:
             return False
         self.sent.append(task.tid)
         return True
+
+    def unsend(self, task: Task) -> bool:
+        if task.tid in self.outbox:
+            self.outbox.remove(task.tid)
+            self.sent.remove(task.tid)
+            return True
+        return False
 
     def send_exit(self) -> None:
         self.exit_requested = True
@@ -317,3 +325,20 @@ def test_unfinished_count_is_exact_on_every_way_out(exitcode: int | None) -> Non
                 r.sched.complete(h, t, True, None)
     assert r.sched.queued == 0 and r.drained >= 1
     assert all(t.state in (DONE, DROPPED) for t in tasks)
+
+
+def test_a_task_still_in_its_workers_outbox_can_be_recalled() -> None:
+    """A cancelled task that never left the pool has not started: it never starts, and
+    its worker is not killed to cancel it."""
+    r = Rig(1, concurrency=2)
+    (w,) = r.handles
+    t1, t2 = r.task(is_async=True), r.task(is_async=True)
+    r.submit(t1, t2)
+    w.outbox.append(t2.tid)  # the socket was full
+    assert not r.sched.recall(t1)  # sent: it has started
+    assert r.sched.recall(t2)
+    assert t2.state == DROPPED and w.sent == [t1.tid]
+    assert r.sched.unfinished == 1 and not w.killed
+    t3 = r.task(is_async=True)
+    r.submit(t3)
+    assert w.sent == [t1.tid, t3.tid]  # its slot was given back
