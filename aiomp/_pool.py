@@ -112,9 +112,9 @@ import dataclasses
 import logging
 import os
 import pickle
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -130,6 +130,9 @@ from ._wakeup import Wakeup, running_asyncio_loop
 __all__ = ("Pool", "PoolStatistics")
 
 log = logging.getLogger("aiomp")
+
+S = TypeVar("S")
+T = TypeVar("T")
 
 _NEW, _OPEN, _CLOSING, _CLOSED = range(4)
 
@@ -586,6 +589,16 @@ class Pool:
             raise interrupted
 
     # -- public calls ------------------------------------------------------------------
+    @overload
+    async def apply(self, fn: Callable[..., Awaitable[T]], args: Iterable[object] = (),
+                    kwds: dict[str, object] | None = None, *,
+                    timeout: float | None = None) -> T: ...
+
+    @overload
+    async def apply(self, fn: Callable[..., T], args: Iterable[object] = (),
+                    kwds: dict[str, object] | None = None, *,
+                    timeout: float | None = None) -> T: ...
+
     async def apply(self, fn: Callable[..., Any], args: Iterable[object] = (),
                     kwds: dict[str, object] | None = None, *,
                     timeout: float | None = None) -> Any:
@@ -604,6 +617,15 @@ class Pool:
         """
         return await _calls.apply(self, fn, args, kwds, timeout)
 
+    @overload
+    async def map(self, fn: Callable[[S], Awaitable[T]],
+                  iterable: Iterable[S] | AsyncIterable[S],
+                  chunksize: int | None = None) -> list[T]: ...
+
+    @overload
+    async def map(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
+                  chunksize: int | None = None) -> list[T]: ...
+
     async def map(self, fn: Callable[[Any], Any], iterable: Iterable[Any] | AsyncIterable[Any],
                   chunksize: int | None = None) -> list[Any]:
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
@@ -618,11 +640,31 @@ class Pool:
         """
         return await _calls.map_(self, fn, iterable, chunksize, star=False)
 
+    @overload
+    async def starmap(self, fn: Callable[..., Awaitable[T]],
+                      iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+                      chunksize: int | None = None) -> list[T]: ...
+
+    @overload
+    async def starmap(self, fn: Callable[..., T],
+                      iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+                      chunksize: int | None = None) -> list[T]: ...
+
     async def starmap(self, fn: Callable[..., Any],
                       iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
                       chunksize: int | None = None) -> list[Any]:
         """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
         return await _calls.map_(self, fn, iterable, chunksize, star=True)
+
+    @overload
+    def imap(self, fn: Callable[[S], Awaitable[T]], iterable: Iterable[S] | AsyncIterable[S],
+             chunksize: int = 1, *, buffersize: int | None = None
+             ) -> _calls.ResultIterator[T]: ...
+
+    @overload
+    def imap(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
+             chunksize: int = 1, *, buffersize: int | None = None
+             ) -> _calls.ResultIterator[T]: ...
 
     def imap(self, fn: Callable[[Any], Any], iterable: Iterable[Any] | AsyncIterable[Any],
              chunksize: int = 1, *, buffersize: int | None = None
@@ -644,6 +686,16 @@ class Pool:
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
         """
         return _calls.ResultIterator(self, fn, iterable, chunksize, False, True, buffersize)
+
+    @overload
+    def imap_unordered(self, fn: Callable[[S], Awaitable[T]],
+                       iterable: Iterable[S] | AsyncIterable[S], chunksize: int = 1, *,
+                       buffersize: int | None = None) -> _calls.ResultIterator[T]: ...
+
+    @overload
+    def imap_unordered(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
+                       chunksize: int = 1, *,
+                       buffersize: int | None = None) -> _calls.ResultIterator[T]: ...
 
     def imap_unordered(self, fn: Callable[[Any], Any],
                        iterable: Iterable[Any] | AsyncIterable[Any], chunksize: int = 1, *,
