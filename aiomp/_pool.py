@@ -29,17 +29,11 @@ while the interpreter boots). Its :class:`~aiomp._handle.WorkerHandle` runs one
 (the pidfd), reads its channel and flushes its outbox. Nothing polls and no thread is
 used: a result is a message becoming readable, a crash is the pidfd becoming readable.
 
-On asyncio the channel is read by a reader callback, which completes a task (resolving
-its caller's future) without waking any task. Everything reachable from there (the
-scheduler, the handles' sends, the callers' wake-ups) is synchronous and creates no
-anyio object: under a plain ``asyncio.run`` loop anyio cannot tell, inside a callback,
-which library runs. The one thing the scheduler cannot do there, start a process, it
-hands to the pool's *supervisor* task (``to_spawn``).
-
-The channel is a ``_transport.Stream`` over the unix *stream* socket pair that ``launch``
-makes for a pool worker (``stream=True``): a worker blocked in ``recvmsg`` on a stream
-socket wakes 15 to 20 us sooner than on a datagram socket, a third of a round trip (see
-``_transport``).
+On asyncio a worker's channel is read by a reader callback that completes tasks directly;
+nothing reachable from it creates anyio objects (see *Nothing anyio in loop callbacks* in
+docs/architecture.md). The one thing the scheduler cannot do there, start a process, it
+hands to the pool's *supervisor* task. The channel is a ``_transport.Stream`` (see
+*Stream wake-ups*).
 
 How dispatch works, and why
 ---------------------------
