@@ -42,3 +42,11 @@ def deaf_at_gate(address: str) -> None:
     """Ignore SIGTERM (a worker slow to stop), say ready, wait for the test's release."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     gate_wait(os.getpid(), address)
+
+
+def block_at_gate(key: int, address: str) -> None:
+    gate_wait(key, address)
+
+
+def nbytes(a: object) -> int:
+    return int(a.nbytes)  # type: ignore[attr-defined]
