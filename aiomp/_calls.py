@@ -31,7 +31,7 @@ from . import _context, _transport
 from . import _protocol as P
 from ._errors import BrokenPoolError
 from ._scheduler import DONE, QUEUED, Task, fresh
-from ._wakeup import Signal
+from ._wakeup import Signal, Wakeup
 
 if TYPE_CHECKING:
     from ._pool import Pool
@@ -219,8 +219,11 @@ def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:
 
 
 async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int | None,
-               star: bool) -> list[Any]:
+               star: bool, on_progress: Callable[[int, int], object] | None = None
+               ) -> list[Any]:
     """:meth:`Pool.map` and :meth:`Pool.starmap`."""
+    if on_progress is not None and not callable(on_progress):
+        raise TypeError(f"on_progress must be callable, not {type(on_progress).__name__}")
     pool._check_open()
     info = fn_info(fn)
     if isinstance(iterable, (list, tuple)):
@@ -252,16 +255,40 @@ async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int
         raise
     for task in tasks:
         pool._submit(task)
-    await _wait(pool, tasks, gather.signal)
+    if on_progress is None:
+        await _wait(pool, tasks, gather.signal)
+    else:
+        await _wait_reporting(pool, gather, n, on_progress)
     if gather.error is not None:
         raise gather.error
     return list(itertools.chain.from_iterable(gather.results))
 
 
+async def _wait_reporting(pool: Pool, gather: _Gather, total: int,
+                          on_progress: Callable[[int, int], object]) -> None:
+    """Wait for a map, calling ``on_progress(done, total)`` from this task (never from a
+    loop callback) each time chunks have finished; abandon the map on cancellation."""
+    progress = gather.progress = Wakeup(pool._loop)
+    reported = 0
+    try:
+        while True:
+            if gather.done != reported:
+                reported = gather.done
+                on_progress(reported, total)
+            if gather.signal.is_set():
+                return
+            await progress.wait()
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await pool._abandon(gather.tasks)
+        raise
+
+
 class _Gather:
     """Collects a map's chunks; its signal fires when all are done or one has failed."""
 
-    __slots__ = ("error", "pool", "remaining", "results", "signal", "tasks")
+    __slots__ = ("done", "error", "pool", "progress", "remaining", "results", "signal",
+                 "tasks")
 
     def __init__(self, pool: Pool, n: int) -> None:
         self.pool = pool
@@ -270,9 +297,14 @@ class _Gather:
         self.remaining = n
         self.error: BaseException | None = None
         self.signal = Signal(pool._loop)
+        self.done = 0  # inputs whose results have come
+        self.progress: Wakeup | None = None
 
     def __call__(self, task: Task) -> None:
+        if self.progress is not None:
+            self.progress.set()
         if task.ok:
+            self.done += task.size
             self.results[task.index] = task.value
         elif self.error is None:
             self.error = task.value

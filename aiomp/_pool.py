@@ -613,15 +613,17 @@ class Pool:
 
     @overload
     async def map(self, fn: Callable[[S], Awaitable[T]],
-                  iterable: Iterable[S] | AsyncIterable[S],
-                  chunksize: int | None = None) -> list[T]: ...
+                  iterable: Iterable[S] | AsyncIterable[S], chunksize: int | None = None, *,
+                  on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
 
     @overload
     async def map(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
-                  chunksize: int | None = None) -> list[T]: ...
+                  chunksize: int | None = None, *,
+                  on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
 
     async def map(self, fn: Callable[[Any], Any], iterable: Iterable[Any] | AsyncIterable[Any],
-                  chunksize: int | None = None) -> list[Any]:
+                  chunksize: int | None = None, *,
+                  on_progress: Callable[[int, int], object] | None = None) -> list[Any]:
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
 
         ``iterable`` may be sync or async; it is read whole first (use :meth:`imap` for
@@ -629,26 +631,33 @@ class Pool:
         ``concurrency`` for an async ``fn``). The first task to fail makes this raise its
         exception (never an exception group); the chunks not started yet are dropped.
 
+        ``on_progress(done, total)``, if given, is called from this task (not from the
+        event loop's internals) as chunks finish, with the number of inputs done so far:
+        ``tqdm``'s ``update`` or a log line fit there.
+
         On cancellation chunks not started never start, and running ones are stopped as
         for :meth:`apply`.
         """
-        return await _calls.map_(self, fn, iterable, chunksize, star=False)
+        return await _calls.map_(self, fn, iterable, chunksize, False, on_progress)
 
     @overload
     async def starmap(self, fn: Callable[..., Awaitable[T]],
                       iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None) -> list[T]: ...
+                      chunksize: int | None = None, *,
+                      on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
 
     @overload
     async def starmap(self, fn: Callable[..., T],
                       iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None) -> list[T]: ...
+                      chunksize: int | None = None, *,
+                      on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
 
     async def starmap(self, fn: Callable[..., Any],
                       iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None) -> list[Any]:
+                      chunksize: int | None = None, *,
+                      on_progress: Callable[[int, int], object] | None = None) -> list[Any]:
         """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
-        return await _calls.map_(self, fn, iterable, chunksize, star=True)
+        return await _calls.map_(self, fn, iterable, chunksize, True, on_progress)
 
     @overload
     def imap(self, fn: Callable[[S], Awaitable[T]], iterable: Iterable[S] | AsyncIterable[S],

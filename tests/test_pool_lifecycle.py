@@ -310,3 +310,26 @@ async def test_a_dropped_task_leaves_no_named_segment(gate: Gate, file_system: N
             assert p.statistics().queued == 0
             gate.release(0)
             assert await p.apply(funcs.nbytes, (big,)) == big.nbytes
+
+
+async def test_map_reports_progress_from_the_callers_task() -> None:
+    """Issue 11: a progress hook for map (imap already works with tqdm)."""
+    seen: list[tuple[int, int]] = []
+    with anyio.fail_after(TIMEOUT):
+        async with pool(2) as p:
+            out = await p.map(funcs.square, range(100), chunksize=10,
+                              on_progress=lambda done, total: seen.append((done, total)))
+            assert out == [x * x for x in range(100)]
+            assert seen[-1] == (100, 100)
+            assert [d for d, _ in seen] == sorted({d for d, _ in seen})  # increasing, once each
+            assert all(d % 10 == 0 for d, _ in seen)
+
+            def broken(done: int, total: int) -> None:
+                raise ValueError("the progress bar broke")
+
+            with pytest.raises(ValueError, match="progress bar broke"):
+                await p.starmap(funcs.square, [(x,) for x in range(50)], chunksize=5,
+                                on_progress=broken)
+            with pytest.raises(TypeError, match="on_progress must be callable"):
+                await p.map(funcs.square, range(3), on_progress=3)  # type: ignore[call-overload]
+            assert await p.map(funcs.square, range(3)) == [0, 1, 4]
