@@ -11,6 +11,8 @@ import asyncio
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -333,3 +335,35 @@ async def test_map_reports_progress_from_the_callers_task() -> None:
             with pytest.raises(TypeError, match="on_progress must be callable"):
                 await p.map(funcs.square, range(3), on_progress=3)  # type: ignore[call-overload]
             assert await p.map(funcs.square, range(3)) == [0, 1, 4]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_a_double_ctrl_c_kills_and_reaps_a_deaf_worker(loop: str) -> None:
+    """Issue 18 item 1 with real signals: a service under asyncio.run / uvloop / trio.run
+    whose worker ignores SIGTERM gets two Ctrl-Cs 0.3 s apart. The second means "now":
+    the worker is SIGKILLed and reaped, and the process exits well within its grace
+    period (10 s) instead of hanging."""
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests._pool_sigint_script", loop], cwd=repo,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the worker says ready: no sleep to wait for it
+        worker = int(line.split()[-1])
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # the interval between two Ctrl-Cs, not a wait for a child
+        assert proc.poll() is None  # the first one waits out the grace period
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=8)
+        assert time.monotonic() - start < 8
+        assert dead(worker)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+        if proc.stderr:
+            proc.stderr.close()
