@@ -65,6 +65,19 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 @pytest.fixture
+def file_system() -> Iterator[None]:
+    """The ``file_system`` sharing strategy in this process, for one test."""
+    import aiomp
+
+    before = aiomp.get_sharing_strategy()
+    aiomp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        aiomp.set_sharing_strategy(before)
+
+
+@pytest.fixture
 def gate() -> Iterator[Gate]:
     """A :class:`~tests._gate.Gate` for children to report to and wait on."""
     g = Gate()

@@ -8,13 +8,13 @@ test at a :class:`Gate`, and every await is bounded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,15 @@ def dead(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:  # gone: ENOENT, or ESRCH while it was being reaped
         return True
+
+
+async def square_or_broken(p: aiomp.Pool, i: int, outcomes: collections.Counter[str]) -> None:
+    """Square ``i`` in ``p``: its own result, or BrokenWorkerError, and nothing else."""
+    try:
+        assert await p.apply(funcs.square, (i,)) == i * i
+        outcomes["ok"] += 1
+    except aiomp.BrokenWorkerError:
+        outcomes["broken"] += 1
 
 
 def kill(pid: int) -> None:
@@ -160,20 +169,13 @@ async def test_replacements_killed_before_ready_lose_no_task() -> None:
     """Issue 8 bug 4, without an initializer: killing replacement workers before they said
     ready failed 4,988 of 5,000 queued tasks and left no worker. Now a killed worker fails
     only the task it held; the queue waits for the next replacement."""
-    ok = broken = kills = 0
+    outcomes: collections.Counter[str] = collections.Counter()
+    kills = 0
     with anyio.fail_after(TIMEOUT):
         async with pool(2) as p:
-            async def one(i: int) -> None:
-                nonlocal ok, broken
-                try:
-                    assert await p.apply(funcs.square, (i,)) == i * i
-                    ok += 1
-                except aiomp.BrokenWorkerError:
-                    broken += 1
-
             async with anyio.create_task_group() as tg:
                 for i in range(200):
-                    tg.start_soon(one, i)
+                    tg.start_soon(square_or_broken, p, i, outcomes)
                 await anyio.lowlevel.checkpoint()
                 for _ in range(2):  # twice in a row: a third start-up death would break it
                     before = set(p.pids())
@@ -182,8 +184,8 @@ async def test_replacements_killed_before_ready_lose_no_task() -> None:
                         kills += 1
                     while not (set(p.pids()) - before):  # the replacements, just started
                         await anyio.lowlevel.checkpoint()
-            assert ok + broken == 200
-            assert broken <= kills
+            assert outcomes["ok"] + outcomes["broken"] == 200
+            assert outcomes["broken"] <= kills
             assert await p.map(funcs.square, range(4)) == [0, 1, 4, 9]
             assert p.statistics().workers == 2
 
@@ -237,27 +239,19 @@ async def test_random_worker_kills_during_a_stream_of_apply() -> None:
     seed = random.randrange(2**32)
     print(f"chaos seed {seed}")  # replay with this seed
     rng = random.Random(seed)
-    ok = broken = 0
+    outcomes: collections.Counter[str] = collections.Counter()
     with anyio.fail_after(60):
         async with pool(3) as p:
-            async def one(i: int) -> None:
-                nonlocal ok, broken
-                try:
-                    assert await p.apply(funcs.square, (i,)) == i * i
-                    ok += 1
-                except aiomp.BrokenWorkerError:
-                    broken += 1
-
             async with anyio.create_task_group() as tg:
                 for i in range(400):
-                    tg.start_soon(one, i)
+                    tg.start_soon(square_or_broken, p, i, outcomes)
                     if rng.random() < 0.03:
                         pids = p.pids()
                         if pids:
                             kill(rng.choice(pids))
                     if i % 20 == 0:
                         await anyio.lowlevel.checkpoint()
-            assert ok + broken == 400
+            assert outcomes["ok"] + outcomes["broken"] == 400
             assert await p.map(funcs.square, range(10)) == [x * x for x in range(10)]
             assert p.statistics().workers == 3
 
@@ -284,16 +278,6 @@ async def test_a_second_cancel_during_shutdown_kills_at_once(gate: Gate) -> None
         await asyncio.wait_for(task, 10)
     assert dead(pid)
     assert time.monotonic() - start < 5  # well before the grace period would have ended
-
-
-@pytest.fixture
-def file_system() -> Iterator[None]:
-    before = aiomp.get_sharing_strategy()
-    aiomp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        aiomp.set_sharing_strategy(before)
 
 
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
