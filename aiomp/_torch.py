@@ -1,0 +1,213 @@
+"""torch tensors in aiomp messages, shared as ``torch.multiprocessing`` shares them.
+
+aiomp never imports torch: :func:`aiomp._reduction.init_reductions` calls
+:func:`init_reductions` once torch is in ``sys.modules``, and a receiver imports this
+module (and torch) when a message holding a tensor arrives.
+
+What travels is decided per *storage*, the unit torch shares; every tensor is rebuilt
+on its storage with its dtype, storage offset, size, strides and ``requires_grad`` (a
+``Parameter`` stays a ``Parameter``). Within one message each storage travels once,
+however many tensors view it: views stay views, and many tensors on one storage send
+one fd (DESIGN R1).
+
+- A storage already in shared memory travels as that memory, whatever its size:
+  a ``file_descriptor`` storage (``share_memory_()``, or received) as its fd, inside the
+  same ``sendmsg`` as the message (torch's ``_share_fd_cpu_`` / ``_new_shared_fd_cpu``,
+  without torch's listener thread in the sender, so the sender may exit before the
+  message is read); a ``file_system`` storage as its name, through torch's own
+  manager and reference count (``_share_filename_cpu_``). Writes are seen both ways.
+- A storage of :data:`INLINE_THRESHOLD` bytes or more that is not shared yet is moved
+  into shared memory *in place*, as torch does (``share_memory_()``: the sender's
+  tensors use the shared copy from then on), with torch's sharing strategy
+  (``torch.multiprocessing.set_sharing_strategy``), then sent as above.
+- A smaller storage travels inside the message, copied, as torch's pickling would.
+- CUDA, sparse, nested and meta tensors go through torch's own reducer
+  (``torch.multiprocessing.reductions.reduce_tensor``: CUDA IPC handles and torch's
+  reference counting), carried by aiomp's transport; the CPU storages inside a sparse or
+  nested tensor come back here. CUDA events too (``reduce_event``).
+
+A receiver maps a storage once: storages are cached by segment in torch's own
+``shared_cache``, so a tensor received twice, or from torch.multiprocessing too, is one
+storage. It holds the fd while the storage lives, as torch does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from typing import Any
+
+import torch
+import torch.multiprocessing
+import torch.utils.hooks
+from torch.multiprocessing import reductions as _torch_reductions
+
+from . import _reduction
+
+#: Storages with fewer bytes than this, not yet shared, travel inside the message.
+INLINE_THRESHOLD = 64 * 1024
+
+
+def init_reductions() -> None:
+    """Register aiomp's reducers for torch's types (as torch's ``init_reductions`` does
+    for ``ForkingPickler``). Called once torch has been imported."""
+    register = _reduction.register
+    register(torch.cuda.Event, _torch_reductions.reduce_event)
+    for cls in torch._storage_classes:
+        if cls is torch.UntypedStorage:
+            register(cls, _reduce_storage)
+        else:
+            register(cls, _torch_reductions.reduce_typed_storage_child)
+    register(torch.storage.TypedStorage, _torch_reductions.reduce_typed_storage)
+    for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.Parameter):
+        register(cls, _reduce_tensor)
+
+
+def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
+    if t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested:
+        return _torch_reductions.reduce_tensor(t)  # type: ignore[no-any-return]
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
+            "autograd does not support crossing process boundaries. If you just want to "
+            "transfer the data, call detach() on the tensor before putting it in an aiomp "
+            "message (torch.multiprocessing refuses it the same way)"
+        )
+    torch.utils.hooks.warn_if_has_hooks(t)
+    return _rebuild_tensor, (
+        _storage(t.untyped_storage()), t.dtype, t.storage_offset(), tuple(t.size()),
+        t.stride(), t.requires_grad, type(t) is torch.nn.Parameter,
+    )
+
+
+def _rebuild_tensor(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
+                    size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
+                    parameter: bool) -> torch.Tensor:
+    t = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+    if storage.device.type != "cpu":
+        return _torch_reductions.reduce_storage(storage)  # type: ignore[no-any-return]
+    return _same, (_storage(storage),)
+
+
+def _same(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    return storage
+
+
+def _storage(storage: torch.UntypedStorage) -> object:
+    """What stands for ``storage`` in the message being pickled: one object per storage
+    and message, so that the pickler's memo sends it once and the receiver rebuilds one
+    storage for all the tensors on it."""
+    memo = _reduction.current().memo
+    key = ("aiomp-torch", storage._cdata)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit[0]  # type: ignore[index]
+    nbytes = storage.nbytes()
+    holder: object
+    if storage.is_shared():
+        fd = _shared_fd(storage)
+        holder = _FdStorage(storage, fd, nbytes) if fd >= 0 else _NamedStorage(storage)
+    elif nbytes < INLINE_THRESHOLD:
+        holder = _InlineStorage(ctypes.string_at(storage.data_ptr(), nbytes) if nbytes else b"")
+    elif torch.multiprocessing.get_sharing_strategy() == "file_system":
+        holder = _NamedStorage(storage)
+    else:
+        fd, size = storage._share_fd_cpu_()  # moves it into shared memory, in place
+        holder = _FdStorage(storage, fd, size)
+    # the memo keeps the storage alive while the message is pickled: its key stays its own
+    memo[key] = (holder, storage)
+    return holder
+
+
+def _shared_fd(storage: torch.UntypedStorage) -> int:
+    """The fd of a ``file_descriptor`` shared storage; -1 for a ``file_system`` one."""
+    try:
+        return int(storage._get_shared_fd())
+    except RuntimeError:
+        return -1
+
+
+class _FdStorage:
+    """A shared storage's fd, attached to the message (SCM_RIGHTS)."""
+
+    __slots__ = ("fd", "size", "storage")
+
+    def __init__(self, storage: torch.UntypedStorage, fd: int, size: int) -> None:
+        self.storage, self.fd, self.size = storage, fd, size
+        # As torch does: this process receiving the segment back gets this very storage.
+        _torch_reductions.shared_cache[_torch_reductions.fd_id(fd)] = (
+            _torch_reductions.StorageWeakRef(storage))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            index = _reduction.add_fd(self.fd)
+        except pickle.PicklingError as exc:
+            exc.add_note(
+                "each shared torch storage in a message carries its fd: send fewer "
+                "separate tensors per message, or use "
+                "torch.multiprocessing.set_sharing_strategy('file_system')"
+            )
+            raise
+        # The fd is the storage's own: keep the storage (and so the fd) until sent.
+        storage = self.storage
+        _reduction.on_sent(lambda: storage)
+        return _rebuild_fd_storage, (index, self.size)
+
+
+def _rebuild_fd_storage(index: int, size: int) -> torch.UntypedStorage:
+    fd = _reduction.peek_fd(index)  # loads closes it; torch keeps its own duplicate
+    key = _torch_reductions.fd_id(fd)
+    storage = _torch_reductions.storage_from_cache(torch.UntypedStorage, key)
+    if storage is None:
+        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+        _torch_reductions.shared_cache[key] = _torch_reductions.StorageWeakRef(storage)
+    return storage  # type: ignore[no-any-return]
+
+
+class _NamedStorage:
+    """A ``file_system`` shared storage: its name, held by torch's reference count while
+    the message is in flight (as torch does), released if the message is never sent."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        storage = self.storage
+        manager, handle, size = storage._share_filename_cpu_()
+        storage._shared_incref()
+        _reduction.on_unsent(storage._shared_decref)
+        _reduction.on_copy(storage._shared_incref)
+        return _rebuild_named_storage, (manager, handle, size)
+
+
+def _rebuild_named_storage(manager: bytes, handle: bytes, size: int) -> torch.UntypedStorage:
+    return _torch_reductions.rebuild_storage_filename(  # type: ignore[no-any-return]
+        torch.UntypedStorage, manager, handle, size)
+
+
+class _InlineStorage:
+    """A small storage's bytes, inside the message."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_inline_storage, (self.data,)
+
+
+def _rebuild_inline_storage(data: bytes) -> torch.UntypedStorage:
+    if not data:
+        return torch.UntypedStorage()
+    return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
