@@ -35,14 +35,19 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any
+from typing import Any, cast
 
-import torch
-import torch.multiprocessing
-import torch.utils.hooks
-from torch.multiprocessing import reductions as _torch_reductions
+import torch  # type: ignore[import-not-found,unused-ignore]
+import torch.multiprocessing  # type: ignore[import-not-found,unused-ignore]
+import torch.utils.hooks  # type: ignore[import-not-found,unused-ignore]
+from torch.multiprocessing import reductions  # type: ignore[import-not-found,unused-ignore]
 
 from . import _reduction
+
+# torch's reducers, strategy and storage internals are untyped: used through Any.
+_torch_reductions: Any = reductions
+_torch_mp: Any = torch.multiprocessing
+_Storage: Any = torch.UntypedStorage
 
 #: Storages with fewer bytes than this, not yet shared, travel inside the message.
 INLINE_THRESHOLD = 64 * 1024
@@ -59,13 +64,14 @@ def init_reductions() -> None:
         else:
             register(cls, _torch_reductions.reduce_typed_storage_child)
     register(torch.storage.TypedStorage, _torch_reductions.reduce_typed_storage)
-    for cls in (*torch._tensor_classes, torch.Tensor, torch.nn.Parameter):
-        register(cls, _reduce_tensor)
+    tensor_classes: list[type] = [*torch._tensor_classes, torch.Tensor, torch.nn.Parameter]
+    for tensor_cls in tensor_classes:
+        register(tensor_cls, _reduce_tensor)
 
 
 def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     if t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested:
-        return _torch_reductions.reduce_tensor(t)  # type: ignore[no-any-return]
+        return cast("tuple[Any, ...]", _torch_reductions.reduce_tensor(t))
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
@@ -80,7 +86,7 @@ def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     )
 
 
-def _rebuild_tensor(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int,
+def _rebuild_tensor(storage: Any, dtype: torch.dtype, offset: int,
                     size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
                     parameter: bool) -> torch.Tensor:
     t = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
@@ -91,17 +97,17 @@ def _rebuild_tensor(storage: torch.UntypedStorage, dtype: torch.dtype, offset: i
     return t
 
 
-def _reduce_storage(storage: torch.UntypedStorage) -> tuple[Any, ...]:
+def _reduce_storage(storage: Any) -> tuple[Any, ...]:
     if storage.device.type != "cpu":
-        return _torch_reductions.reduce_storage(storage)  # type: ignore[no-any-return]
+        return cast("tuple[Any, ...]", _torch_reductions.reduce_storage(storage))
     return _same, (_storage(storage),)
 
 
-def _same(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+def _same(storage: Any) -> Any:
     return storage
 
 
-def _storage(storage: torch.UntypedStorage) -> object:
+def _storage(storage: Any) -> object:
     """What stands for ``storage`` in the message being pickled: one object per storage
     and message, so that the pickler's memo sends it once and the receiver rebuilds one
     storage for all the tensors on it."""
@@ -117,7 +123,7 @@ def _storage(storage: torch.UntypedStorage) -> object:
         holder = _FdStorage(storage, fd, nbytes) if fd >= 0 else _NamedStorage(storage)
     elif nbytes < INLINE_THRESHOLD:
         holder = _InlineStorage(ctypes.string_at(storage.data_ptr(), nbytes) if nbytes else b"")
-    elif torch.multiprocessing.get_sharing_strategy() == "file_system":
+    elif _torch_mp.get_sharing_strategy() == "file_system":
         holder = _NamedStorage(storage)
     else:
         fd, size = storage._share_fd_cpu_()  # moves it into shared memory, in place
@@ -127,7 +133,7 @@ def _storage(storage: torch.UntypedStorage) -> object:
     return holder
 
 
-def _shared_fd(storage: torch.UntypedStorage) -> int:
+def _shared_fd(storage: Any) -> int:
     """The fd of a ``file_descriptor`` shared storage; -1 for a ``file_system`` one."""
     try:
         return int(storage._get_shared_fd())
@@ -140,7 +146,7 @@ class _FdStorage:
 
     __slots__ = ("fd", "size", "storage")
 
-    def __init__(self, storage: torch.UntypedStorage, fd: int, size: int) -> None:
+    def __init__(self, storage: Any, fd: int, size: int) -> None:
         self.storage, self.fd, self.size = storage, fd, size
         # As torch does: this process receiving the segment back gets this very storage.
         _torch_reductions.shared_cache[_torch_reductions.fd_id(fd)] = (
@@ -162,14 +168,14 @@ class _FdStorage:
         return _rebuild_fd_storage, (index, self.size)
 
 
-def _rebuild_fd_storage(index: int, size: int) -> torch.UntypedStorage:
+def _rebuild_fd_storage(index: int, size: int) -> Any:
     fd = _reduction.peek_fd(index)  # loads closes it; torch keeps its own duplicate
     key = _torch_reductions.fd_id(fd)
     storage = _torch_reductions.storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
-        storage = torch.UntypedStorage._new_shared_fd_cpu(fd, size)
+        storage = _Storage._new_shared_fd_cpu(fd, size)
         _torch_reductions.shared_cache[key] = _torch_reductions.StorageWeakRef(storage)
-    return storage  # type: ignore[no-any-return]
+    return storage
 
 
 class _NamedStorage:
@@ -178,7 +184,7 @@ class _NamedStorage:
 
     __slots__ = ("storage",)
 
-    def __init__(self, storage: torch.UntypedStorage) -> None:
+    def __init__(self, storage: Any) -> None:
         self.storage = storage
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -190,9 +196,8 @@ class _NamedStorage:
         return _rebuild_named_storage, (manager, handle, size)
 
 
-def _rebuild_named_storage(manager: bytes, handle: bytes, size: int) -> torch.UntypedStorage:
-    return _torch_reductions.rebuild_storage_filename(  # type: ignore[no-any-return]
-        torch.UntypedStorage, manager, handle, size)
+def _rebuild_named_storage(manager: bytes, handle: bytes, size: int) -> Any:
+    return _torch_reductions.rebuild_storage_filename(_Storage, manager, handle, size)
 
 
 class _InlineStorage:
@@ -207,7 +212,7 @@ class _InlineStorage:
         return _rebuild_inline_storage, (self.data,)
 
 
-def _rebuild_inline_storage(data: bytes) -> torch.UntypedStorage:
+def _rebuild_inline_storage(data: bytes) -> Any:
     if not data:
-        return torch.UntypedStorage()
+        return _Storage()
     return torch.UntypedStorage.from_buffer(data, dtype=torch.uint8)
