@@ -267,7 +267,7 @@ async def test_pool_args_and_results() -> None:
 @pytest.mark.slow
 def test_hogwild_example_runs() -> None:
     proc = subprocess.run([sys.executable, "examples/hogwild_torch.py"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "loss" in proc.stdout and "ok" in proc.stdout.splitlines()[-1], proc.stdout
 
