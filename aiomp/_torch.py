@@ -158,9 +158,7 @@ class _FdStorage:
 
     def __init__(self, storage: Any, fd: int, size: int) -> None:
         self.storage, self.fd, self.size = storage, fd, size
-        # As torch does: this process receiving the segment back gets this very storage.
-        _torch_reductions.shared_cache[_torch_reductions.fd_id(fd)] = (
-            _torch_reductions.StorageWeakRef(storage))
+        _remember(storage, fd)
 
     def __reduce__(self) -> tuple[Any, ...]:
         try:
@@ -176,6 +174,25 @@ class _FdStorage:
         storage = self.storage
         _reduction.on_sent(lambda: storage)
         return _rebuild_fd_storage, (index, self.size)
+
+
+#: storage cdata -> weak ref, for the storages this process has put in torch's cache
+_remembered: dict[int, Any] = {}
+
+
+def _remember(storage: Any, fd: int) -> None:
+    """As torch does at every send, once per storage: put it in torch's ``shared_cache``,
+    so that this process, receiving its segment back, gets this very storage."""
+    ref = _remembered.get(storage._cdata)
+    if ref is not None and not ref.expired():
+        return  # our weak ref keeps the storage's cdata from being reused meanwhile
+    ref = _torch_reductions.StorageWeakRef(storage)
+    _torch_reductions.shared_cache[_torch_reductions.fd_id(fd)] = ref
+    if len(_remembered) >= 256:
+        for cdata, old in list(_remembered.items()):
+            if old.expired():
+                del _remembered[cdata]
+    _remembered[storage._cdata] = ref
 
 
 def _rebuild_fd_storage(index: int, size: int) -> Any:
