@@ -21,7 +21,8 @@ one fd (DESIGN R1).
   tensors use the shared copy from then on), with torch's sharing strategy
   (``torch.multiprocessing.set_sharing_strategy``), then sent as above.
 - A smaller storage travels inside the message, copied, as torch's pickling would.
-- CUDA, sparse, nested and meta tensors go through torch's own reducer
+- Quantized tensors go through torch's own pickling; CUDA, sparse, nested and meta
+  tensors through torch's own reducer
   (``torch.multiprocessing.reductions.reduce_tensor``: CUDA IPC handles and torch's
   reference counting), carried by aiomp's transport; the CPU storages inside a sparse or
   nested tensor come back here. CUDA events too (``reduce_event``).
@@ -72,6 +73,8 @@ def init_reductions() -> None:
 def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     if t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested:
         return cast("tuple[Any, ...]", _torch_reductions.reduce_tensor(t))
+    if t.is_quantized:  # torch's pickling (its storage still comes back here)
+        return cast("tuple[Any, ...]", t.__reduce_ex__(5))  # type: ignore[no-untyped-call,unused-ignore]
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "

@@ -172,6 +172,17 @@ def test_a_storage_on_its_own_and_empty_tensors() -> None:
     assert got_t.shape == (0,)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: sparse checks, deprecations
+def test_other_layouts_travel_through_torch_reducers() -> None:
+    sparse = torch.randn(300, 300).to_sparse()  # its values' storage: moved, by fd
+    quantized = torch.quantize_per_tensor(torch.randn(100), 0.1, 0, torch.qint8)
+    meta = torch.empty(3, 4, device="meta")
+    got_sparse, got_q, got_meta = roundtrip([sparse, quantized, meta])
+    assert torch.equal(got_sparse.to_dense(), sparse.to_dense())
+    assert torch.equal(got_q.int_repr(), quantized.int_repr()) and got_q.q_scale() == 0.1
+    assert got_meta.is_meta and got_meta.shape == (3, 4)
+
+
 def test_too_many_storages_for_one_message_say_what_to_do() -> None:
     params = [torch.zeros(4).share_memory_() for _ in range(300)]
     with pytest.raises(Exception, match="at most") as info:
