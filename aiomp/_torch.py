@@ -157,11 +157,11 @@ def _shared_fd(storage: Any) -> int:
 class _FdStorage:
     """A shared storage's fd, attached to the message (SCM_RIGHTS)."""
 
-    __slots__ = ("fd", "size", "storage")
+    __slots__ = ("fd", "key", "size", "storage")
 
     def __init__(self, storage: Any, fd: int, size: int) -> None:
         self.storage, self.fd, self.size = storage, fd, size
-        _remember(storage, fd)
+        self.key = _remember(storage, fd)
 
     def __reduce__(self) -> tuple[Any, ...]:
         try:
@@ -176,31 +176,34 @@ class _FdStorage:
         # The fd is the storage's own: keep the storage (and so the fd) until sent.
         storage = self.storage
         _reduction.on_sent(lambda: storage)
-        return _rebuild_fd_storage, (index, self.size)
+        return _rebuild_fd_storage, (index, self.size, self.key)
 
 
-#: storage cdata -> weak ref, for the storages this process has put in torch's cache
-_remembered: dict[int, Any] = {}
+#: storage cdata -> (weak ref, segment key), for the storages put in torch's cache here
+_remembered: dict[int, tuple[Any, tuple[int, int]]] = {}
 
 
-def _remember(storage: Any, fd: int) -> None:
+def _remember(storage: Any, fd: int) -> tuple[int, int]:
     """As torch does at every send, once per storage: put it in torch's ``shared_cache``,
-    so that this process, receiving its segment back, gets this very storage."""
-    ref = _remembered.get(storage._cdata)
-    if ref is not None and not ref.expired():
-        return  # our weak ref keeps the storage's cdata from being reused meanwhile
-    ref = _torch_reductions.StorageWeakRef(storage)
-    _torch_reductions.shared_cache[_torch_reductions.fd_id(fd)] = ref
+    so that this process, receiving its segment back, gets this very storage. Returns
+    the segment's key (torch's ``fd_id``), which travels with the fd."""
+    hit = _remembered.get(storage._cdata)
+    if hit is not None and not hit[0].expired():
+        return hit[1]  # our weak ref keeps the storage's cdata from being reused meanwhile
+    ref, key = _torch_reductions.StorageWeakRef(storage), _torch_reductions.fd_id(fd)
+    _torch_reductions.shared_cache[key] = ref
     if len(_remembered) >= 256:
-        for cdata, old in list(_remembered.items()):
+        for cdata, (old, _) in list(_remembered.items()):
             if old.expired():
                 del _remembered[cdata]
-    _remembered[storage._cdata] = ref
+    _remembered[storage._cdata] = (ref, key)
+    return key  # type: ignore[no-any-return]
 
 
-def _rebuild_fd_storage(index: int, size: int) -> Any:
+def _rebuild_fd_storage(index: int, size: int, key: tuple[int, int]) -> Any:
+    # The key names the segment (no fstat needed here): the fd travelled with it in the
+    # same datagram, so it cannot be another segment's.
     fd = _reduction.peek_fd(index)  # loads closes it; torch keeps its own duplicate
-    key = _torch_reductions.fd_id(fd)
     storage = _torch_reductions.storage_from_cache(torch.UntypedStorage, key)
     if storage is None:
         storage = _Storage._new_shared_fd_cpu(fd, size)
