@@ -249,6 +249,26 @@ async def test_the_sender_exits_before_the_receiver_reads() -> None:
 
 @pytest.mark.anyio
 @ONE_LOOP
+async def test_a_tensor_forwarded_by_a_child_comes_back_as_the_same_storage() -> None:
+    # Pipelines forward buffers: the child sends on the storage it received, by its fd.
+    from tests import _funcs
+
+    x = torch.arange(INLINE, dtype=torch.float32)  # moved into shared memory by the put
+    qin, qout = aiomp.Queue(), aiomp.Queue()
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(_funcs.q_forward, 1, args=(qin, qout), grace_period=GRACE):
+            await qin.put((x, x[5:]))
+            back, tail = await qout.get()
+            qin.close()
+    assert same_storage(back, x) and same_storage(tail, x), "mapped once: x's own storage"
+    assert tail.storage_offset() == 5
+    back[0] = -1.0
+    assert x[0] == -1.0
+    qout.close()
+
+
+@pytest.mark.anyio
+@ONE_LOOP
 async def test_torch_file_system_strategy_is_kept() -> None:
     # Both ends are children: torch's file_system strategy starts torch_shm_manager as a
     # child of the process that shares first, and connects to it from the receiver.
