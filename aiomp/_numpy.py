@@ -7,11 +7,13 @@ An array inside a message (a Queue item, ``spawn`` args, a Pool task or result):
   does not grow with its size, and the receiver sees the same memory (writes are shared);
 - otherwise, if it holds at least :data:`INLINE_THRESHOLD` bytes (and no Python objects):
   it is copied once into a pooled shared block, and the receiver gets a writable view of
-  that block. A C- or Fortran-contiguous array keeps its layout; any other view is
-  compacted to C order, unless it is a view of a base array no more than
-  :data:`VIEW_SLACK` times its size, in which case the whole base is copied once per
-  message and every view of it in that message stays a view of one buffer;
-- smaller arrays, and object arrays, are pickled inline, as by numpy itself.
+  that block. The bytes it spans are copied as they are, so it keeps its strides, unless
+  it spans more than :data:`VIEW_SLACK` times its own size (a sparse view of a large
+  base), in which case it is compacted to C order (Fortran order if it is F-contiguous);
+- smaller arrays, and object arrays, are pickled inline, as by numpy itself;
+- views stay views: arrays of one message that view overlapping memory (``[x, x[2],
+  x[:, 1]]``) are rebuilt as views of one shared copy of the bytes they span together,
+  whatever their own sizes. Arrays whose memory does not overlap travel independently.
 
 Why 64 KiB: below it a copy through the socket (about 5 us for 64 KiB) costs less than
 preparing a shared block (a lease syscall and an fd in the message, and on the receiver a
@@ -20,6 +22,7 @@ stat, a lock and an exporter), and small items keep the datagram small.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 from typing import Any, Literal, cast
 
@@ -120,54 +123,158 @@ def _dtype_token(dtype: np.dtype[Any]) -> np.dtype[Any] | str:
     return token
 
 
-def reducers() -> dict[type, object]:
-    """Reducers for :mod:`aiomp._reduction` (installed once numpy is imported)."""
-    return {np.ndarray: _reduce}
+def init_reductions() -> None:
+    """Register numpy's reducer for aiomp messages (called once numpy has been imported)."""
+    _reduction.register(np.ndarray, _reduce)
 
 
 def _reduce(arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     shared = _shared_block(arr)
-    if shared is None:
-        if arr.nbytes < INLINE_THRESHOLD or arr.dtype.hasobject:
-            return cast("tuple[Any, ...]", arr.__reduce_ex__(5))
-        copy = _copy_for_message(arr)
-        # The copy's only owner is this message until it is sent: keep it alive so its
-        # block is not retired (and reused) before the message's lease holds it.
-        _reduction.current().memo[("aiomp-np-copy", id(copy))] = copy
-        shared = _shared_block(copy)
-        assert shared is not None
-        if copy.shape == arr.shape and copy.dtype == arr.dtype:
-            arr = copy
-    ref, exporter = shared
+    if shared is not None:
+        return _by_handle(arr, *shared)
+    if arr.dtype.hasobject or arr.nbytes == 0:
+        return cast("tuple[Any, ...]", arr.__reduce_ex__(5))
+    state = _reduction.current()
+    message = cast("_Message | None", state.memo.get(_Message))
+    if message is None:
+        message = state.memo[_Message] = _Message(state.first)
+    return message.reduce(arr)
+
+
+def _by_handle(arr: np.ndarray[Any, Any], ref: _shm.BlockRef, exporter: object) -> tuple[Any, ...]:
     offset = _address(arr) - ctypes.addressof(exporter)  # type: ignore[arg-type]
     return _rebuild, (ref, offset, arr.shape, _dtype_token(arr.dtype), arr.strides)
 
 
-def _copy_for_message(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """A shared copy to send in place of ``arr``.
+def _bounds(arr: np.ndarray[Any, Any]) -> tuple[int, int]:
+    """The bytes ``[lo, hi)`` that ``arr`` views (any strides, negative ones included)."""
+    lo = hi = _address(arr)
+    for n, stride in zip(arr.shape, arr.strides, strict=True):
+        if stride < 0:
+            lo += stride * (n - 1)
+        else:
+            hi += stride * (n - 1)
+    return lo, hi + arr.itemsize
 
-    Either a copy of ``arr`` itself, or, for a view of a base not much larger, the view's
-    counterpart inside a copy of the base, made once per message so that views sent
-    together stay views of one buffer.
+
+#: Copies keep each item's address modulo this, so aligned items stay aligned (numpy
+#: aligns no dtype beyond 16 bytes).
+_ALIGN = 16
+_SKIP = (int, (0,))  # what a first pass that will be discarded sends in place of an array
+
+
+class _Group:
+    """Bytes ``[lo, hi)`` of the sender's memory, viewed by items of one message.
+
+    ``exporter`` is their shared copy (the bytes at ``shift`` in it), or None when the one
+    item there went inline or compacted: then nothing else may view those bytes.
     """
-    base = arr
-    while isinstance(base.base, np.ndarray):
-        base = base.base
-    memo = _reduction.current().memo
-    key = ("aiomp-np-base", id(base))
-    hit = memo.get(key)
-    if hit is None:
-        if base is not arr and (
-            not (base.flags.c_contiguous or base.flags.f_contiguous)
-            or base.nbytes > VIEW_SLACK * arr.nbytes
-        ):
-            return share_memory(arr)
-        # the memo keeps ``base`` alive, so its id cannot be reused within this message
-        hit = memo[key] = (base, share_memory(base))
-    base_copy: np.ndarray[Any, Any] = cast("tuple[object, Any]", hit)[1]
-    if base is arr:
-        return base_copy
-    offset = _address(base_copy) + (_address(arr) - _address(base))
-    exporter = cast("ctypes.Array[ctypes.c_char]", _root(base_copy))
-    return np.ndarray(arr.shape, arr.dtype, buffer=exporter,  # type: ignore[arg-type]
-                      offset=offset - ctypes.addressof(exporter), strides=arr.strides)
+
+    __slots__ = ("exporter", "hi", "lo", "ref", "shift")
+
+    def __init__(self, lo: int, hi: int, exporter: ctypes.Array[ctypes.c_char] | None) -> None:
+        self.lo, self.hi, self.shift = lo, hi, lo % _ALIGN
+        self.exporter = exporter
+        self.ref = None if exporter is None else _shm.block_of(exporter)
+        if exporter is not None:
+            ctypes.memmove(ctypes.addressof(exporter) + self.shift, lo, hi - lo)
+
+    @classmethod
+    def copy(cls, lo: int, hi: int) -> _Group:
+        return cls(lo, hi, _shm.allocate(lo % _ALIGN + hi - lo))
+
+    def view(self, arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+        offset = self.shift + _address(arr) - self.lo
+        return _rebuild, (self.ref, offset, arr.shape, _dtype_token(arr.dtype), arr.strides)
+
+
+class _Message:
+    """The non-shared arrays of one message, placed by the memory they view.
+
+    Views stay views: arrays of one message whose bytes overlap travel as views of one
+    shared copy of the bytes they span together, whatever their own sizes. The first pass
+    keeps groups of disjoint byte ranges in address order. An array that falls inside a
+    group with a shared copy is sent as a view of it; one that overlaps a group in any
+    other way (a small view sent inline before the array it views) asks for a second
+    pass, which knows every array's range from the start and copies each overlapping
+    cluster once.
+    """
+
+    __slots__ = ("clusters", "conflict", "groups", "keep", "seen", "starts")
+
+    def __init__(self, first: dict[object, object] | None) -> None:
+        self.starts: list[int] = []
+        self.groups: list[_Group] = []
+        self.seen: list[tuple[int, int]] = []
+        # The arrays themselves, so that no address is reused while the message is pickled.
+        self.keep: list[object] = []
+        self.conflict = False
+        self.clusters: dict[int, _Cluster] | None = None
+        previous = None if first is None else cast("_Message | None", first.get(_Message))
+        if previous is not None:
+            self.clusters = _clusters(previous.seen)
+
+    def reduce(self, arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+        lo, hi = _bounds(arr)
+        self.seen.append((lo, hi))
+        self.keep.append(arr)
+        if self.clusters is not None:
+            cluster = self.clusters.get(lo)
+            if cluster is not None and cluster.count > 1 and cluster.hi >= hi:
+                if cluster.group is None:
+                    cluster.group = _Group.copy(cluster.lo, cluster.hi)
+                return cluster.group.view(arr)
+            return self._alone(arr, lo, hi)
+        i = bisect.bisect_right(self.starts, lo) - 1
+        for j in (i, i + 1):
+            if 0 <= j < len(self.groups):
+                group = self.groups[j]
+                if group.lo < hi and lo < group.hi:
+                    if group.exporter is not None and group.lo <= lo and hi <= group.hi:
+                        return group.view(arr)
+                    self.conflict = True
+                    _reduction.retry()
+                    return _SKIP
+        if self.conflict:
+            return _SKIP  # this pass is discarded: spare the copies
+        return self._alone(arr, lo, hi)
+
+    def _alone(self, arr: np.ndarray[Any, Any], lo: int, hi: int) -> tuple[Any, ...]:
+        if arr.nbytes < INLINE_THRESHOLD:
+            reduced, group = cast("tuple[Any, ...]", arr.__reduce_ex__(5)), _Group(lo, hi, None)
+        elif hi - lo <= VIEW_SLACK * arr.nbytes:
+            group = _Group.copy(lo, hi)
+            reduced = group.view(arr)
+        else:  # a sparse view of much more memory: compacted
+            copy = share_memory(arr)
+            self.keep.append(copy)
+            shared = _shared_block(copy)
+            assert shared is not None
+            reduced, group = _by_handle(copy, *shared), _Group(lo, hi, None)
+        i = bisect.bisect_right(self.starts, lo)
+        self.starts.insert(i, lo)
+        self.groups.insert(i, group)
+        return reduced
+
+
+class _Cluster:
+    """Second pass: the overlapping ranges of the first pass, merged."""
+
+    __slots__ = ("count", "group", "hi", "lo")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi, self.count = lo, hi, 0
+        self.group: _Group | None = None
+
+
+def _clusters(seen: list[tuple[int, int]]) -> dict[int, _Cluster]:
+    """Every range's start -> the cluster of overlapping ranges it belongs to."""
+    out: dict[int, _Cluster] = {}
+    current: _Cluster | None = None
+    for lo, hi in sorted(seen):
+        if current is None or lo >= current.hi:
+            current = _Cluster(lo, hi)
+        current.hi = max(current.hi, hi)
+        current.count += 1
+        out[lo] = current
+    return out

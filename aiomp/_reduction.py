@@ -6,9 +6,16 @@ takes the bytes and the received fds.
 
 Objects that own OS resources (queues, events, shared-memory segments) reduce themselves
 through :func:`add_fd` and rebuild through :func:`take_fd`: they only pickle inside an
-aiomp message. Arrays are reduced by type, through reducers registered lazily the first
-time a message is pickled after numpy (or cupy) has been imported; importing aiomp loads
-neither.
+aiomp message. Arrays and tensors are reduced by type: each library's module registers
+its reducers with :func:`register` in its own ``init_reductions()`` (as
+``torch.multiprocessing.reductions.init_reductions`` does for ``ForkingPickler``), and
+:func:`init_reductions` below calls them, the first time a message is pickled after
+numpy, torch or cupy has been imported. Importing aiomp loads none of them.
+
+A reducer that finds, part way through a message, that an earlier object should have been
+pickled differently (a small view sent inline before the array it views) calls
+:func:`retry`: :func:`dumps` then discards the first pass and pickles the message once
+more, and reducers see what the first pass recorded as ``current().first``.
 
 Standard library only: children import this module.
 """
@@ -27,12 +34,7 @@ _local = threading.local()
 _reducers: dict[type, object] = {}
 _dispatch: dict[type, object] = dict(copyreg.dispatch_table)
 _hooked: set[str] = set()
-
-#: module name -> "package.module:function" returning {type: reducer}; loaded on first use.
-_LAZY = {
-    "numpy": "aiomp._numpy:reducers",
-    "cupy": "aiomp._cuda:reducers",
-}
+_LIBRARIES = 3  # numpy, torch, cupy: see init_reductions
 
 
 class Outgoing:
@@ -80,24 +82,45 @@ class Outgoing:
 
 
 class _State:
-    __slots__ = ("cleanups", "copies", "fd_index", "fds", "memo", "unsent")
+    __slots__ = ("cleanups", "copies", "fd_index", "fds", "first", "memo", "retry", "unsent")
 
-    def __init__(self) -> None:
+    def __init__(self, first: dict[object, object] | None = None) -> None:
         self.fds: list[int] = []
         self.fd_index: dict[int, int] = {}
         self.cleanups: list[object] = []
         self.unsent: list[object] = []
         self.copies: list[object] = []
+        #: reducers' notes for this message (cleared with it)
         self.memo: dict[object, object] = {}
+        #: on a second pass (see :func:`retry`), the first pass's memo; else None
+        self.first = first
+        self.retry = False
 
 
-def _install_lazy() -> None:
-    for mod, target in _LAZY.items():
-        if mod in sys.modules and mod not in _hooked:
-            _hooked.add(mod)
-            modname, fn = target.split(":")
-            __import__(modname)
-            _dispatch.update(getattr(sys.modules[modname], fn)())
+def init_reductions() -> None:
+    """Register the reducers of every array library this process has imported.
+
+    Each library's reducers live in the module that owns its types and are registered
+    there, by its ``init_reductions()``. Only libraries already in ``sys.modules`` are
+    hooked: aiomp never imports numpy, torch or cupy on its own.
+    """
+    mods = sys.modules
+    if "numpy" in mods and "numpy" not in _hooked:
+        _hooked.add("numpy")
+        from . import _numpy
+
+        _numpy.init_reductions()
+    if "torch" in mods and "torch" not in _hooked:
+        _hooked.add("torch")
+        from . import _torch
+
+        _torch.init_reductions()
+    if "cupy" in mods and "cupy" not in _hooked:
+        _hooked.add("cupy")
+        from . import _cuda
+
+        for cls, reducer in _cuda.reducers().items():
+            register(cls, reducer)
 
 
 def register(cls: type, reducer: object) -> None:
@@ -114,8 +137,16 @@ _PENDING = object()  # a message is being pickled; its state is made on first us
 
 def dumps(obj: object) -> Outgoing:
     """Pickle ``obj`` for an aiomp message. Raises in the caller if it cannot be pickled."""
-    if len(_hooked) < len(_LAZY):
-        _install_lazy()
+    if len(_hooked) < _LIBRARIES:
+        init_reductions()
+    out, state = _dump(obj, _PENDING)
+    if state is not None and state.retry:
+        out.discard()
+        out, _ = _dump(obj, _State(first=state.memo))
+    return out
+
+
+def _dump(obj: object, start: object) -> tuple[Outgoing, _State | None]:
     # One pickler per thread, reused: building one costs more than pickling a small item.
     cached = _local.__dict__.pop("pickler", None)
     if cached is None:
@@ -123,7 +154,7 @@ def dumps(obj: object) -> Outgoing:
         cached = (buf, _Pickler(buf, protocol=5))
     buf, pickler = cached
     prev = getattr(_local, "out", None)
-    _local.out = _PENDING
+    _local.out = start
     try:
         pickler.dump(obj)
         body = buf.getvalue()
@@ -140,8 +171,8 @@ def dumps(obj: object) -> Outgoing:
         buf.truncate()
         _local.pickler = cached
     if isinstance(state, _State):
-        return Outgoing(body, state.fds, state.cleanups, state.unsent, state.copies)
-    return Outgoing(body, [], [])
+        return Outgoing(body, state.fds, state.cleanups, state.unsent, state.copies), state
+    return Outgoing(body, [], []), None
 
 
 def current() -> _State:
@@ -154,6 +185,18 @@ def current() -> _State:
             "this aiomp object can only travel inside aiomp (spawn args, a Queue, a Pool task)"
         )
     return state
+
+
+def retry() -> None:
+    """Ask :func:`dumps` to pickle the current message a second time.
+
+    The first pass is discarded (:meth:`Outgoing.discard`) once it ends; during the second,
+    ``current().first`` is the first pass's memo, so reducers can decide with the whole
+    message in view. A call during the second pass is ignored: it must not need one.
+    """
+    state = current()
+    if state.first is None:
+        state.retry = True
 
 
 def add_fd(fd: int) -> int:

@@ -276,3 +276,82 @@ def test_nested_dumps_keep_their_own_state() -> None:
         assert inner[0].fds == [f2]
     finally:
         _transport.close_fds([f1, f2])
+
+
+# -- a second pass, and numpy views that stay views ------------------------------------------
+
+
+def test_retry_pickles_once_more_with_the_first_pass_in_view() -> None:
+    passes: list[object] = []
+
+    class Late:
+        def __reduce__(self) -> tuple[object, ...]:
+            state = _reduction.current()
+            passes.append(state.first)
+            if state.first is None:
+                state.memo["seen"] = "first pass"
+                _reduction.on_sent(lambda: passes.append("closed"))
+                _reduction.retry()
+            return int, (len(passes),)
+
+    out = _reduction.dumps(Late())
+    assert passes == [None, "closed", {"seen": "first pass"}], "first pass discarded first"
+    assert _reduction.loads(out.body, []) == 3
+    out.close()
+
+
+def pickled_back(obj: object) -> object:
+    out = _reduction.dumps(obj)
+    try:
+        return _reduction.loads(out.body, received(out))
+    finally:
+        out.close()
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (1, 2, 0), (2, 0, 1)])
+def test_numpy_views_sent_together_stay_views(order: tuple[int, int, int]) -> None:
+    """Issue 12: ``[x, x[2], x[:, 1]]`` with an 8 MiB ``x`` gave the receiver a row and a
+    column that were copies (sent inline, being small), not views of its ``x``."""
+    x = np.arange(1024 * 1024, dtype=np.float64).reshape(1024, 1024)
+    sent = [x, x[2], x[:, 1]]
+    got = pickled_back([sent[i] for i in order])
+    rx, row, col = (got[order.index(i)] for i in range(3))  # type: ignore[index]
+    assert np.shares_memory(rx, row) and np.shares_memory(rx, col)
+    assert (row.strides, col.strides) == (x[2].strides, x[:, 1].strides)
+    rx[2, 1] = -7.0
+    assert row[1] == -7.0 and col[2] == -7.0 and x[2, 1] == 1.0 * 2 * 1024 + 1
+    del got, rx, row, col
+
+
+def test_numpy_small_overlapping_views_share_one_buffer() -> None:
+    x = np.arange(100, dtype=np.int32)
+    a, b = pickled_back([x[10:20], x[15:]])  # type: ignore[misc]
+    assert np.shares_memory(a, b) and aiomp.is_shared(a)
+    a[5] = -1
+    assert b[0] == -1 and x[15] == 15
+    del a, b
+
+
+def test_numpy_disjoint_views_travel_on_their_own() -> None:
+    x = np.arange(1 << 17, dtype=np.float64).reshape(1 << 10, 1 << 7)  # 1 MiB
+    out = _reduction.dumps([x[0], x[5], x[-1]])
+    assert out.fds == [], "small views of memory nothing else in the message views: inline"
+    out.close()
+
+
+def test_numpy_copies_keep_alignment_and_the_first_pass_leaks_nothing() -> None:
+    raw = np.zeros(1 << 20, dtype=np.uint8)
+    x = raw[8:].view(np.float64)[: 1 << 16]  # 8 bytes past a 16-byte boundary
+    gc.collect()
+    _shm.purge_pool()
+    before = open_fds()
+    for _ in range(3):
+        got = pickled_back([x[3:9], x])  # the small view first: a second pass
+        assert np.shares_memory(got[0], got[1])  # type: ignore[index]
+        addresses = [g.__array_interface__["data"][0] for g in got]  # type: ignore[attr-defined]
+        assert [a % 16 for a in addresses] == [
+            v.__array_interface__["data"][0] % 16 for v in (x[3:9], x)]
+        del got
+    gc.collect()
+    _shm.purge_pool()
+    assert open_fds() == before
