@@ -8,6 +8,7 @@
      |    +-- ProcessExitedException    ...by dying or exiting non-zero without a Python error
      |    +-- BrokenWorkerError         a Pool worker died while it held the task
      +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
+     +-- QueueItemError                 get: an item could not be rebuilt here (it is lost)
      +-- OSError
           +-- SharedMemoryError         shared memory could not be allocated (raised at put)
           +-- TransportError            a message could not travel (fd limit, truncation)
@@ -29,6 +30,7 @@ __all__ = (
     "ProcessExitedException",
     "ProcessRaisedException",
     "QueueClosed",
+    "QueueItemError",
     "SharedMemoryError",
     "TransportError",
 )
@@ -93,6 +95,16 @@ class QueueClosed(Exception):
     """The queue was closed: no more items can be put, and a drained queue yields none."""
 
 
+class QueueItemError(Exception):
+    """An item taken from a Queue could not be rebuilt in this process (``get``).
+
+    The message names the classes the item refers to; ``__cause__`` is the original error
+    (an exception class whose ``__init__`` does not accept its own ``args``, a module the
+    consumer cannot import). That item is lost; the queue, its counts and the items after
+    it are intact.
+    """
+
+
 class SharedMemoryError(OSError):
     """Shared memory for an array could not be allocated (``/dev/shm`` or memory is full).
 
@@ -106,7 +118,7 @@ class TransportError(OSError):
 
 
 for _cls in (BrokenWorkerError, ProcessException, ProcessExitedException, ProcessRaisedException,
-             QueueClosed, SharedMemoryError, TransportError):
+             QueueClosed, QueueItemError, SharedMemoryError, TransportError):
     _cls.__module__ = "aiomp"  # printed and pickled under the public name
 
 
