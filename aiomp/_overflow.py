@@ -70,12 +70,11 @@ Standard library only: children import this module.
 from __future__ import annotations
 
 import array
-import fcntl
 import mmap
 import os
+import select
 import socket
 import struct
-import termios
 
 from . import _transport
 from ._errors import QueueClosed, TransportError
@@ -83,6 +82,7 @@ from ._errors import QueueClosed, TransportError
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import Any
 
 PAGE = mmap.PAGESIZE
 _HINT = 8  # 1 while the log may hold an item; never 0 while it does
@@ -102,7 +102,6 @@ _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXE
 _ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
 _U64 = struct.Struct("<Q")
-_INQ = b"\0\0\0\0"
 
 #: Test hook: called with the name of each step of an overflow operation, to kill the
 #: process there (tests/_funcs_queue.py). None in normal use.
@@ -130,46 +129,37 @@ class _Mutex:
 
     __slots__ = ("_anchor", "_lock", "_unlock", "addr")
 
-    _libc: object = None
+    _libc: Any = None
 
     def __init__(self, header: mmap.mmap) -> None:
         import ctypes
 
         if _Mutex._libc is None:
-            libc = ctypes.CDLL(None, use_errno=True)
-            for name in ("pthread_mutex_lock", "pthread_mutex_unlock", "pthread_mutex_init",
-                         "pthread_mutex_consistent", "pthread_mutexattr_init",
-                         "pthread_mutexattr_setpshared", "pthread_mutexattr_setrobust"):
-                fn = getattr(libc, name)
-                fn.argtypes = [ctypes.c_void_p] if "attr_set" not in name else [
-                    ctypes.c_void_p, ctypes.c_int]
-                if name == "pthread_mutex_init":
-                    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-                fn.restype = ctypes.c_int
-            _Mutex._libc = libc
+            _Mutex._libc = ctypes.CDLL(None, use_errno=True)
+        libc: Any = _Mutex._libc
         self._anchor = (ctypes.c_char * PAGE).from_buffer(header)  # pins the mapping
-        self.addr = ctypes.addressof(self._anchor) + _MUTEX
-        libc = _Mutex._libc
-        self._lock = libc.pthread_mutex_lock  # type: ignore[attr-defined]
-        self._unlock = libc.pthread_mutex_unlock  # type: ignore[attr-defined]
+        # A ready-made argument: ctypes converts nothing per call.
+        self.addr = ctypes.c_void_p(ctypes.addressof(self._anchor) + _MUTEX)
+        self._lock = libc.pthread_mutex_lock
+        self._unlock = libc.pthread_mutex_unlock
 
     def init(self) -> None:
         import ctypes
 
-        libc: object = _Mutex._libc
-        attr = ctypes.create_string_buffer(64)
-        check = _check
-        check(libc.pthread_mutexattr_init(attr))  # type: ignore[attr-defined]
-        check(libc.pthread_mutexattr_setpshared(attr, 1))  # type: ignore[attr-defined]
-        check(libc.pthread_mutexattr_setrobust(attr, 1))  # type: ignore[attr-defined]
-        check(libc.pthread_mutex_init(self.addr, attr))  # type: ignore[attr-defined]
+        libc: Any = _Mutex._libc
+        attr = ctypes.create_string_buffer(64)  # a pthread_mutexattr_t is 4 bytes
+        _check(libc.pthread_mutexattr_init(attr))
+        _check(libc.pthread_mutexattr_setpshared(attr, 1))  # PTHREAD_PROCESS_SHARED
+        _check(libc.pthread_mutexattr_setrobust(attr, 1))  # PTHREAD_MUTEX_ROBUST
+        _check(libc.pthread_mutex_init(self.addr, attr))
 
     def acquire(self) -> None:
         rc = self._lock(self.addr)
         if rc == _EOWNERDEAD:
             # Its holder died. The log is consistent at every instruction (the module
             # docstring says why): only the mutex needs marking so.
-            rc = _Mutex._libc.pthread_mutex_consistent(self.addr)  # type: ignore[attr-defined]
+            libc: Any = _Mutex._libc
+            rc = libc.pthread_mutex_consistent(self.addr)
         _check(rc)
 
     def release(self) -> None:
@@ -191,7 +181,7 @@ class Overflow:
     ``vault_out`` are the queue's sockets, owned by the queue.
     """
 
-    __slots__ = ("_data", "_fd", "_header", "_mutex", "_vault_in", "_vault_out")
+    __slots__ = ("_data", "_fd", "_header", "_mutex", "_poll", "_vault_in", "_vault_out")
 
     def __init__(self, fd: int, vault_in: socket.socket, vault_out: socket.socket) -> None:
         self._fd = fd
@@ -200,6 +190,8 @@ class Overflow:
         self._mutex: _Mutex | None = None  # made on first use
         self._vault_in = vault_in  # parked fds are sent on this end...
         self._vault_out = vault_out  # ...and received on this one
+        self._poll = select.poll()  # is the socket empty? (no exception, unlike recvmsg)
+        self._poll.register(vault_in, select.POLLIN)
 
     @property
     def fd(self) -> int:
@@ -224,15 +216,12 @@ class Overflow:
         return self._state()[2]
 
     # -- the mutex and the committed state --------------------------------------------
-    def _lock(self) -> None:
+    def _lock(self) -> _Mutex:
         mutex = self._mutex
         if mutex is None:
             mutex = self._mutex = _Mutex(self._header)
         mutex.acquire()
-
-    def _unlock(self) -> None:
-        assert self._mutex is not None
-        self._mutex.release()
+        return mutex
 
     def _state(self) -> tuple[int, int, int]:
         head, tail, count = _STATE.unpack_from(self._header, _COPIES[self._header[_SELECT]])
@@ -285,9 +274,8 @@ class Overflow:
                 self._data = None
 
     def socket_empty(self) -> bool:
-        """Whether the queue's socket holds no datagram (``FIONREAD``: no exception to
-        raise, unlike an empty ``recvmsg``)."""
-        return fcntl.ioctl(self._vault_in.fileno(), termios.FIONREAD, _INQ) == _INQ
+        """Whether the queue's socket holds no datagram (and is not at EOF)."""
+        return not self._poll.poll(0)
 
     # -- the vault --------------------------------------------------------------------
     def _peek_vault(self) -> tuple[bytes, list[int]] | None:
@@ -340,33 +328,39 @@ class Overflow:
         carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
         TransportError (no memory, or fd limits): nothing was put.
         """
-        self._lock()
+        mutex = self._lock()
         try:
-            if self._header[_CLOSED]:
+            header = self._header
+            if header[_CLOSED]:
                 raise QueueClosed("put on a closed aiomp.Queue")
-            head, tail, count = self._state()
+            head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if count == 0:
                 if try_socket():  # the log is empty: order allows the socket again
                     return True
                 self._purge_vault()
-            size = -(-(_RECORD.size + len(body)) // 8) * 8
-            data = self._mapped(tail + size, grow=True)
+            length = len(body)
+            end = tail + ((_RECORD.size + length + 7) & ~7)
+            data = self._data
+            if data is None or len(data) < end or end > _U64.unpack_from(header, _SIZE)[0]:
+                data = self._mapped(end, grow=True)
             nonce = _NO_NONCE
             if fds:
                 nonce = os.urandom(8)
                 if not _transport.try_send(self._vault_in, nonce, fds):
                     return False
                 self._step("producer: fds parked")
-            _RECORD.pack_into(data, tail, len(body), len(fds), nonce)
+            _RECORD.pack_into(data, tail, length, len(fds), nonce)
             start = tail + _RECORD.size
-            data[start:start + len(body)] = body
-            self._step("producer: record written")
-            self._header[_HINT] = 1
-            self._commit(head, tail + size, count + 1)
-            self._step("producer: committed")
+            data[start:start + length] = body
+            if fault is not None:
+                fault("producer: record written")
+            header[_HINT] = 1
+            self._commit(head, end, count + 1)
+            if fault is not None:
+                fault("producer: committed")
             return True
         finally:
-            self._unlock()
+            mutex.release()
 
     def pop(self, try_socket: Callable[[], object]) -> object:
         """The oldest item: ``try_socket()``'s result if not None, else the log's head
@@ -375,36 +369,40 @@ class Overflow:
         The caller owns the fds returned. Raises TransportError if the item's fds cannot
         be received here (this process is at its fd limit): the item stays in the log.
         """
-        self._lock()
+        mutex = self._lock()
         try:
             got = try_socket()
             if got is not None:
                 return got
-            head, tail, count = self._state()
+            header = self._header
+            head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if count == 0:
                 self._emptied()
                 return None
-            data = self._mapped(tail, grow=False)
+            data = self._data
+            if data is None or len(data) < tail:
+                data = self._mapped(tail, grow=False)
             length, nfds, nonce = _RECORD.unpack_from(data, head)
             start = head + _RECORD.size
             body = data[start:start + length]
             fds = self._claim_fds(nonce, nfds) if nfds else []
-            self._step("consumer: record read")
-            size = -(-(_RECORD.size + length) // 8) * 8
+            if fault is not None:
+                fault("consumer: record read")
             if count == 1:
                 self._commit(0, 0, 0)
             else:
-                self._commit(head + size, tail, count - 1)
-            self._step("consumer: committed")
+                self._commit(head + ((_RECORD.size + length + 7) & ~7), tail, count - 1)
+            if fault is not None:
+                fault("consumer: committed")
             if nfds:
                 self._drop_vault_head()
             if count == 1:
                 self._emptied()
-            else:
+            elif head >= GROW:
                 self._compact()
             return body, fds, False
         finally:
-            self._unlock()
+            mutex.release()
 
     def _emptied(self) -> None:
         """The log is empty (under the lock): clear the hint, free memory and the vault."""
@@ -428,8 +426,8 @@ class Overflow:
     def close_log(self) -> None:
         """Mark the queue closed, under the lock: an append that has checked it finishes
         first, so a consumer that finds the log empty after this finds it for good."""
-        self._lock()
+        mutex = self._lock()
         try:
             self._header[_CLOSED] = 1
         finally:
-            self._unlock()
+            mutex.release()

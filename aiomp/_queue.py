@@ -286,7 +286,7 @@ class Queue:
                 if popped is not None:
                     body, fds, from_socket = popped  # type: ignore[misc]
                     if not from_socket:
-                        self._took_from_log()
+                        self._took_from_log(bool(fds))
                     return _load(body, fds)
             # Blocking in recvmsg is safe only while the overflow is empty: it becomes
             # non-empty only when the socket is full, which wakes this recvmsg.
@@ -330,10 +330,11 @@ class Queue:
         if self._slots >= 0:
             os.eventfd_write(self._slots, 1)
 
-    def _took_from_log(self) -> None:
+    def _took_from_log(self, had_fds: bool) -> None:
         if self._slots >= 0:
             os.eventfd_write(self._slots, 1)
-        os.eventfd_write(self._room, 1)  # the vault may have room again
+        if had_fds:
+            os.eventfd_write(self._room, 1)  # the vault has room again
 
     # -- async ----------------------------------------------------------------------
     def put(self, obj: object) -> Coroutine[Any, Any, None]:
