@@ -64,6 +64,14 @@ were sent before any later item of its joined the log, so they are still in the 
 and are taken first. Items of one producer are therefore received in the order put;
 across producers nothing is promised, as in ``multiprocessing``.
 
+Looking at the socket costs a syscall per get, so a consumer that finds it empty sets the
+``drained`` flag, and later consumers skip the look while it is set. A producer that has
+sent on the socket since its last append clears the flag in that append (under the
+mutex), before its item joins the log: so no consumer reads that item while an earlier
+one of the same producer may still be in the socket. (A producer that read the hint as 0,
+stalled, and sent on the socket once the log had filled again leaves its item in the
+socket until the log is empty: that reorders it only against other producers' items.)
+
 Standard library only: children import this module.
 """
 
@@ -87,6 +95,7 @@ if TYPE_CHECKING:
 PAGE = mmap.PAGESIZE
 _HINT = 8  # 1 while the log may hold an item; never 0 while it does
 _CLOSED = 9  # 1 once the queue is closed (written under the lock)
+_DRAINED = 10  # 1: the socket was found empty, and no producer has used it since (see Order)
 _SELECT = 16  # which state copy is committed: storing this byte is the commit
 _SIZE = 24  # bytes of data area allocated; never more than the file has (see _mapped)
 _COPIES = (64, 96)
@@ -320,10 +329,11 @@ class Overflow:
 
     # -- operations -------------------------------------------------------------------
     def append(self, body: bytes | memoryview, fds: list[int],
-               try_socket: Callable[[], bool]) -> bool:
+               try_socket: Callable[[], bool], used_socket: bool = True) -> bool:
         """Append an item (its pickle and fds), or send it on the socket if the log is empty.
 
-        ``try_socket()`` sends the item on the socket: True if sent. Returns False if the
+        ``try_socket()`` sends the item on the socket: True if sent. ``used_socket``: this
+        producer has sent on the socket since its last append (see Order). Returns False if the
         item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
         carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
         TransportError (no memory, or fd limits): nothing was put.
@@ -343,6 +353,8 @@ class Overflow:
             data = self._data
             if data is None or len(data) < end or end > _U64.unpack_from(header, _SIZE)[0]:
                 data = self._mapped(end, grow=True)
+            if used_socket:
+                header[_DRAINED] = 0
             nonce = _NO_NONCE
             if fds:
                 nonce = os.urandom(8)
@@ -371,10 +383,12 @@ class Overflow:
         """
         mutex = self._lock()
         try:
-            got = try_socket()
-            if got is not None:
-                return got
             header = self._header
+            if not header[_DRAINED]:
+                got = try_socket()
+                if got is not None:
+                    return got
+                header[_DRAINED] = 1
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if count == 0:
                 self._emptied()
@@ -407,6 +421,7 @@ class Overflow:
     def _emptied(self) -> None:
         """The log is empty (under the lock): clear the hint, free memory and the vault."""
         self._header[_HINT] = 0
+        self._header[_DRAINED] = 0
         self._purge_vault()
         self._shrink(0)
 

@@ -180,6 +180,7 @@ class Queue:
         # The fds parked with overflowed items travel the socket pair backwards.
         self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
         self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
+        self._used_socket = True  # sent on the socket since this process last overflowed
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items,
@@ -243,6 +244,7 @@ class Queue:
         finally:
             if not sent:  # not sent, for whatever reason: give the count back
                 _eventfd_take(self._items)
+        self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
     def _try_put(self, item: _Item) -> bool:
@@ -261,7 +263,9 @@ class Queue:
             if not self._hint[_HINT] and self._send_now(item):
                 put = True
             else:
-                put = self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item))
+                used, self._used_socket = self._used_socket, False
+                put = self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item),
+                                       used)
         finally:
             if not put and slots >= 0:
                 os.eventfd_write(slots, 1)
@@ -521,6 +525,10 @@ def _check_exceptions(obj: object) -> None:
             ) from error
 
 
+#: Types pickled with plain ``pickle.dumps``: they hold no fds and need no reducer.
+_PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
+
+
 class _Item:
     """An item being put: pickled (errors raise in the caller) and framed.
 
@@ -533,17 +541,27 @@ class _Item:
     __slots__ = ("_extra", "_out", "body", "body_fds", "datagram", "fds")
 
     def __init__(self, obj: object) -> None:
-        if not isinstance(obj, (bytes, str, int, float)):
+        cls = type(obj)
+        if cls in _PLAIN or (cls is tuple and len(obj) <= 8  # type: ignore[arg-type]
+                             and all(type(x) in _PLAIN for x in obj)):  # type: ignore[attr-defined]
+            # The common small item: ten times cheaper than the reducing pickler.
+            self._out = None
+            self.body = pickle.dumps(obj, 5)
+            self.body_fds = self.fds = []
+            if len(self.body) <= _transport.MAX_INLINE:
+                self.datagram = b"\x00" + self.body
+                self._extra = -1
+                return
+        else:
             _check_exceptions(obj)
-        self._out = _reduction.dumps(obj)
-        self.body = self._out.body
-        self.body_fds = self._out.fds
+            self._out = _reduction.dumps(obj)
+            self.body = self._out.body
+            self.body_fds = self._out.fds
         try:
-            self.datagram, self.fds, self._extra = _transport.encode(
-                self._out.body, self._out.fds
-            )
+            self.datagram, self.fds, self._extra = _transport.encode(self.body, self.body_fds)
         except BaseException:
-            self._out.discard()
+            if self._out is not None:
+                self._out.discard()
             raise
 
     def __enter__(self) -> _Item:
@@ -552,6 +570,8 @@ class _Item:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if self._extra >= 0:
             os.close(self._extra)
+        if self._out is None:
+            return
         if exc_type is None:
             self._out.close()
         else:
