@@ -72,7 +72,20 @@ one of the same producer may still be in the socket. (A producer that read the h
 stalled, and sent on the socket once the log had filled again leaves its item in the
 socket until the log is empty: that reorders it only against other producers' items.)
 
-Standard library only: children import this module.
+Bounded queues
+--------------
+A bounded queue (``maxsize > 0``) puts every item through the log, so that its bound is
+the committed count, exact whatever process dies where: a consumer dying between taking
+an item and giving back its slot (issue 9) has nothing to give back. Its socket is not
+used for items; consumers wait for an eventfd of *tokens* instead, which a producer
+increments before its commit and a consumer decrements after its commit. So there are
+never fewer tokens than items (a death leaves an extra token: a spurious wake-up, and the
+extra tokens are dropped whenever a consumer finds the log empty), and a consumer never
+sleeps while an item is in the log. Likewise a consumer wakes producers waiting for room
+before its commit, never after.
+
+Standard library only (and ctypes for the mutex, on first use): children import this
+module.
 """
 
 from __future__ import annotations
@@ -106,6 +119,8 @@ _RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
 _NO_NONCE = bytes(8)
 #: The data area grows by at least this much, and is compacted past it.
 GROW = 1 << 20
+#: The data area kept allocated once the log is empty (bytes).
+KEEP = 64 << 10
 
 _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
 _ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
@@ -115,6 +130,14 @@ _U64 = struct.Struct("<Q")
 #: Test hook: called with the name of each step of an overflow operation, to kill the
 #: process there (tests/_funcs_queue.py). None in normal use.
 fault: Callable[[str], None] | None = None
+
+
+def _take(fd: int) -> bool:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def create() -> int:
@@ -254,7 +277,7 @@ class Overflow:
         """
         size: int = _U64.unpack_from(self._header, _SIZE)[0]
         if grow and end > size:
-            new = max(end, 2 * size, GROW)
+            new = max(end, 2 * size, KEEP if size < KEEP else GROW)
             new = -(-new // PAGE) * PAGE
             try:
                 os.posix_fallocate(self._fd, PAGE + size, new - size)
@@ -273,12 +296,13 @@ class Overflow:
         return data
 
     def _shrink(self, live_end: int) -> None:
-        """Give memory back: the file is cut to what the live records need."""
-        keep = 0 if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
+        """Give memory back: the file is cut to what the live records need (at most
+        KEEP once empty, so that a queue that keeps going empty does not reallocate)."""
+        keep = KEEP if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
         if _U64.unpack_from(self._header, _SIZE)[0] > keep:
             _U64.pack_into(self._header, _SIZE, keep)
             os.ftruncate(self._fd, PAGE + keep)
-            if self._data is not None and (keep == 0 or len(self._data) > keep):
+            if self._data is not None and len(self._data) > keep:
                 self._data.close()
                 self._data = None
 
@@ -329,11 +353,14 @@ class Overflow:
 
     # -- operations -------------------------------------------------------------------
     def append(self, body: bytes | memoryview, fds: list[int],
-               try_socket: Callable[[], bool], used_socket: bool = True) -> bool:
+               try_socket: Callable[[], bool] | None, used_socket: bool = True,
+               limit: int = 0, token_fd: int = -1) -> bool:
         """Append an item (its pickle and fds), or send it on the socket if the log is empty.
 
         ``try_socket()`` sends the item on the socket: True if sent. ``used_socket``: this
-        producer has sent on the socket since its last append (see Order). Returns False if the
+        producer has sent on the socket since its last append (see Order). A bounded
+        queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (see Bounded):
+        False then also means that the log holds ``limit`` items. Returns False if the
         item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
         carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
         TransportError (no memory, or fd limits): nothing was put.
@@ -344,10 +371,11 @@ class Overflow:
             if header[_CLOSED]:
                 raise QueueClosed("put on a closed aiomp.Queue")
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
-            if count == 0:
+            if limit and count >= limit:
+                return False
+            if count == 0 and try_socket is not None:
                 if try_socket():  # the log is empty: order allows the socket again
                     return True
-                self._purge_vault()
             length = len(body)
             end = tail + ((_RECORD.size + length + 7) & ~7)
             data = self._data
@@ -367,6 +395,8 @@ class Overflow:
             if fault is not None:
                 fault("producer: record written")
             header[_HINT] = 1
+            if token_fd >= 0:
+                os.eventfd_write(token_fd, 1)  # before the commit: never fewer than items
             self._commit(head, end, count + 1)
             if fault is not None:
                 fault("producer: committed")
@@ -374,23 +404,28 @@ class Overflow:
         finally:
             mutex.release()
 
-    def pop(self, try_socket: Callable[[], object]) -> object:
+    def pop(self, try_socket: Callable[[], object] | None, token_fd: int = -1,
+            room_fd: int = -1) -> object:
         """The oldest item: ``try_socket()``'s result if not None, else the log's head
         record as ``(pickle, fds, False)``, else None when the log is empty.
 
-        The caller owns the fds returned. Raises TransportError if the item's fds cannot
+        A bounded queue passes ``try_socket=None``, its token and room eventfds (see
+        Bounded). The caller owns the fds returned. Raises TransportError if the item's fds cannot
         be received here (this process is at its fd limit): the item stays in the log.
         """
         mutex = self._lock()
         try:
             header = self._header
-            if not header[_DRAINED]:
+            if try_socket is not None and not header[_DRAINED]:
                 got = try_socket()
                 if got is not None:
                     return got
                 header[_DRAINED] = 1
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if count == 0:
+                if token_fd >= 0 and not header[_CLOSED]:
+                    while _take(token_fd):  # every token left is a spurious wake-up
+                        pass
                 self._emptied()
                 return None
             data = self._data
@@ -402,6 +437,8 @@ class Overflow:
             fds = self._claim_fds(nonce, nfds) if nfds else []
             if fault is not None:
                 fault("consumer: record read")
+            if room_fd >= 0:
+                os.eventfd_write(room_fd, 1)  # before the commit: no wake-up is lost
             if count == 1:
                 self._commit(0, 0, 0)
             else:
@@ -410,6 +447,8 @@ class Overflow:
                 fault("consumer: committed")
             if nfds:
                 self._drop_vault_head()
+            if token_fd >= 0:
+                _take(token_fd)  # after the commit: never fewer tokens than items
             if count == 1:
                 self._emptied()
             elif head >= GROW:
@@ -437,6 +476,9 @@ class Overflow:
         self._data.move(0, head, live)
         self._commit(0, live, count)
         self._shrink(live)
+
+    def closed(self) -> bool:
+        return self._header[_CLOSED] != 0
 
     def close_log(self) -> None:
         """Mark the queue closed, under the lock: an append that has checked it finishes

@@ -66,7 +66,7 @@ __all__ = ("Empty", "Event", "Full", "Queue")
 
 _EFD = os.EFD_NONBLOCK | os.EFD_CLOEXEC
 _ONE = (1).to_bytes(8, "little")
-# Written to the slots eventfd by close(), to wake every waiting producer.
+# qsize() never reports more than this (an eventfd counts up to 2**64 - 2).
 _FLOOD = 1 << 60
 _MISSING = object()
 _HINT = _overflow._HINT
@@ -162,21 +162,23 @@ class Queue:
         send, recv = _transport.socketpair()
         items = os.eventfd(0, _EFD | os.EFD_SEMAPHORE)
         room = os.eventfd(0, _EFD)
-        slots = os.eventfd(maxsize, _EFD | os.EFD_SEMAPHORE) if maxsize else -1
         log = _overflow.create()
-        self._setup(os.urandom(16), maxsize, send, recv, items, room, slots, log)
+        self._setup(os.urandom(16), maxsize, send, recv, items, room, log)
 
     def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
-               items: int, room: int, slots: int, log: int) -> None:
+               items: int, room: int, log: int) -> None:
         self._token = token
         self._maxsize = maxsize
         self._send = send
         self._recv = recv
+        # Unbounded: a count of the items in the socket (for qsize). Bounded: wake-up
+        # tokens for consumers, never fewer than the items (see _overflow, "Bounded").
         self._items = items
-        # Written when an overflowed item is taken: a put that found the overflow's fd
-        # vault full waits on it. (close() writes it too.)
+        # Written when an item that frees room is taken: a put waiting for a slot
+        # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
         self._room = room
-        self._slots = slots
+        # Consumers wait for the socket, or for the tokens of a bounded queue.
+        self._wait_fd = items if maxsize else recv.fileno()
         # The fds parked with overflowed items travel the socket pair backwards.
         self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
         self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
@@ -184,14 +186,13 @@ class Queue:
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items,
-                                           room, slots)
+                                           room)
         _live[token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
         add = _reduction.add_fd
         fds = (add(self._send.fileno()), add(self._recv.fileno()), add(self._items),
-               add(self._room), add(self._slots) if self._slots >= 0 else -1,
-               add(self._ovf.fd))
+               add(self._room), add(self._ovf.fd))
         return _rebuild_queue, (self._token, self._maxsize, *fds)
 
     def __repr__(self) -> str:
@@ -203,8 +204,11 @@ class Queue:
 
     # -- state --------------------------------------------------------------------
     def qsize(self) -> int:
-        """Items put and not yet taken, across all processes, in the socket and the
-        overflow (approximate while puts and gets are under way)."""
+        """Items put and not yet taken, across all processes: exact for a bounded queue;
+        for an unbounded one, those in the socket (approximate while puts and gets are
+        under way) and in the overflow (exact)."""
+        if self._maxsize:
+            return self._ovf.count()
         return min(_eventfd_count(self._items), _FLOOD - 1) + self._ovf.count()
 
     def empty(self) -> bool:
@@ -225,12 +229,9 @@ class Queue:
             self._send.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        os.eventfd_write(self._room, 1)  # wake producers waiting for the vault
-        if self._slots >= 0:
-            try:
-                os.eventfd_write(self._slots, _FLOOD)  # wake producers waiting for a slot
-            except BlockingIOError:
-                pass  # closed before
+        os.eventfd_write(self._room, 1)  # wake producers waiting for room
+        if self._maxsize:
+            os.eventfd_write(self._items, 1)  # wake consumers: a token no one takes
 
     # -- the non-waiting core -------------------------------------------------------
     def _send_now(self, item: _Item) -> bool:
@@ -248,41 +249,39 @@ class Queue:
         return sent
 
     def _try_put(self, item: _Item) -> bool:
-        """Put if there is a free slot: True if put (socket or overflow).
+        """Put if there is room: True if put (socket or overflow).
 
-        False: no free slot, or the overflow cannot park the item's fds now. Raises
-        QueueClosed (or TransportError); nothing is put then.
+        False: a bounded queue is full, or the overflow cannot park the item's fds now;
+        wait on ``_room``. Raises QueueClosed (or TransportError); nothing is put then.
         """
-        slots = self._slots
-        if slots >= 0 and not _eventfd_take(slots):
-            return False
-        put = False
-        try:
-            # The socket while the overflow is empty; else the overflow, behind the items
-            # already there (it tries the socket again once it finds itself empty).
-            if not self._hint[_HINT] and self._send_now(item):
-                put = True
-            else:
-                used, self._used_socket = self._used_socket, False
-                put = self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item),
-                                       used)
-        finally:
-            if not put and slots >= 0:
-                os.eventfd_write(slots, 1)
-        return put
+        if self._maxsize:  # every item through the log: the bound is its committed count
+            return self._ovf.append(item.body, item.body_fds, None, False,
+                                    self._maxsize, self._items)
+        # The socket while the overflow is empty; else the overflow, behind the items
+        # already there (it tries the socket again once it finds itself empty).
+        if not self._hint[_HINT] and self._send_now(item):
+            return True
+        used, self._used_socket = self._used_socket, False
+        return self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item), used)
 
     def _put_wait_fd(self, item: _Item) -> int:
         """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
-        if self._slots >= 0 and not _readable(self._slots):
-            return self._slots  # no free slot
-        # The overflow's fd vault is full: wait for a get. Reset ``room`` first and try
-        # once more, so that a get between the failed put and the wait is not missed.
+        # Reset ``room`` first and try once more, so that a get between the failed put
+        # and the wait is not missed.
         _eventfd_take(self._room)
         if self._try_put(item):
             return -1
         return self._room
 
     def _try_get(self, blocking: bool = False) -> object:
+        if self._maxsize:
+            popped = self._ovf.pop(None, self._items, self._room)
+            if popped is None:
+                if self._ovf.closed():
+                    raise QueueClosed("the aiomp.Queue is closed and drained")
+                return _MISSING
+            body, fds, _ = popped  # type: ignore[misc]
+            return _load(body, fds)
         hint = self._hint
         while True:
             if hint[_HINT]:
@@ -331,12 +330,8 @@ class Queue:
 
     def _took(self) -> None:
         _eventfd_take(self._items)
-        if self._slots >= 0:
-            os.eventfd_write(self._slots, 1)
 
     def _took_from_log(self, had_fds: bool) -> None:
-        if self._slots >= 0:
-            os.eventfd_write(self._slots, 1)
         if had_fds:
             os.eventfd_write(self._room, 1)  # the vault has room again
 
@@ -374,7 +369,7 @@ class Queue:
 
     async def _get(self) -> Any:
         while (item := self._try_get()) is _MISSING:
-            await self._waiters.wait(self._recv.fileno())
+            await self._waiters.wait(self._wait_fd)
         return item
 
     def put_nowait(self, obj: object) -> None:
@@ -428,7 +423,7 @@ class SyncQueue:
         """Remove and return an item, blocking while empty; :class:`aiomp.Empty` after
         ``timeout`` s; :class:`aiomp.QueueClosed` once closed and drained."""
         q = self._q
-        if timeout is None:
+        if timeout is None and not q._maxsize:
             # One blocking recvmsg: waking a process blocked in recvmsg costs far less
             # than waking one blocked in poll. (If an event loop somewhere made the
             # socket non-blocking, this returns at once and we poll below.)
@@ -437,7 +432,7 @@ class SyncQueue:
                 return item
         deadline = None if timeout is None else time.monotonic() + timeout
         while (item := q._try_get()) is _MISSING:
-            if not _transport.wait_fd_sync(q._recv.fileno(), deadline=deadline):
+            if not _transport.wait_fd_sync(q._wait_fd, deadline=deadline):
                 raise Empty
         return item
 
@@ -587,14 +582,14 @@ def _close_all(send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow
 
 
 def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int, room: int,
-                   slots: int, log: int) -> Queue:
+                   log: int) -> Queue:
     existing = _live.get(token)
     if isinstance(existing, Queue):
         return existing  # the message's fds are closed by loads
     take = _reduction.take_fd
     q = Queue.__new__(Queue)
     q._setup(token, maxsize, socket.socket(fileno=take(send)), socket.socket(fileno=take(recv)),
-             take(items), take(room), take(slots) if slots >= 0 else -1, take(log))
+             take(items), take(room), take(log))
     return q
 
 
