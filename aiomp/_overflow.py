@@ -105,6 +105,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
+    #: What a pop returns: ``(pickle, fds, from_socket)``.
+    Popped = tuple[bytes | memoryview, list[int], bool]
+
 PAGE = mmap.PAGESIZE
 _HINT = 8  # 1 while the log may hold an item; never 0 while it does
 _CLOSED = 9  # 1 once the queue is closed (written under the lock)
@@ -373,9 +376,8 @@ class Overflow:
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if limit and count >= limit:
                 return False
-            if count == 0 and try_socket is not None:
-                if try_socket():  # the log is empty: order allows the socket again
-                    return True
+            if count == 0 and try_socket is not None and try_socket():
+                return True  # the log was empty: order allows the socket again
             length = len(body)
             end = tail + ((_RECORD.size + length + 7) & ~7)
             data = self._data
@@ -404,8 +406,8 @@ class Overflow:
         finally:
             mutex.release()
 
-    def pop(self, try_socket: Callable[[], object] | None, token_fd: int = -1,
-            room_fd: int = -1) -> object:
+    def pop(self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1,
+            room_fd: int = -1) -> Popped | None:
         """The oldest item: ``try_socket()``'s result if not None, else the log's head
         record as ``(pickle, fds, False)``, else None when the log is empty.
 

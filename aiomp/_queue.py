@@ -280,14 +280,13 @@ class Queue:
                 if self._ovf.closed():
                     raise QueueClosed("the aiomp.Queue is closed and drained")
                 return _MISSING
-            body, fds, _ = popped  # type: ignore[misc]
-            return _load(body, fds)
+            return _load(popped[0], popped[1])
         hint = self._hint
         while True:
             if hint[_HINT]:
                 popped = self._ovf.pop(self._recv_locked)
                 if popped is not None:
-                    body, fds, from_socket = popped  # type: ignore[misc]
+                    body, fds, from_socket = popped
                     if not from_socket:
                         self._took_from_log(bool(fds))
                     return _load(body, fds)
@@ -310,7 +309,7 @@ class Queue:
             _, body, fds = _transport.decode(*got)
             return _load(body, fds)
 
-    def _recv_locked(self) -> object:
+    def _recv_locked(self) -> _overflow.Popped | None:
         """The overflow's look at the socket, under its mutex: ``(body, fds, True)`` or
         None. The socket's items come first: they were put before the overflow's."""
         if self._ovf.socket_empty():
@@ -481,14 +480,16 @@ def _classes_in(body: bytes | memoryview) -> list[str]:
                 continue
             if op.name == "MEMOIZE":
                 memo[len(memo)] = last
-            elif op.name in ("BINGET", "LONG_BINGET", "GET") and memo.get(int(arg)) is not None:
-                strings.append(str(memo[int(arg)]))
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                value = memo.get(int(arg))  # type: ignore[arg-type]
+                if value is not None:
+                    strings.append(value)
             elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
                 names.append(f"{strings[-2]}.{strings[-1]}")
             elif op.name in ("GLOBAL", "INST"):
                 names.append(str(arg).replace(" ", "."))
             last = None
-    except Exception:  # noqa: BLE001, S110 - best effort, for an error message
+    except Exception:  # noqa: BLE001 - best effort, for an error message
         pass
     seen = [n for n in dict.fromkeys(names) if not n.startswith(("builtins.", "copyreg."))]
     return seen[-5:]
@@ -542,7 +543,7 @@ class _Item:
             # The common small item: ten times cheaper than the reducing pickler.
             self._out = None
             self.body = pickle.dumps(obj, 5)
-            self.body_fds = self.fds = []
+            self.body_fds = self.fds = []  # type: list[int]
             if len(self.body) <= _transport.MAX_INLINE:
                 self.datagram = b"\x00" + self.body
                 self._extra = -1

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks._targets_queue import drain_aiomp, drain_mp
 from benchmarks._targets import (
     PAYLOAD,
     echo_aiomp_async,
@@ -32,6 +31,7 @@ from benchmarks._targets import (
     echo_coro,
     echo_mp_queue,
 )
+from benchmarks._targets_queue import drain_aiomp, drain_mp
 
 
 class AiompQueue(h.Variant):

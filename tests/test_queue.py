@@ -1009,7 +1009,7 @@ async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept:
     got = drain(q)
     expected = [(i, e) for i, e in enumerate(events)]
     assert got == (expected if kept else expected[1:])
-    assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got):]))
+    assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got):], strict=True))
     assert q.empty() and q._ovf.socket_empty(), "the stale vault datagram was dropped"
 
 
@@ -1061,7 +1061,8 @@ async def test_async_calls_without_a_loop_raise_at_once_in_a_sync_child() -> Non
             assert await q.get() == "still usable"
     errors = ctx.results[0]
     assert len(errors) == 3  # type: ignore[arg-type]
-    for error, call in zip(errors, ("q.sync.put", "q.sync.get", "e.sync.wait")):  # type: ignore[call-overload]
+    for error, call in zip(errors, ("q.sync.put", "q.sync.get", "e.sync.wait"),  # type: ignore[call-overload]
+                           strict=True):
         assert call in error
 
 
