@@ -2,22 +2,26 @@
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair that every process holding the
 queue shares (producers send on one end, consumers receive on the other), an overflow
-log in shared memory (:mod:`aiomp._overflow`), and eventfds: a count of the items in the
-socket (for ``qsize``), a count of free slots for a bounded queue, and a wake-up for
-producers that wait. A datagram is delivered whole to exactly one receiver with its fds,
-so any number of producers and consumers need no lock and no feeder thread: an item is in
-the kernel when ``put`` returns, and an unpicklable item fails in ``put``, in the caller.
+log in shared memory (:mod:`aiomp._overflow`), and two eventfds: a count of the items in
+the socket (for ``qsize``) and a wake-up for producers that wait. A datagram is delivered
+whole to exactly one receiver with its fds, so any number of producers and consumers need
+no lock and no feeder thread: an item is in the kernel when ``put`` returns, and an
+unpicklable item fails in ``put``, in the caller.
 
-Unbounded: when the socket buffer is full (about 10,900 small items, or 4 MiB), ``put``
-appends the item to the queue's overflow: a memfd log that every holder maps, with the
-item's fds parked in the socket pair's reverse direction. The overflow belongs to the
-queue, so an item is delivered even if its producer is SIGKILLed the instant ``put``
-returns; it is read once the socket is empty, keeps each producer's items in the order
-put, grows with what is queued and is freed when drained. See :mod:`aiomp._overflow` for
-why no process death loses or duplicates an item. Only items that carry fds (arrays under
-``"file_descriptor"``, queues and events inside items) are bounded there, by the
-kernel's limit of about 10,900 parked datagrams: beyond it ``put`` waits and
-``put_nowait`` raises Full.
+Unbounded (``maxsize <= 0``): when the socket buffer is full (about 10,900 small items,
+or 4 MiB), ``put`` appends the item to the queue's overflow: a memfd log that every
+holder maps, with the item's fds parked in the socket pair's reverse direction. The
+overflow belongs to the queue, so an item is delivered even if its producer is SIGKILLed
+the instant ``put`` returns; it is read once the socket is empty, keeps each producer's
+items in the order put, grows with what is queued and is freed when drained (64 KiB
+stay allocated). See :mod:`aiomp._overflow` for why no process death loses or duplicates
+an item. Only items that carry fds (arrays under ``"file_descriptor"``, queues and events
+inside items) are bounded there, by the kernel's limit of about 10,900 parked datagrams:
+beyond it ``put`` waits and ``put_nowait`` raises Full.
+
+Bounded (``maxsize > 0``): every item goes through the log, whose committed count is the
+bound, so no process death changes the capacity; consumers wait on the eventfd (then a
+count of wake-up tokens) instead of the socket.
 
 Closing (:meth:`Queue.close`) shuts the socket down for writing, in the kernel, for every
 process at once, and marks the overflow closed: later puts raise
