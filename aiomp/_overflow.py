@@ -371,6 +371,8 @@ class Overflow:
         mutex = self._lock()
         try:
             header = self._header
+            if used_socket:  # first: whatever happens next, the flag has been passed on
+                header[_DRAINED] = 0
             if header[_CLOSED]:
                 raise QueueClosed("put on a closed aiomp.Queue")
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
@@ -383,8 +385,6 @@ class Overflow:
             data = self._data
             if data is None or len(data) < end or end > _U64.unpack_from(header, _SIZE)[0]:
                 data = self._mapped(end, grow=True)
-            if used_socket:
-                header[_DRAINED] = 0
             nonce = _NO_NONCE
             if fds:
                 nonce = os.urandom(8)
