@@ -190,15 +190,17 @@ class _Mutex:
 
     def acquire(self) -> None:
         rc = self._lock(self.addr)
-        if rc == _EOWNERDEAD:
-            # Its holder died. The log is consistent at every instruction (the module
-            # docstring says why): only the mutex needs marking so.
-            libc: Any = _Mutex._libc
-            rc = libc.pthread_mutex_consistent(self.addr)
-        _check(rc)
+        if rc:
+            if rc == _EOWNERDEAD:
+                # Its holder died. The log is consistent at every instruction (the module
+                # docstring says why): only the mutex needs marking so.
+                libc: Any = _Mutex._libc
+                rc = libc.pthread_mutex_consistent(self.addr)
+            _check(rc)
 
     def release(self) -> None:
-        _check(self._unlock(self.addr))
+        if rc := self._unlock(self.addr):
+            _check(rc)
 
     def detach(self) -> None:
         self._anchor = None  # type: ignore[assignment]
@@ -375,7 +377,8 @@ class Overflow:
                 header[_DRAINED] = 0
             if header[_CLOSED]:
                 raise QueueClosed("put on a closed aiomp.Queue")
-            head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
+            selected = header[_SELECT]
+            head, tail, count = _STATE.unpack_from(header, _COPIES[selected])
             if limit and count >= limit:
                 return False
             if count == 0 and try_socket is not None and try_socket():
@@ -399,7 +402,8 @@ class Overflow:
             header[_HINT] = 1
             if token_fd >= 0:
                 os.eventfd_write(token_fd, 1)  # before the commit: never fewer than items
-            self._commit(head, end, count + 1)
+            _STATE.pack_into(header, _COPIES[1 - selected], head, end, count + 1)
+            header[_SELECT] = 1 - selected  # the commit (as in _commit)
             if fault is not None:
                 fault("producer: committed")
             return True

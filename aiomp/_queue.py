@@ -378,7 +378,12 @@ class Queue:
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
         unbounded, if the overflow cannot park any more fds: see the module docstring)."""
-        with _Item(obj) as item:
+        item = _Item(obj)
+        if item._out is None and item._extra < 0:  # nothing to undo or close: no `with`
+            if not self._try_put(item):
+                raise Full
+            return
+        with item:
             if not self._try_put(item):
                 raise Full
 
