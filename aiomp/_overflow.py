@@ -122,7 +122,7 @@ _RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
 _NO_NONCE = bytes(8)
 #: The data area grows by at least this much, and is compacted past it.
 GROW = 1 << 20
-#: The data area kept allocated once the log is empty (bytes).
+#: The data area a bounded queue keeps allocated once its log is empty (bytes).
 KEEP = 64 << 10
 
 _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
@@ -300,10 +300,10 @@ class Overflow:
             data = self._data
         return data
 
-    def _shrink(self, live_end: int) -> None:
-        """Give memory back: the file is cut to what the live records need (at most
-        KEEP once empty, so that a queue that keeps going empty does not reallocate)."""
-        keep = KEEP if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
+    def _shrink(self, live_end: int, keep_empty: int = 0) -> None:
+        """Give memory back: the file is cut to what the live records need, or to
+        ``keep_empty`` bytes once empty."""
+        keep = keep_empty if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
         if _U64.unpack_from(self._header, _SIZE)[0] > keep:
             _U64.pack_into(self._header, _SIZE, keep)
             os.ftruncate(self._fd, PAGE + keep)
@@ -432,7 +432,7 @@ class Overflow:
                 if token_fd >= 0 and not header[_CLOSED]:
                     while _take(token_fd):  # every token left is a spurious wake-up
                         pass
-                self._emptied()
+                self._emptied(token_fd >= 0)
                 return None
             data = self._data
             if data is None or len(data) < tail:
@@ -456,19 +456,23 @@ class Overflow:
             if token_fd >= 0:
                 _take(token_fd)  # after the commit: never fewer tokens than items
             if count == 1:
-                self._emptied()
+                self._emptied(token_fd >= 0)
             elif head >= GROW:
                 self._compact()
             return body, fds, False
         finally:
             mutex.release()
 
-    def _emptied(self) -> None:
-        """The log is empty (under the lock): clear the hint, free memory and the vault."""
+    def _emptied(self, bounded: bool) -> None:
+        """The log is empty (under the lock): clear the hint, free memory and the vault.
+
+        An unbounded queue's log is used in bursts and goes back to nothing; a bounded
+        queue's is used by every item and keeps KEEP bytes, not to reallocate each time
+        it runs empty."""
         self._header[_HINT] = 0
         self._header[_DRAINED] = 0
         self._purge_vault()
-        self._shrink(0)
+        self._shrink(0, KEEP if bounded else 0)
 
     def _compact(self) -> None:
         """Once at least as much has been consumed as is left (and past GROW), move the
