@@ -91,6 +91,7 @@ module.
 from __future__ import annotations
 
 import array
+import errno
 import mmap
 import os
 import select
@@ -116,7 +117,6 @@ _SELECT = 16  # which state copy is committed: storing this byte is the commit
 _SIZE = 24  # bytes of data area allocated; never more than the file has (see _mapped)
 _COPIES = (64, 96)
 _MUTEX = 128  # a pthread_mutex_t (40 bytes on x86_64, 48 on aarch64)
-_EOWNERDEAD = 130
 _STATE = struct.Struct("<QQQ")  # head, tail, count; offsets into the data area
 _RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
 _NO_NONCE = bytes(8)
@@ -191,7 +191,7 @@ class _Mutex:
     def acquire(self) -> None:
         rc = self._lock(self.addr)
         if rc:
-            if rc == _EOWNERDEAD:
+            if rc == errno.EOWNERDEAD:
                 # Its holder died. The log is consistent at every instruction (the module
                 # docstring says why): only the mutex needs marking so.
                 libc: Any = _Mutex._libc
