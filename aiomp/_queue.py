@@ -14,8 +14,9 @@ holder maps, with the item's fds parked in the socket pair's reverse direction. 
 overflow belongs to the queue, so an item is delivered even if its producer is SIGKILLed
 the instant ``put`` returns; it is read once the socket is empty, keeps each producer's
 items in the order put, grows with what is queued and is freed when drained. See
-:mod:`aiomp._overflow` for why no process death loses or duplicates an item. Only items that carry fds (arrays under ``"file_descriptor"``, queues and events
-inside items) are bounded there, by the kernel's limit of about 10,900 parked datagrams:
+:mod:`aiomp._overflow` for why no process death loses or duplicates an item. Only items
+that carry fds (arrays under ``"file_descriptor"``, queues and events inside items) are
+bounded there, by the kernel's limit of about 10,900 parked datagrams:
 beyond it ``put`` waits and ``put_nowait`` raises Full.
 
 Bounded (``maxsize > 0``): every item goes through the log, whose committed count is the

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp import _overflow, _transport
+from aiomp import _transport
 from tests import _funcs as funcs
 from tests import _funcs_queue as qfuncs
 
