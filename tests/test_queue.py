@@ -1212,3 +1212,43 @@ async def test_bounded_consumers_sleep_and_wake_on_tokens() -> None:
                 await q.put(i)
     assert sorted(got) == [0, 1, 2]
     assert q.empty()
+
+
+def test_threads_put_and_get_across_the_socket_overflow_boundary() -> None:
+    """Producers and consumers in threads of one process share the overflow's mutex
+    (a pthread mutex: it excludes threads as well as processes) and its order."""
+    q = aiomp.Queue()
+    n, producers = 6_000, 3
+    got: list[list[tuple[int, int]]] = [[], []]
+
+    def produce(rank: int) -> None:
+        for i in range(n):
+            q.sync.put((rank, i))
+
+    def consume(k: int) -> None:
+        while True:
+            item = q.sync.get(timeout=QUICK)
+            if item is None:
+                return
+            got[k].append(item)
+
+    while q._ovf.count() == 0:  # start with the socket full and the overflow in use
+        q.put_nowait((-1, 0))
+    threads = [threading.Thread(target=produce, args=(r,)) for r in range(producers)]
+    threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads[:producers]:
+        t.join(TIMEOUT)
+    q.sync.put(None)
+    q.sync.put(None)
+    for t in threads[producers:]:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+    got = [[item for item in g if item[0] >= 0] for g in got]
+    assert sorted(got[0] + got[1]) == sorted((r, i) for r in range(producers) for i in range(n))
+    for k in range(2):  # each consumer sees each producer's items in order
+        for r in range(producers):
+            seq = [i for rr, i in got[k] if rr == r]
+            assert seq == sorted(seq)
+    assert q.empty()
