@@ -164,10 +164,17 @@ class Queue:
     def __init__(self, maxsize: int = 0) -> None:
         maxsize = max(0, int(maxsize))
         send, recv = _transport.socketpair()
-        items = os.eventfd(0, _EFD | os.EFD_SEMAPHORE)
-        room = os.eventfd(0, _EFD)
-        log = _overflow.create()
-        self._setup(os.urandom(16), maxsize, send, recv, items, room, log)
+        fds: list[int] = []
+        try:
+            fds.append(os.eventfd(0, _EFD | os.EFD_SEMAPHORE))
+            fds.append(os.eventfd(0, _EFD))
+            fds.append(_overflow.create())
+        except BaseException:  # EMFILE, ENOMEM: nothing half-made is left open
+            send.close()
+            recv.close()
+            _transport.close_fds(fds)
+            raise
+        self._setup(os.urandom(16), maxsize, send, recv, *fds)
 
     def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
                items: int, room: int, log: int) -> None:
