@@ -26,6 +26,7 @@ __all__ = (
     "ProcessRaisedException",
     "Queue",
     "QueueClosed",
+    "QueueItemError",
     "SharedMemoryError",
     "TransportError",
     "cuda",
@@ -47,6 +48,7 @@ _WHERE = {
     "ProcessExitedException": "_errors",
     "ProcessRaisedException": "_errors",
     "QueueClosed": "_errors",
+    "QueueItemError": "_errors",
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
     "ProcessContext": "_context",
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from ._errors import ProcessExitedException as ProcessExitedException
     from ._errors import ProcessRaisedException as ProcessRaisedException
     from ._errors import QueueClosed as QueueClosed
+    from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
     from ._numpy import empty as empty

@@ -10,6 +10,7 @@
      +-- RuntimeError
      |    +-- BrokenPoolError           the Pool can run no more tasks (not a task's failure)
      +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
+     +-- QueueItemError                 get: an item could not be rebuilt here (it is lost)
      +-- OSError
           +-- SharedMemoryError         shared memory could not be allocated (raised at put)
           +-- TransportError            a message could not travel (fd limit, truncation)
@@ -32,6 +33,7 @@ __all__ = (
     "ProcessExitedException",
     "ProcessRaisedException",
     "QueueClosed",
+    "QueueItemError",
     "SharedMemoryError",
     "TransportError",
 )
@@ -115,6 +117,16 @@ class QueueClosed(Exception):
     """The queue was closed: no more items can be put, and a drained queue yields none."""
 
 
+class QueueItemError(Exception):
+    """An item taken from a Queue could not be rebuilt in this process (``get``).
+
+    The message names the classes the item refers to; ``__cause__`` is the original error
+    (an exception class whose ``__init__`` does not accept its own ``args``, a module the
+    consumer cannot import). That item is lost; the queue, its counts and the items after
+    it are intact.
+    """
+
+
 class SharedMemoryError(OSError):
     """Shared memory for an array could not be allocated (``/dev/shm`` or memory is full).
 
@@ -128,8 +140,8 @@ class TransportError(OSError):
 
 
 for _cls in (BrokenPoolError, BrokenWorkerError, ProcessException, ProcessExitedException,
-             ProcessRaisedException,
-             QueueClosed, SharedMemoryError, TransportError):
+             ProcessRaisedException, QueueClosed, QueueItemError, SharedMemoryError,
+             TransportError):
     _cls.__module__ = "aiomp"  # printed and pickled under the public name
 
 

@@ -1,22 +1,45 @@
 """Queue and Event: between any processes of one tree, async and blocking.
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair that every process holding the
-queue shares (producers send on one end, consumers receive on the other), plus two
-eventfds: a count of items (for ``qsize``) and, for a bounded queue, a count of free
-slots. A datagram is delivered whole to exactly one receiver with its fds, so any number
-of producers and consumers need no lock and no feeder thread: an item is in the kernel
-when ``put`` returns, and an unpicklable item fails in ``put``, in the caller.
+queue shares (producers send on one end, consumers receive on the other), an overflow
+log in shared memory (:mod:`aiomp._overflow`), and two eventfds: a count of the items in
+the socket (for ``qsize``) and a wake-up for producers that wait. A datagram is delivered
+whole to exactly one receiver with its fds, so any number of producers and consumers need
+no lock and no feeder thread: an item is in the kernel when ``put`` returns, and an
+unpicklable item fails in ``put``, in the caller.
+
+Unbounded (``maxsize <= 0``): when the socket buffer is full (about 10,900 small items,
+or 4 MiB), ``put`` appends the item to the queue's overflow: a memfd log that every
+holder maps, with the item's fds parked in the socket pair's reverse direction. The
+overflow belongs to the queue, so an item is delivered even if its producer is SIGKILLed
+the instant ``put`` returns; it is read once the socket is empty, keeps each producer's
+items in the order put, grows with what is queued and is freed when drained. See
+:mod:`aiomp._overflow` for why no process death loses or duplicates an item. Only items
+that carry fds (arrays under ``"file_descriptor"``, queues and events inside items) are
+bounded there, by the kernel's limit of about 10,900 parked datagrams:
+beyond it ``put`` waits and ``put_nowait`` raises Full.
+
+Bounded (``maxsize > 0``): every item goes through the log, whose committed count is the
+bound, so no process death changes the capacity; consumers wait on the eventfd (then a
+count of wake-up tokens) instead of the socket. Its log keeps 64 KiB once empty.
 
 Closing (:meth:`Queue.close`) shuts the socket down for writing, in the kernel, for every
-process at once: later puts raise :class:`~aiomp.QueueClosed`; consumers receive the items
-already queued and then :class:`~aiomp.QueueClosed` (``async for`` simply ends).
+process at once, and marks the overflow closed: later puts raise
+:class:`~aiomp.QueueClosed`; consumers receive the items already queued (socket and
+overflow) and then :class:`~aiomp.QueueClosed` (``async for`` simply ends).
+
+An item that cannot be rebuilt in the consumer raises :class:`~aiomp.QueueItemError` at
+``get`` (that item is lost; the queue goes on). Exceptions, the usual culprit, are checked
+at ``put``: one whose class cannot be rebuilt from its ``args`` raises there.
 
 An :class:`Event` is an eventfd: set writes to it, clear drains it, and it is readable
 while set, so waiting is readiness on the event loop, or ``poll`` in blocking code.
 
 Async calls wait through anyio (asyncio, uvloop, trio); within one process one task waits
-on an fd and wakes the others (one waiter, fanning out). Objects rebuilt from a message
-in a process that already holds the same queue or event are that same object.
+on an fd and wakes the others (one waiter, fanning out). Called where no event loop runs
+(a sync child, a thread), ``put``, ``get`` and ``Event.wait`` raise RuntimeError at once,
+naming the ``.sync`` call to use. Objects rebuilt from a message in a process that already
+holds the same queue or event are that same object.
 
 fds are released when the object is garbage-collected in each process.
 """
@@ -24,18 +47,20 @@ fds are released when the object is garbage-collected in each process.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as _stdqueue
 import select
 import socket
+import sys
 import time
 import weakref
 
-from . import _reduction, _transport
-from ._errors import QueueClosed
+from . import _overflow, _reduction, _transport
+from ._errors import QueueClosed, QueueItemError
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Coroutine
     from typing import Any
 
 Full = _stdqueue.Full
@@ -45,9 +70,10 @@ __all__ = ("Empty", "Event", "Full", "Queue")
 
 _EFD = os.EFD_NONBLOCK | os.EFD_CLOEXEC
 _ONE = (1).to_bytes(8, "little")
-# Written to the slots eventfd by close(), to wake every waiting producer.
+# qsize() never reports more than this (an eventfd counts up to 2**64 - 2).
 _FLOOD = 1 << 60
 _MISSING = object()
+_HINT = _overflow._HINT
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 
@@ -66,6 +92,32 @@ def _eventfd_count(fd: int) -> int:
             if line.startswith("eventfd-count:"):
                 return int(line.split()[1], 16)
     return 0  # pragma: no cover
+
+
+def _loop_running() -> bool:
+    """Whether an event loop (asyncio, uvloop or trio) runs in this thread.
+
+    Looks only at modules already imported: a sync child that never imported asyncio or
+    trio cannot be running their loops, and pays two dict lookups.
+    """
+    aio = sys.modules.get("asyncio")
+    if aio is not None and aio._get_running_loop() is not None:
+        return True
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            return False
+        return True
+    return False
+
+
+def _no_loop(call: str, sync_call: str) -> RuntimeError:
+    return RuntimeError(
+        f"{call} is a coroutine and no event loop runs in this thread; in sync code (a "
+        f"sync worker, a thread) call {sync_call} instead"
+    )
 
 
 class _Waiters:
@@ -103,40 +155,55 @@ class Queue:
     """A multi-producer, multi-consumer FIFO queue shared between processes.
 
     Create it in the parent and pass it to children in ``spawn(args=...)``, a Pool task,
-    or inside another queue's message. ``maxsize <= 0`` means unbounded (in practice
-    bounded by the kernel socket buffer of about 4 MiB of queued datagrams: ``put`` then
-    waits, and ``put_nowait`` raises Full). Numpy arrays in items travel through shared
+    or inside another queue's message. ``maxsize <= 0`` means unbounded: items beyond the
+    socket buffer go to the queue's overflow in shared memory (see the module docstring),
+    and ``put`` never waits for a consumer. Numpy arrays in items travel through shared
     memory (see :func:`aiomp.share_memory`). ``q.sync`` has the blocking calls.
     """
 
     def __init__(self, maxsize: int = 0) -> None:
         maxsize = max(0, int(maxsize))
         send, recv = _transport.socketpair()
-        items = os.eventfd(0, _EFD | os.EFD_SEMAPHORE)
-        room = os.eventfd(0, _EFD)
-        slots = os.eventfd(maxsize, _EFD | os.EFD_SEMAPHORE) if maxsize else -1
-        self._setup(os.urandom(16), maxsize, send, recv, items, room, slots)
+        fds: list[int] = []
+        try:
+            fds.append(os.eventfd(0, _EFD | os.EFD_SEMAPHORE))
+            fds.append(os.eventfd(0, _EFD))
+            fds.append(_overflow.create())
+        except BaseException:  # EMFILE, ENOMEM: nothing half-made is left open
+            send.close()
+            recv.close()
+            _transport.close_fds(fds)
+            raise
+        self._setup(os.urandom(16), maxsize, send, recv, *fds)
 
     def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
-               items: int, room: int, slots: int) -> None:
+               items: int, room: int, log: int) -> None:
         self._token = token
         self._maxsize = maxsize
         self._send = send
         self._recv = recv
+        # Unbounded: a count of the items in the socket (for qsize). Bounded: wake-up
+        # tokens for consumers, never fewer than the items (see _overflow, "Bounded").
         self._items = items
-        # Every get writes ``room``: a put that found the socket buffer full waits on it.
-        # (The socket itself reports writable only once 3/4 of its buffer has drained.)
+        # Written when an item that frees room is taken: a put waiting for a slot
+        # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
         self._room = room
-        self._slots = slots
+        # Consumers wait for the socket, or for the tokens of a bounded queue.
+        self._wait_fd = items if maxsize else recv.fileno()
+        # The fds parked with overflowed items travel the socket pair backwards.
+        self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
+        self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
+        self._used_socket = True  # sent on the socket since this process last overflowed
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
-        self._finalizer = weakref.finalize(self, _close_all, send, recv, items, room, slots)
+        self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items,
+                                           room)
         _live[token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
         add = _reduction.add_fd
         fds = (add(self._send.fileno()), add(self._recv.fileno()), add(self._items),
-               add(self._room), add(self._slots) if self._slots >= 0 else -1)
+               add(self._room), add(self._ovf.fd))
         return _rebuild_queue, (self._token, self._maxsize, *fds)
 
     def __repr__(self) -> str:
@@ -148,8 +215,12 @@ class Queue:
 
     # -- state --------------------------------------------------------------------
     def qsize(self) -> int:
-        """Items put and not yet taken, across all processes (approximate while busy)."""
-        return min(_eventfd_count(self._items), _FLOOD - 1)
+        """Items put and not yet taken, across all processes: exact for a bounded queue;
+        for an unbounded one, those in the socket (approximate while puts and gets are
+        under way) and in the overflow (exact)."""
+        if self._maxsize:
+            return self._ovf.count()
+        return min(_eventfd_count(self._items), _FLOOD - 1) + self._ovf.count()
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -161,97 +232,166 @@ class Queue:
         """Close the queue for every process: no more puts; consumers drain, then end.
 
         After ``close()``, ``put`` raises :class:`~aiomp.QueueClosed` anywhere, and ``get``
-        returns the items already queued and then raises QueueClosed; ``async for``
-        over the queue ends. Idempotent.
+        returns the items already queued (overflow included) and then raises
+        QueueClosed; ``async for`` over the queue ends. Idempotent.
         """
+        self._ovf.close_log()
         try:
             self._send.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        os.eventfd_write(self._room, 1)  # wake producers waiting for buffer room
-        if self._slots >= 0:
-            try:
-                os.eventfd_write(self._slots, _FLOOD)  # wake producers waiting for a slot
-            except BlockingIOError:
-                pass  # closed before
+        os.eventfd_write(self._room, 1)  # wake producers waiting for room
+        if self._maxsize:
+            os.eventfd_write(self._items, 1)  # wake consumers: a token no one takes
 
     # -- the non-waiting core -------------------------------------------------------
-    def _try_put(self, datagram: bytes, fds: list[int]) -> bool:
-        """Send if there is room: True if sent. Raises QueueClosed (or TransportError)."""
-        if self._slots >= 0 and not _eventfd_take(self._slots):
-            return False
+    def _send_now(self, item: _Item) -> bool:
+        """Send on the socket if its buffer has room: True if sent."""
         os.eventfd_write(self._items, 1)
         sent = False
         try:
-            sent = _transport.try_send(self._send, datagram, fds)
+            sent = _transport.try_send(self._send, item.datagram, item.fds)
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
         finally:
-            if not sent:  # not sent, for whatever reason: give the counts back
+            if not sent:  # not sent, for whatever reason: give the count back
                 _eventfd_take(self._items)
-                if self._slots >= 0:
-                    os.eventfd_write(self._slots, 1)
+        self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
-    def _put_wait_fd(self, datagram: bytes, fds: list[int]) -> int:
+    def _try_put(self, item: _Item) -> bool:
+        """Put if there is room: True if put (socket or overflow).
+
+        False: a bounded queue is full, or the overflow cannot park the item's fds now;
+        wait on ``_room``. Raises QueueClosed (or TransportError); nothing is put then.
+        """
+        if self._maxsize:  # every item through the log: the bound is its committed count
+            return self._ovf.append(item.body, item.body_fds, None, False,
+                                    self._maxsize, self._items)
+        # The socket while the overflow is empty; else the overflow, behind the items
+        # already there (it tries the socket again once it finds itself empty).
+        if not self._hint[_HINT] and self._send_now(item):
+            return True
+        used, self._used_socket = self._used_socket, False
+        return self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item), used)
+
+    def _put_wait_fd(self, item: _Item) -> int:
         """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
-        if self._slots >= 0 and not _readable(self._slots):
-            return self._slots  # no free slot
-        # The socket buffer is full: wait for a get. Reset ``room`` first and try once
-        # more, so that a get between the failed put and the wait is not missed.
+        # Reset ``room`` first and try once more, so that a get between the failed put
+        # and the wait is not missed.
         _eventfd_take(self._room)
-        if self._try_put(datagram, fds):
+        if self._try_put(item):
             return -1
         return self._room
 
     def _try_get(self, blocking: bool = False) -> object:
+        if self._maxsize:
+            popped = self._ovf.pop(None, self._items, self._room)
+            if popped is None:
+                if self._ovf.closed():
+                    raise QueueClosed("the aiomp.Queue is closed and drained")
+                return _MISSING
+            return _load(popped[0], popped[1])
+        hint = self._hint
+        while True:
+            if hint[_HINT]:
+                popped = self._ovf.pop(self._recv_locked)
+                if popped is not None:
+                    body, fds, from_socket = popped
+                    if not from_socket:
+                        self._took_from_log(bool(fds))
+                    return _load(body, fds)
+            # Blocking in recvmsg is safe only while the overflow is empty: it becomes
+            # non-empty only when the socket is full, which wakes this recvmsg.
+            try:
+                got = _transport.try_recv(self._recv, blocking and not hint[_HINT])
+            except _transport.Closed:
+                if hint[_HINT]:  # the overflow still holds items (appended before close)
+                    continue
+                raise QueueClosed("the aiomp.Queue is closed and drained") from None
+            except OSError:
+                self._took()  # the message was consumed (and is lost): keep the counts true
+                raise
+            if got is None:
+                if hint[_HINT]:  # a producer overflowed meanwhile
+                    continue
+                return _MISSING
+            self._took()
+            _, body, fds = _transport.decode(*got)
+            return _load(body, fds)
+
+    def _recv_locked(self) -> _overflow.Popped | None:
+        """The overflow's look at the socket, under its mutex: ``(body, fds, True)`` or
+        None. The socket's items come first: they were put before the overflow's."""
+        if self._ovf.socket_empty():
+            return None
         try:
-            got = _transport.try_recv(self._recv, blocking)
+            got = _transport.try_recv(self._recv)
         except _transport.Closed:
-            raise QueueClosed("the aiomp.Queue is closed and drained") from None
+            return None
         except OSError:
-            self._took()  # the message was consumed (and is lost): keep the counts true
+            self._took()
             raise
         if got is None:
-            return _MISSING
+            return None
         self._took()
         _, body, fds = _transport.decode(*got)
-        return _reduction.loads(body, fds)
+        return body, fds, True
 
     def _took(self) -> None:
         _eventfd_take(self._items)
-        if self._slots >= 0:
-            os.eventfd_write(self._slots, 1)
-        os.eventfd_write(self._room, 1)
+
+    def _took_from_log(self, had_fds: bool) -> None:
+        if had_fds:
+            os.eventfd_write(self._room, 1)  # the vault has room again
 
     # -- async ----------------------------------------------------------------------
-    async def put(self, obj: object) -> None:
-        """Put ``obj``, waiting while the queue is full.
+    def put(self, obj: object) -> Coroutine[Any, Any, None]:
+        """Put ``obj`` (``await q.put(obj)``), waiting only while a bounded queue is full.
 
         Pickling errors raise here. On cancellation nothing has been put.
-        Raises :class:`~aiomp.QueueClosed` once the queue is closed.
+        Raises :class:`~aiomp.QueueClosed` once the queue is closed, and RuntimeError at
+        once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
+        if not _loop_running():
+            raise _no_loop("Queue.put", "q.sync.put(obj)")
+        return self._put(obj)
+
+    async def _put(self, obj: object) -> None:
         with _Item(obj) as item:
-            while not self._try_put(item.datagram, item.fds):
-                fd = self._put_wait_fd(item.datagram, item.fds)
+            while not self._try_put(item):
+                fd = self._put_wait_fd(item)
                 if fd < 0:
                     break
                 await self._waiters.wait(fd)
 
-    async def get(self) -> Any:
-        """Remove and return an item, waiting while the queue is empty.
+    def get(self) -> Coroutine[Any, Any, Any]:
+        """Remove and return an item (``await q.get()``), waiting while the queue is empty.
 
         On cancellation nothing is taken. Raises :class:`~aiomp.QueueClosed` once the
-        queue is closed and drained.
+        queue is closed and drained, :class:`~aiomp.QueueItemError` for an item that
+        cannot be rebuilt here, and RuntimeError at once where no event loop runs: use
+        ``q.sync.get``.
         """
+        if not _loop_running():
+            raise _no_loop("Queue.get", "q.sync.get()")
+        return self._get()
+
+    async def _get(self) -> Any:
         while (item := self._try_get()) is _MISSING:
-            await self._waiters.wait(self._recv.fileno())
+            await self._waiters.wait(self._wait_fd)
         return item
 
     def put_nowait(self, obj: object) -> None:
-        """Put ``obj`` if there is room at once, else raise :class:`aiomp.Full`."""
-        with _Item(obj) as item:
-            if not self._try_put(item.datagram, item.fds):
+        """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
+        unbounded, if the overflow cannot park any more fds: see the module docstring)."""
+        item = _Item(obj)
+        if item._out is None and item._extra < 0:  # nothing to undo or close: no `with`
+            if not self._try_put(item):
+                raise Full
+            return
+        with item:
+            if not self._try_put(item):
                 raise Full
 
     def get_nowait(self) -> Any:
@@ -267,7 +407,7 @@ class Queue:
     async def _iterate(self) -> AsyncIterator[Any]:
         while True:
             try:
-                item = await self.get()
+                item = await self._get()
             except QueueClosed:
                 return
             yield item
@@ -282,12 +422,13 @@ class SyncQueue:
         self._q = q
 
     def put(self, obj: object, timeout: float | None = None) -> None:
-        """Put ``obj``, blocking while full; :class:`aiomp.Full` after ``timeout`` s."""
+        """Put ``obj``, blocking only while a bounded queue is full; :class:`aiomp.Full`
+        after ``timeout`` s."""
         q = self._q
         deadline = None if timeout is None else time.monotonic() + timeout
         with _Item(obj) as item:
-            while not q._try_put(item.datagram, item.fds):
-                fd = q._put_wait_fd(item.datagram, item.fds)
+            while not q._try_put(item):
+                fd = q._put_wait_fd(item)
                 if fd < 0:
                     break
                 if not _transport.wait_fd_sync(fd, deadline=deadline):
@@ -297,7 +438,7 @@ class SyncQueue:
         """Remove and return an item, blocking while empty; :class:`aiomp.Empty` after
         ``timeout`` s; :class:`aiomp.QueueClosed` once closed and drained."""
         q = self._q
-        if timeout is None:
+        if timeout is None and not q._maxsize:
             # One blocking recvmsg: waking a process blocked in recvmsg costs far less
             # than waking one blocked in poll. (If an event loop somewhere made the
             # socket non-blocking, this returns at once and we poll below.)
@@ -306,7 +447,7 @@ class SyncQueue:
                 return item
         deadline = None if timeout is None else time.monotonic() + timeout
         while (item := q._try_get()) is _MISSING:
-            if not _transport.wait_fd_sync(q._recv.fileno(), deadline=deadline):
+            if not _transport.wait_fd_sync(q._wait_fd, deadline=deadline):
                 raise Empty
         return item
 
@@ -324,23 +465,115 @@ def _readable(fd: int) -> bool:
     return bool(p.poll(0))
 
 
+def _load(body: bytes | memoryview, fds: list[int]) -> object:
+    """Rebuild an item; one that cannot be rebuilt here is a QueueItemError."""
+    try:
+        return _reduction.loads(body, fds)
+    except (QueueClosed, QueueItemError):
+        raise
+    except Exception as exc:
+        names = ", ".join(_classes_in(body)) or "no classes"
+        raise QueueItemError(
+            f"an item taken from the queue could not be rebuilt in this process "
+            f"({type(exc).__name__}: {exc}); it refers to {names}. The item is lost; the "
+            f"queue goes on."
+        ) from exc
+
+
+def _classes_in(body: bytes | memoryview) -> list[str]:
+    """The non-builtin classes and functions a pickle names, in order (for errors)."""
+    import pickletools
+
+    names: list[str] = []
+    strings: list[str] = []
+    memo: dict[int, str | None] = {}
+    last: str | None = None
+    try:
+        for op, arg, _ in pickletools.genops(bytes(body)):
+            if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+                last = str(arg)
+                strings.append(last)
+                continue
+            if op.name == "MEMOIZE":
+                memo[len(memo)] = last
+            elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                value = memo.get(int(arg))  # type: ignore[arg-type]
+                if value is not None:
+                    strings.append(value)
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif op.name in ("GLOBAL", "INST"):
+                names.append(str(arg).replace(" ", "."))
+            last = None
+    except Exception:  # noqa: BLE001 - best effort, for an error message
+        pass
+    seen = [n for n in dict.fromkeys(names) if not n.startswith(("builtins.", "copyreg."))]
+    return seen[-5:]
+
+
+def _check_exceptions(obj: object) -> None:
+    """Raise at ``put`` if an exception in ``obj`` (itself, or directly inside a small
+    tuple, list or dict) cannot be rebuilt from what it pickles as: the consumer would
+    lose it. Cheap: other objects cost one isinstance check."""
+    if isinstance(obj, BaseException):
+        found: list[BaseException] = [obj]
+    elif isinstance(obj, (tuple, list)) and len(obj) <= 16:
+        found = [x for x in obj if isinstance(x, BaseException)]
+    elif isinstance(obj, dict) and len(obj) <= 16:
+        found = [x for x in obj.values() if isinstance(x, BaseException)]
+    else:
+        return
+    for exc in found:
+        try:
+            rv = exc.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            if isinstance(rv, tuple) and callable(rv[0]):
+                rv[0](*rv[1])
+        except Exception as error:
+            raise pickle.PicklingError(
+                f"{type(exc).__module__}.{type(exc).__qualname__} pickles but cannot be "
+                f"rebuilt from its args {exc.args!r} ({type(error).__name__}: {error}): the "
+                "consumer would lose it. Pass every __init__ argument to "
+                "super().__init__, or define __reduce__."
+            ) from error
+
+
+#: Types pickled with plain ``pickle.dumps``: they hold no fds and need no reducer.
+_PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
+
+
 class _Item:
     """An item being put: pickled (errors raise in the caller) and framed.
 
     ``with _Item(obj) as item:`` sends it, or else, leaving by an exception (Full, a
     timeout, cancellation), discards it: what pickling promised is undone.
+    ``datagram``/``fds`` are what the socket carries; ``body``/``body_fds`` what the
+    overflow keeps (the pickle itself, however large, and the item's own fds).
     """
 
-    __slots__ = ("_extra", "_out", "datagram", "fds")
+    __slots__ = ("_extra", "_out", "body", "body_fds", "datagram", "fds")
 
     def __init__(self, obj: object) -> None:
-        self._out = _reduction.dumps(obj)
+        cls = type(obj)
+        if cls in _PLAIN or (cls is tuple and len(obj) <= 8  # type: ignore[arg-type]
+                             and all(type(x) in _PLAIN for x in obj)):  # type: ignore[attr-defined]
+            # The common small item: ten times cheaper than the reducing pickler.
+            self._out = None
+            self.body = pickle.dumps(obj, 5)
+            self.body_fds = self.fds = []  # type: list[int]
+            if len(self.body) <= _transport.MAX_INLINE:
+                self.datagram = b"\x00" + self.body
+                self._extra = -1
+                return
+        else:
+            _check_exceptions(obj)
+            self._out = _reduction.dumps(obj)
+            self.body = self._out.body
+            self.body_fds = self._out.fds
         try:
-            self.datagram, self.fds, self._extra = _transport.encode(
-                self._out.body, self._out.fds
-            )
+            self.datagram, self.fds, self._extra = _transport.encode(self.body, self.body_fds)
         except BaseException:
-            self._out.discard()
+            if self._out is not None:
+                self._out.discard()
             raise
 
     def __enter__(self) -> _Item:
@@ -349,27 +582,31 @@ class _Item:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if self._extra >= 0:
             os.close(self._extra)
+        if self._out is None:
+            return
         if exc_type is None:
             self._out.close()
         else:
             self._out.discard()
 
 
-def _close_all(send: socket.socket, recv: socket.socket, *fds: int) -> None:
+def _close_all(send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow,
+               *fds: int) -> None:
     send.close()
     recv.close()
+    ovf.close()
     _transport.close_fds([fd for fd in fds if fd >= 0])
 
 
 def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int, room: int,
-                   slots: int) -> Queue:
+                   log: int) -> Queue:
     existing = _live.get(token)
     if isinstance(existing, Queue):
         return existing  # the message's fds are closed by loads
     take = _reduction.take_fd
     q = Queue.__new__(Queue)
     q._setup(token, maxsize, socket.socket(fileno=take(send)), socket.socket(fileno=take(recv)),
-             take(items), take(room), take(slots) if slots >= 0 else -1)
+             take(items), take(room), take(log))
     return q
 
 
@@ -406,8 +643,15 @@ class Event:
     def clear(self) -> None:
         _eventfd_take(self._fd)
 
-    async def wait(self) -> None:
-        """Wait until the event is set. Cancellation leaves the event as it was."""
+    def wait(self) -> Coroutine[Any, Any, None]:
+        """Wait until the event is set (``await e.wait()``). Cancellation leaves the event
+        as it was. Raises RuntimeError at once where no event loop runs: use
+        ``e.sync.wait``."""
+        if not _loop_running():
+            raise _no_loop("Event.wait", "e.sync.wait()")
+        return self._wait()
+
+    async def _wait(self) -> None:
         while not self.is_set():
             await self._waiters.wait(self._fd)
 

@@ -24,6 +24,7 @@ import pytest
 import aiomp
 from aiomp import _transport
 from tests import _funcs as funcs
+from tests import _funcs_queue as qfuncs
 
 #: Bound on every await that depends on a child. Generous: two shared cores, cold starts.
 TIMEOUT = 20
@@ -135,47 +136,52 @@ async def test_maxsize_back_pressure() -> None:
             assert await q.get() == 2
 
 
-@pytest.mark.anyio
-async def test_unbounded_queue_is_bounded_by_the_socket_buffer() -> None:
-    # Documented: "in practice bounded by the kernel socket buffer": put_nowait then
-    # raises Full and put waits.
-    q = aiomp.Queue()
-    n = fill_socket_buffer(q)
-    with anyio.fail_after(QUICK):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(q.put, b"last")
-            await anyio.wait_all_tasks_blocked()
-            assert q.qsize() == n
-            items = drain(q)
-    items += drain(q)
-    assert len(items) == n + 1 and items[-1] == b"last"
-
-
-def fill_socket_buffer(q: aiomp.Queue) -> int:
+def fill_until_overflow(q: aiomp.Queue) -> int:
+    """Put large-ish items until the socket buffer is full and the overflow is in use."""
     item = bytes(_transport.MAX_INLINE - 100)
     n = 0
-    with pytest.raises(aiomp.Full):
-        while True:
-            q.put_nowait(item)
-            n += 1
-            assert n < 10_000, "never full"
+    while q._ovf.count() == 0:
+        q.put_nowait(item)
+        n += 1
+        assert n < 10_000, "the socket never filled"
     assert q.qsize() == n
     return n
 
 
+def shrink_vault(q: aiomp.Queue) -> None:
+    """Make the overflow's fd vault hold only a few items (its buffer at the minimum)."""
+    import socket
+
+    q._recv.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1)
+
+
+def fill_vault(q: aiomp.Queue) -> list[aiomp.Event]:
+    """Fill the socket, then the (shrunk) vault with items carrying an fd, until Full."""
+    shrink_vault(q)
+    fill_until_overflow(q)
+    events = []
+    with pytest.raises(aiomp.Full):
+        while True:
+            events.append(aiomp.Event())
+            q.put_nowait(events[-1])
+            assert len(events) < 1000, "the vault never filled"
+    return events
+
+
 async def _put_wakes_after_one_get() -> bool:
     q = aiomp.Queue()
-    fill_socket_buffer(q)
+    fill_vault(q)
     put_done = anyio.Event()
 
     async def put() -> None:
-        await q.put(b"fits once an item is taken")
+        await q.put(aiomp.Event())  # fits once an item with fds is taken
         put_done.set()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(put)
-        await anyio.wait_all_tasks_blocked()  # the put waits for room
-        q.get_nowait()
+        await anyio.wait_all_tasks_blocked()  # the put waits for room in the vault
+        while not isinstance(q.get_nowait(), aiomp.Event):
+            pass
         with anyio.move_on_after(1):  # handshake-free: a bounded wait for the bug
             await put_done.wait()
         tg.cancel_scope.cancel()
@@ -424,8 +430,10 @@ async def test_unpickling_error_raises_at_get_and_loses_only_that_item() -> None
     q = aiomp.Queue(maxsize=2)
     await q.put([aiomp.Event(), FailsOnLoad()])
     await q.put("next")
-    with pytest.raises(ValueError, match="cannot rebuild"):
+    with pytest.raises(aiomp.QueueItemError, match="_fail_on_load") as info:
         await q.get()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "cannot rebuild" in str(info.value.__cause__)
     assert q.qsize() == 1
     q.put_nowait("fits: the lost item's slot was given back")
     assert drain(q) == ["next", "fits: the lost item's slot was given back"]
@@ -513,7 +521,7 @@ def _counts_after_failed_puts(maxsize: int, monkeypatch: pytest.MonkeyPatch) -> 
     errors = []
     for put in (q.put_nowait, lambda item: q.sync.put(item, timeout=0)):
         try:
-            put("refused")
+            put(("refused", aiomp.Event()))  # its fd must travel (socket, or fd vault)
         except Exception as exc:  # noqa: BLE001 - compared below
             errors.append(type(exc).__name__)
     monkeypatch.undo()
@@ -566,13 +574,18 @@ def _counts_after_a_lost_message(maxsize: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("maxsize", [0, 2])
 def test_transport_error_at_get_leaves_counts_intact(maxsize: int) -> None:
-    # A message whose fds cannot be received (this process is at its fd limit) is lost
-    # with a TransportError; the queue's counts must follow.
+    # A message whose fds cannot be received (this process is at its fd limit) raises
+    # TransportError. From the socket (unbounded) it is lost, and the counts follow; from
+    # the log (every item of a bounded queue) it is only peeked at, so it stays queued.
     observed = _counts_after_a_lost_message(maxsize)
-    assert observed["qsize"] == 1, "the lost message no longer counts"
+    items: list[Any] = observed["items"]  # type: ignore[assignment]
     if maxsize:
-        assert observed["full"], "the lost message's slot was given back"
-    assert observed["items"][0] == "next"  # type: ignore[index]
+        assert observed["qsize"] == 2, "the item stayed in the queue"
+        assert observed["full"]
+        assert len(items[0]) == 10 and items[1] == "next"
+    else:
+        assert observed["qsize"] == 1, "the lost message no longer counts"
+        assert items[0] == "next"
 
 
 # -- one process: Event --------------------------------------------------------------------
@@ -761,19 +774,481 @@ async def test_event_async_wait_in_a_child() -> None:
 
 
 @pytest.mark.anyio
-async def test_close_wakes_a_put_waiting_for_buffer_room() -> None:
+async def test_close_wakes_a_put_waiting_for_the_vault() -> None:
     """Regression: close() woke producers waiting for a slot, not those waiting for room
-    in the socket buffer; they stayed blocked forever."""
+    (then in the socket buffer, now in the overflow's fd vault); they stayed blocked."""
     q = aiomp.Queue()
-    fill_socket_buffer(q)
+    fill_vault(q)
     with anyio.fail_after(QUICK):
         async with anyio.create_task_group() as tg:
 
             async def put() -> None:
                 with pytest.raises(aiomp.QueueClosed):
-                    await q.put(b"one more")
+                    await q.put(aiomp.Event())
 
             tg.start_soon(put)
             await anyio.wait_all_tasks_blocked()
             q.close()
     drain(q)
+
+
+# -- unbounded: the overflow (issue 10) ----------------------------------------------------
+
+STRATEGIES = pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+
+
+@pytest.fixture
+def strategy(request: pytest.FixtureRequest) -> Any:
+    before = aiomp.get_sharing_strategy()
+    aiomp.set_sharing_strategy(request.param)
+    yield request.param
+    aiomp.set_sharing_strategy(before)
+
+
+def _log_bytes(q: aiomp.Queue) -> int:
+    return os.fstat(q._ovf.fd).st_size
+
+
+def _put_and_drain_200k(strategy: str) -> dict[str, object]:
+    import numpy as np
+
+    q = aiomp.Queue()
+    fresh_log = _log_bytes(q)
+    expected: list[object] = []
+    for i in range(200_000):
+        q.put_nowait(i)  # never Full: no consumer at all
+        expected.append(i)
+        if i % 100 == 0:
+            q.put_nowait(np.full(16_384, i, dtype=np.int32))  # 64 KiB: a shared array
+            expected.append(("array", i))
+    observed: dict[str, object] = {"qsize": q.qsize(), "in_overflow": q._ovf.count()}
+    got: list[object] = []
+    while True:
+        try:
+            item = q.get_nowait()
+        except aiomp.Empty:
+            break
+        if isinstance(item, np.ndarray):
+            assert aiomp.is_shared(item), "arrays travel as shared-memory handles"
+            assert (item == item[0]).all()
+            got.append(("array", int(item[0])))
+        else:
+            got.append(item)
+    observed["in_order"] = got == expected
+    observed["empty"] = q.empty() and q.qsize() == 0
+    observed["log_after_drain"] = _log_bytes(q) == fresh_log
+    observed["vault_empty"] = q._ovf.socket_empty()
+    return observed
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"], indirect=True)
+def test_unbounded_queue_takes_200k_items_and_2k_arrays_with_no_consumer(strategy: str) -> None:
+    """Issue 10: put_nowait raised Full after about 10,900 small items (505 arrays)."""
+    observed = _put_and_drain_200k(strategy)
+    assert observed["qsize"] == 202_000
+    assert observed["in_overflow"] > 150_000, "the overflow was in use"
+    assert observed["in_order"], "every item, in the order put"
+    assert observed["empty"]
+    assert observed["log_after_drain"], "the overflow's memory is given back once drained"
+    assert observed["vault_empty"]
+
+
+@pytest.mark.anyio
+async def test_put_and_get_never_wait_on_an_unbounded_queue() -> None:
+    q = aiomp.Queue()
+    n = fill_until_overflow(q) + 5_000
+    with anyio.fail_after(QUICK):
+        for i in range(5_000):
+            await q.put(i)  # the socket is full: these go to the overflow, no waiting
+        assert q.qsize() == n
+        got = [await q.get() for _ in range(n)]
+    assert got[-5_000:] == list(range(5_000))
+    assert q.empty()
+
+
+@pytest.mark.anyio
+async def test_close_with_items_in_the_overflow() -> None:
+    q = aiomp.Queue()
+    n = fill_until_overflow(q)
+    for i in range(100):
+        q.put_nowait(i)
+    q.close()
+    with pytest.raises(aiomp.QueueClosed):
+        q.put_nowait("refused: the overflow is closed too")
+    with anyio.fail_after(QUICK):
+        got = [item async for item in q]
+    assert len(got) == n + 100 and got[-100:] == list(range(100))
+    with pytest.raises(aiomp.QueueClosed):
+        q.get_nowait()
+
+
+def test_bounded_queue_keeps_its_bound_beyond_the_socket_buffer() -> None:
+    q = aiomp.Queue(maxsize=20_000)
+    for i in range(20_000):
+        q.put_nowait(i)
+    assert q._ovf.count() > 0 and q.full()
+    with pytest.raises(aiomp.Full):
+        q.put_nowait("one too many")
+    assert q.get_nowait() == 0
+    q.put_nowait(20_000)
+    assert drain(q) == list(range(1, 20_001))
+
+
+def test_the_vault_full_makes_put_nowait_full_and_nothing_is_lost() -> None:
+    q = aiomp.Queue()
+    events = fill_vault(q)
+    n = q.qsize() - (len(events) - 1)
+    q.put_nowait("an item without fds still fits")
+    got = drain(q)
+    assert len(got) == n + len(events) - 1 + 1
+    assert got[n:-1] == events[:-1]  # the same objects: their fds came back
+
+
+@pytest.mark.anyio
+async def test_put_everything_then_start_the_consumer() -> None:
+    """Issue 10: "put every job on the queue, then start the workers" deadlocked."""
+    q = aiomp.Queue()
+    n = 50_000
+    for i in range(n):
+        q.put_nowait(i)
+    with anyio.fail_after(TIMEOUT * 3):
+        async with aiomp.spawn(qfuncs.drain_in_order, 1, args=(q, n),
+                               grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results == [True]
+    assert q.empty()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+async def test_producers_exit_then_the_parent_drains(strategy: str) -> None:
+    """Issue 10: "join the producers, then drain the results": a child that put 50,000
+    results never exited, and `async with aiomp.spawn(...)` never left."""
+    q = aiomp.Queue()
+    n = 50_000
+    with anyio.fail_after(TIMEOUT * 3):
+        async with aiomp.spawn(qfuncs.put_range, 2, args=(q, n, strategy),
+                               grace_period=GRACE) as ctx:
+            pass  # leaving joins both: they exit with their items still queued
+    assert ctx.results == [n, n]
+    assert q.qsize() == 2 * n
+    got = drain(q)
+    assert len(got) == 2 * n
+    for rank in (0, 1):
+        assert [i for r, i in got if r == rank] == list(range(n)), "per-producer order"
+
+
+@pytest.mark.anyio
+async def test_items_survive_a_producer_sigkilled_right_after_put() -> None:
+    """Issue 10: items in the overflow belong to the queue, not to the producer: a
+    producer SIGKILLed the instant its last put returned loses nothing (arrays' fds
+    included)."""
+    import numpy as np
+
+    q, ready = aiomp.Queue(), aiomp.Event()
+    n = fill_until_overflow(q)
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(qfuncs.put_then_die, 1, args=(q, 3_000, 10, ready),
+                                grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    assert ready.is_set()
+    got = drain(q)[n:]
+    assert [item[1] for item in got] == list(range(3_000)), "none lost, none duplicated"
+    arrays = [item[2] for item in got if item[0] == "array"]
+    assert len(arrays) == 300
+    assert all(isinstance(a, np.ndarray) and (a == i * 10).all() for i, a in enumerate(arrays))
+
+
+# Each step of an overflow operation, and whether the item is in the queue when the
+# process doing it dies there.
+PRODUCER_STEPS = [("producer: fds parked", False), ("producer: record written", False),
+                  ("producer: committed", True)]
+CONSUMER_STEPS = [("consumer: record read", True), ("consumer: committed", False)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("step", "kept"), PRODUCER_STEPS)
+async def test_a_producer_killed_at_any_step_of_an_overflow_put(step: str, kept: bool) -> None:
+    """The argument in aiomp/_overflow.py, step by step: a producer SIGKILLed inside an
+    overflow put (with an fd to park) leaves the item either wholly in the queue or not
+    at all, and the queue works on (its robust mutex recovered)."""
+    q = aiomp.Queue()
+    n = fill_until_overflow(q)
+    q.put_nowait("before")
+    item = ("carried", aiomp.Event())
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "producer", item),
+                                grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    q.put_nowait(("after", aiomp.Event()))
+    got = drain(q)[n:]
+    assert got[0] == "before" and got[-1][0] == "after"
+    middle = got[1:-1]
+    assert middle == ([item] if kept else [])
+    if kept:
+        assert middle[0][1] is item[1], "the Event's fd came through the vault"
+    assert q.empty() and q._ovf.socket_empty()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("step", "kept"), CONSUMER_STEPS)
+async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept: bool) -> None:
+    """Issue 10: a consumer SIGKILLed while reading from the overflow: the items it had
+    not received are still there for the others, and none is delivered twice."""
+    q = aiomp.Queue()
+    events = [aiomp.Event() for _ in range(3)]
+    for i, e in enumerate(events):  # straight into the overflow, as if the socket were full
+        assert q._ovf.append(*_item_parts((i, e)), lambda: False)
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "consumer", None),
+                                grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    got = drain(q)
+    expected = [(i, e) for i, e in enumerate(events)]
+    assert got == (expected if kept else expected[1:])
+    assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got):], strict=True))
+    assert q.empty() and q._ovf.socket_empty(), "the stale vault datagram was dropped"
+
+
+def _item_parts(obj: object) -> tuple[bytes, list[int]]:
+    from aiomp import _reduction
+
+    out = _reduction.dumps(obj)
+    _PARTS.append(out)  # closed by the test's end: the fds must live until appended
+    return bytes(out.body), out.fds
+
+
+_PARTS: list[Any] = []
+
+
+# -- async calls where no loop runs (DESIGN.md "Event loops") -------------------------------
+
+
+def test_async_calls_without_a_loop_raise_at_once_in_a_thread() -> None:
+    q, e = aiomp.Queue(), aiomp.Event()
+    errors: list[str] = []
+
+    def worker() -> None:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "coroutine ... was never awaited" would raise
+            for call in (lambda: q.put(1), q.get, e.wait):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(QUICK)
+    assert len(errors) == 3
+    assert "q.sync.put" in errors[0] and "q.sync.get" in errors[1] and "e.sync.wait" in errors[2]
+    assert q.empty(), "nothing was put"
+
+
+@pytest.mark.anyio
+async def test_async_calls_without_a_loop_raise_at_once_in_a_sync_child() -> None:
+    """DESIGN.md: torch-style ``q.put(x)`` in a sync child returned a coroutine that was
+    never awaited: the item silently never arrived."""
+    q, e = aiomp.Queue(), aiomp.Event()
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(qfuncs.async_calls_without_a_loop, 1, args=(q, e),
+                               grace_period=GRACE) as ctx:
+            assert await q.get() == "still usable"
+    errors = ctx.results[0]
+    assert len(errors) == 3  # type: ignore[arg-type]
+    for error, call in zip(errors, ("q.sync.put", "q.sync.get", "e.sync.wait"),  # type: ignore[call-overload]
+                           strict=True):
+        assert call in error
+
+
+@pytest.mark.anyio
+async def test_async_calls_still_work_under_every_loop() -> None:
+    q, e = aiomp.Queue(), aiomp.Event()
+    with anyio.fail_after(QUICK):
+        await q.put(1)
+        assert await q.get() == 1
+        e.set()
+        await e.wait()
+
+
+# -- items that cannot be rebuilt (issue 18 item 3) ----------------------------------------
+
+
+class TwoArgError(Exception):
+    """Pickles (as ``TwoArgError(msg)``) but its __init__ wants two arguments."""
+
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class HidesATwoArgError:
+    """Carries a TwoArgError where the put-time check does not look."""
+
+    def __init__(self) -> None:
+        self.inner = {"deep": [TwoArgError("deep", 1)]}
+
+
+@pytest.mark.anyio
+async def test_an_exception_that_cannot_be_rebuilt_is_refused_at_put() -> None:
+    """Issue 18 item 3: put succeeded and the consumer's get lost the item with a bare
+    TypeError. Exceptions are checked at put: the producer gets the error."""
+    q = aiomp.Queue()
+    for bad in (TwoArgError("x", 1), ("result", TwoArgError("x", 1))):
+        with pytest.raises(pickle.PicklingError, match="TwoArgError") as info:
+            await q.put(bad)
+        assert isinstance(info.value.__cause__, TypeError)
+    with pytest.raises(pickle.PicklingError, match="TwoArgError"):
+        q.sync.put(TwoArgError("x", 1))
+    assert q.empty()
+    await q.put(ValueError("a plain exception is fine"))
+    assert str(await q.get()) == "a plain exception is fine"
+
+
+@pytest.mark.anyio
+async def test_an_item_that_cannot_be_rebuilt_then_a_good_one() -> None:
+    """Issue 18 item 3: the consumer gets a QueueItemError naming the class, with the
+    original cause; the queue goes on with the next item."""
+    q = aiomp.Queue()
+    with anyio.fail_after(QUICK):
+        await q.put(HidesATwoArgError())
+        await q.put("good")
+        with pytest.raises(aiomp.QueueItemError, match="TwoArgError") as info:
+            await q.get()
+        assert isinstance(info.value.__cause__, TypeError)
+        assert await q.get() == "good"
+    assert q.empty()
+
+
+@pytest.mark.anyio
+async def test_an_item_that_cannot_be_rebuilt_in_the_overflow() -> None:
+    q = aiomp.Queue()
+    n = fill_until_overflow(q)
+    q.put_nowait(HidesATwoArgError())
+    q.put_nowait("good")
+    for _ in range(n):
+        q.get_nowait()
+    with pytest.raises(aiomp.QueueItemError, match="HidesATwoArgError"):
+        await q.get()
+    assert await q.get() == "good"
+    assert q.empty()
+
+
+# -- bounded queues: capacity under faults (issue 9 item 2) ---------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("step", "taken"), [("consumer: record read", False),
+                                             ("consumer: committed", True)])
+async def test_a_consumer_killed_inside_get_does_not_change_capacity(step: str,
+                                                                    taken: bool) -> None:
+    """Issue 9 item 2: a consumer SIGKILLed between taking an item and giving back its
+    slot lost the slot for good (qsize() 1 with nothing queued, one put fewer fitting).
+    Now the bound is the log's committed count: killed before its commit, the item stays;
+    killed after, the item is gone and so is its slot's use. Either way the capacity is
+    exactly maxsize."""
+    q = aiomp.Queue(maxsize=3)
+    for i in range(3):
+        q.put_nowait(i)
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "consumer", None),
+                                grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    assert q.qsize() == (2 if taken else 3)
+    while not q.full():
+        q.put_nowait("refill")
+    with pytest.raises(aiomp.Full):
+        q.put_nowait("one too many")
+    got = drain(q)
+    assert len(got) == 3 and got[0] == (1 if taken else 0)
+    assert q.qsize() == 0 and q.empty()
+    q.put_nowait("the tokens left by the death were spurious wake-ups only")
+    with anyio.fail_after(QUICK):
+        assert await q.get() == "the tokens left by the death were spurious wake-ups only"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("step", "kept"), PRODUCER_STEPS)
+async def test_a_producer_killed_inside_put_does_not_change_capacity(step: str,
+                                                                    kept: bool) -> None:
+    q = aiomp.Queue(maxsize=2)
+    q.put_nowait("first")
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(qfuncs.die_at, 1,
+                                args=(q, step, "producer", ("carried", aiomp.Event())),
+                                grace_period=GRACE)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    assert q.qsize() == (2 if kept else 1)
+    if not kept:
+        q.put_nowait("second")
+    assert q.full()
+    with pytest.raises(aiomp.Full):
+        q.put_nowait("one too many")
+    got = drain(q)
+    assert got[0] == "first" and len(got) == 2
+
+
+@pytest.mark.anyio
+async def test_bounded_consumers_sleep_and_wake_on_tokens() -> None:
+    q = aiomp.Queue(maxsize=2)
+    got: list[int] = []
+
+    async def getter() -> None:
+        got.append(await q.get())
+
+    with anyio.fail_after(QUICK):
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(getter)
+            await anyio.wait_all_tasks_blocked()
+            for i in range(3):
+                await q.put(i)
+    assert sorted(got) == [0, 1, 2]
+    assert q.empty()
+
+
+def test_threads_put_and_get_across_the_socket_overflow_boundary() -> None:
+    """Producers and consumers in threads of one process share the overflow's mutex
+    (a pthread mutex: it excludes threads as well as processes) and its order."""
+    q = aiomp.Queue()
+    n, producers = 6_000, 3
+    got: list[list[tuple[int, int]]] = [[], []]
+
+    def produce(rank: int) -> None:
+        for i in range(n):
+            q.sync.put((rank, i))
+
+    def consume(k: int) -> None:
+        while True:
+            item = q.sync.get(timeout=QUICK)
+            if item is None:
+                return
+            got[k].append(item)
+
+    while q._ovf.count() == 0:  # start with the socket full and the overflow in use
+        q.put_nowait((-1, 0))
+    threads = [threading.Thread(target=produce, args=(r,)) for r in range(producers)]
+    threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads[:producers]:
+        t.join(TIMEOUT)
+    q.sync.put(None)
+    q.sync.put(None)
+    for t in threads[producers:]:
+        t.join(TIMEOUT)
+    assert not any(t.is_alive() for t in threads)
+    got = [[item for item in g if item[0] >= 0] for g in got]
+    assert sorted(got[0] + got[1]) == sorted((r, i) for r in range(producers) for i in range(n))
+    for k in range(2):  # each consumer sees each producer's items in order
+        for r in range(producers):
+            seq = [i for rr, i in got[k] if rr == r]
+            assert seq == sorted(seq)
+    assert q.empty()

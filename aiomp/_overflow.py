@@ -1,0 +1,500 @@
+"""A queue's overflow: a log in shared memory that belongs to the queue, not to a producer.
+
+A :class:`~aiomp.Queue` sends an item on its socket while the socket buffer has room
+(the fast path: one ``sendmsg``, one ``recvmsg``). When the buffer is full, the item is
+appended to the overflow instead, and ``put`` returns: nothing waits, nothing is buffered
+in the producer. The overflow is made of two things every holder of the queue holds:
+
+- the *log*: an anonymous memfd (no name anywhere, so nothing to clean up), a header page
+  and a data area of records ``[length, nfds, nonce, pickle bytes]`` from ``head`` to
+  ``tail``. The data area grows with ``posix_fallocate`` (no memory: an error at ``put``,
+  never a SIGBUS later) and is truncated away once the log is drained, or compacted when
+  most of it has been consumed;
+- the *vault*: the reverse direction of the queue's own socket pair (consumers' end ->
+  producers' end; nothing else ever travels that way, and its buffer is accounted apart
+  from the forward one). A record whose item carries fds (a ``file_descriptor`` array's
+  segment, a queue inside an item) parks them there as a datagram ``[nonce] + fds``: fds
+  cannot live in shared memory, but an in-flight ``SCM_RIGHTS`` message keeps them open
+  in the kernel for as long as any process holds the socket. The array data itself stays
+  in its shared segment; only its handle is in the log.
+
+Every access to the log holds a process-shared *robust* mutex in the header page
+(``pthread_mutex_lock`` through ctypes: an uncontended lock is one atomic instruction, a
+third of the cost of an fcntl lock's two syscalls). Robust: the kernel walks a dying
+thread's list of held robust mutexes (SIGKILL included) and marks them; the next locker
+gets ``EOWNERDEAD`` and marks the mutex consistent, which it is (see below).
+
+Why no item is lost or duplicated when any process dies at any instruction
+---------------------------------------------------------------------------
+The committed state is ``(head, tail, count)``. The header holds two copies and a selector
+byte; a writer fills the copy not selected and then stores the selector: a one-byte store
+is the only commit point of every operation. A process that dies leaves every store it
+made visible (the machine does not die with it), so the state is either before or after
+its commit, and the kernel has released its mutex.
+
+A producer, holding the mutex: (1) parks the fds in the vault under a fresh random nonce,
+(2) writes the record past ``tail``, (3) sets the "maybe not empty" hint, (4) commits
+``tail += size, count += 1``. Dying before (4) leaves no record (``put`` had not returned),
+at most an orphan vault datagram; dying after (4) leaves the item in the queue, in memory
+and in a socket that outlive the producer.
+
+A consumer, holding the mutex: (1) tries the socket once more (see "Order"), (2) copies
+the head record out, (3) *peeks* the vault (``MSG_PEEK`` gives it its own duplicates of
+the fds and leaves the datagram in place), discarding datagrams whose nonce is not the
+record's, (4) commits ``head += size, count -= 1``, (5) receives and closes the matched
+datagram. Dying before (4) leaves the record and its fds where they were, for the next
+consumer; its duplicates die with it. Dying after (4) means the item was received (like a
+consumer dying right after ``recvmsg``), and leaves a stale vault datagram.
+
+Discarding a vault datagram whose nonce is not the head record's is safe: records and
+their datagrams are appended in the same order under the mutex, and a record's datagram
+is destroyed only after the record is committed away, so every datagram ahead of the head
+record's is an orphan (a producer that died before committing) or stale (a consumer that
+died after committing). Nonces are 64 random bits. No record is read by two consumers:
+reading and committing happen under one mutex. The hint is set before a commit that makes
+the log non-empty and cleared only after the commit that empties it, so it is never 0
+while an item is committed: readers that skip the log on a 0 hint skip nothing.
+
+Order
+-----
+A producer uses the socket only while the log is empty (checked under the mutex once the
+hint is set), so every earlier item of its own has already left the log. A consumer reads
+the log only after finding the socket empty *under the mutex*: a producer's socket items
+were sent before any later item of its joined the log, so they are still in the socket,
+and are taken first. Items of one producer are therefore received in the order put;
+across producers nothing is promised, as in ``multiprocessing``.
+
+Looking at the socket costs a syscall per get, so a consumer that finds it empty sets the
+``drained`` flag, and later consumers skip the look while it is set. A producer that has
+sent on the socket since its last append clears the flag in that append (under the
+mutex), before its item joins the log: so no consumer reads that item while an earlier
+one of the same producer may still be in the socket. (A producer that read the hint as 0,
+stalled, and sent on the socket once the log had filled again leaves its item in the
+socket until the log is empty: that reorders it only against other producers' items.)
+
+Bounded queues
+--------------
+A bounded queue (``maxsize > 0``) puts every item through the log, so that its bound is
+the committed count, exact whatever process dies where: a consumer dying between taking
+an item and giving back its slot (issue 9) has nothing to give back. Its socket is not
+used for items; consumers wait for an eventfd of *tokens* instead, which a producer
+increments before its commit and a consumer decrements after its commit. So there are
+never fewer tokens than items (a death leaves an extra token: a spurious wake-up, and the
+extra tokens are dropped whenever a consumer finds the log empty), and a consumer never
+sleeps while an item is in the log. Likewise a consumer wakes producers waiting for room
+before its commit, never after.
+
+Standard library only (and ctypes for the mutex, on first use): children import this
+module.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+
+from . import _transport
+from ._errors import QueueClosed, TransportError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    #: What a pop returns: ``(pickle, fds, from_socket)``.
+    Popped = tuple[bytes | memoryview, list[int], bool]
+
+PAGE = mmap.PAGESIZE
+_HINT = 8  # 1 while the log may hold an item; never 0 while it does
+_CLOSED = 9  # 1 once the queue is closed (written under the lock)
+_DRAINED = 10  # 1: the socket was found empty, and no producer has used it since (see Order)
+_SELECT = 16  # which state copy is committed: storing this byte is the commit
+_SIZE = 24  # bytes of data area allocated; never more than the file has (see _mapped)
+_COPIES = (64, 96)
+_MUTEX = 128  # a pthread_mutex_t (40 bytes on x86_64, 48 on aarch64)
+_STATE = struct.Struct("<QQQ")  # head, tail, count; offsets into the data area
+_RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
+_NO_NONCE = bytes(8)
+#: The data area grows by at least this much, and is compacted past it.
+GROW = 1 << 20
+#: The data area a bounded queue keeps allocated once its log is empty (bytes).
+KEEP = 64 << 10
+
+_PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+_ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
+_TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
+_U64 = struct.Struct("<Q")
+
+#: Test hook: called with the name of each step of an overflow operation, to kill the
+#: process there (tests/_funcs_queue.py). None in normal use.
+fault: Callable[[str], None] | None = None
+
+
+def _take(fd: int) -> bool:
+    try:
+        os.eventfd_read(fd)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def create() -> int:
+    """A fresh, empty log: its fd (this process's own description)."""
+    fd = os.memfd_create("aiomp-queue", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, PAGE)
+        with mmap.mmap(fd, PAGE) as header:
+            mutex = _Mutex(header)
+            mutex.init()
+            mutex.detach()
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Mutex:
+    """The header's process-shared robust mutex, called through ctypes (loaded on first
+    use: a child that never overflows a queue never imports ctypes)."""
+
+    __slots__ = ("_anchor", "_lock", "_unlock", "addr")
+
+    _libc: Any = None
+
+    def __init__(self, header: mmap.mmap) -> None:
+        import ctypes
+
+        if _Mutex._libc is None:
+            _Mutex._libc = ctypes.CDLL(None, use_errno=True)
+        libc: Any = _Mutex._libc
+        self._anchor = (ctypes.c_char * PAGE).from_buffer(header)  # pins the mapping
+        # A ready-made argument: ctypes converts nothing per call.
+        self.addr = ctypes.c_void_p(ctypes.addressof(self._anchor) + _MUTEX)
+        self._lock = libc.pthread_mutex_lock
+        self._unlock = libc.pthread_mutex_unlock
+
+    def init(self) -> None:
+        import ctypes
+
+        libc: Any = _Mutex._libc
+        attr = ctypes.create_string_buffer(64)  # a pthread_mutexattr_t is 4 bytes
+        _check(libc.pthread_mutexattr_init(attr))
+        _check(libc.pthread_mutexattr_setpshared(attr, 1))  # PTHREAD_PROCESS_SHARED
+        _check(libc.pthread_mutexattr_setrobust(attr, 1))  # PTHREAD_MUTEX_ROBUST
+        _check(libc.pthread_mutex_init(self.addr, attr))
+
+    def acquire(self) -> None:
+        rc = self._lock(self.addr)
+        if rc:
+            if rc == errno.EOWNERDEAD:
+                # Its holder died. The log is consistent at every instruction (the module
+                # docstring says why): only the mutex needs marking so.
+                libc: Any = _Mutex._libc
+                rc = libc.pthread_mutex_consistent(self.addr)
+            _check(rc)
+
+    def release(self) -> None:
+        if rc := self._unlock(self.addr):
+            _check(rc)
+
+    def detach(self) -> None:
+        self._anchor = None  # type: ignore[assignment]
+
+
+def _check(rc: int) -> None:
+    if rc:
+        raise OSError(rc, f"the queue overflow's mutex: {os.strerror(rc)}")
+
+
+class Overflow:
+    """This process's handle on a queue's log and vault.
+
+    Owns ``fd`` and its mappings; :meth:`close` releases them. ``vault_in`` /
+    ``vault_out`` are the queue's sockets, owned by the queue.
+    """
+
+    __slots__ = ("_data", "_fd", "_header", "_mutex", "_poll", "_vault_in", "_vault_out")
+
+    def __init__(self, fd: int, vault_in: socket.socket, vault_out: socket.socket) -> None:
+        self._fd = fd
+        self._header = mmap.mmap(fd, PAGE)
+        self._data: mmap.mmap | None = None
+        self._mutex: _Mutex | None = None  # made on first use
+        self._vault_in = vault_in  # parked fds are sent on this end...
+        self._vault_out = vault_out  # ...and received on this one
+        self._poll = select.poll()  # is the socket empty? (no exception, unlike recvmsg)
+        self._poll.register(vault_in, select.POLLIN)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+        if self._mutex is not None:
+            self._mutex.detach()
+            self._mutex = None
+        self._header.close()
+        os.close(self._fd)
+
+    def maybe_nonempty(self) -> bool:
+        """False only if the log holds no committed item (no lock, no syscall)."""
+        return self._header[_HINT] != 0
+
+    def count(self) -> int:
+        """Items in the log (committed state; no lock)."""
+        return self._state()[2]
+
+    # -- the mutex and the committed state --------------------------------------------
+    def _lock(self) -> _Mutex:
+        mutex = self._mutex
+        if mutex is None:
+            mutex = self._mutex = _Mutex(self._header)
+        mutex.acquire()
+        return mutex
+
+    def _state(self) -> tuple[int, int, int]:
+        head, tail, count = _STATE.unpack_from(self._header, _COPIES[self._header[_SELECT]])
+        return head, tail, count
+
+    def _commit(self, head: int, tail: int, count: int) -> None:
+        other = 1 - self._header[_SELECT]
+        _STATE.pack_into(self._header, _COPIES[other], head, tail, count)
+        self._header[_SELECT] = other  # the commit: one byte
+
+    def _step(self, name: str) -> None:
+        if fault is not None:
+            fault(name)
+
+    # -- the data area ----------------------------------------------------------------
+    def _mapped(self, end: int, grow: bool) -> mmap.mmap:
+        """The data mapping, covering ``[0, end)``; with ``grow``, the file is grown first.
+
+        The header's size is written after the file grows and before it shrinks, so it
+        never exceeds the file: nothing below it can SIGBUS.
+        """
+        size: int = _U64.unpack_from(self._header, _SIZE)[0]
+        if grow and end > size:
+            new = max(end, 2 * size, KEEP if size < KEEP else GROW)
+            new = -(-new // PAGE) * PAGE
+            try:
+                os.posix_fallocate(self._fd, PAGE + size, new - size)
+            except OSError as exc:
+                raise TransportError(
+                    exc.errno, f"no memory for the queue's overflow ({new} bytes): {exc}"
+                ) from exc
+            _U64.pack_into(self._header, _SIZE, new)
+            size = new
+        data = self._data
+        if data is None or len(data) < end:
+            self._data = mmap.mmap(self._fd, size, offset=PAGE)
+            if data is not None:
+                data.close()
+            data = self._data
+        return data
+
+    def _shrink(self, live_end: int, keep_empty: int = 0) -> None:
+        """Give memory back: the file is cut to what the live records need, or to
+        ``keep_empty`` bytes once empty."""
+        keep = keep_empty if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
+        if _U64.unpack_from(self._header, _SIZE)[0] > keep:
+            _U64.pack_into(self._header, _SIZE, keep)
+            os.ftruncate(self._fd, PAGE + keep)
+            if self._data is not None and len(self._data) > keep:
+                self._data.close()
+                self._data = None
+
+    def socket_empty(self) -> bool:
+        """Whether the queue's socket holds no datagram (and is not at EOF)."""
+        return not self._poll.poll(0)
+
+    # -- the vault --------------------------------------------------------------------
+    def _peek_vault(self) -> tuple[bytes, list[int]] | None:
+        try:
+            data, anc, flags, _ = self._vault_out.recvmsg(16, _ANC, _PEEK_FLAGS)
+        except BlockingIOError:
+            return None
+        fds: list[int] = []
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        if flags & _TRUNCATED:
+            _transport.close_fds(fds)
+            raise TransportError(
+                24, "an item in the queue's overflow could not be received with its file "
+                    f"descriptors: this process is at its fd limit (RLIMIT_NOFILE="
+                    f"{_transport._nofile()}). The item stays in the queue.")
+        return data, fds
+
+    def _drop_vault_head(self) -> None:
+        got = _transport.try_recv(self._vault_out)
+        if got is not None:
+            _transport.close_fds(got[1])
+
+    def _purge_vault(self) -> None:
+        """With the log empty, every parked datagram is an orphan or stale: drop them."""
+        while (got := _transport.try_recv(self._vault_out)) is not None:
+            _transport.close_fds(got[1])
+
+    def _claim_fds(self, nonce: bytes, nfds: int) -> list[int]:
+        """Duplicates of the fds parked for the record ``nonce``; the datagram stays."""
+        while True:
+            got = self._peek_vault()
+            if got is None:  # cannot happen: see the module docstring
+                raise TransportError(0, "the file descriptors of an item in the queue's "
+                                        "overflow are missing; the item is lost")
+            data, fds = got
+            if data == nonce and len(fds) == nfds:
+                return fds
+            _transport.close_fds(fds)
+            self._drop_vault_head()
+
+    # -- operations -------------------------------------------------------------------
+    def append(self, body: bytes | memoryview, fds: list[int],
+               try_socket: Callable[[], bool] | None, used_socket: bool = True,
+               limit: int = 0, token_fd: int = -1) -> bool:
+        """Append an item (its pickle and fds), or send it on the socket if the log is empty.
+
+        ``try_socket()`` sends the item on the socket: True if sent. ``used_socket``: this
+        producer has sent on the socket since its last append (see Order). A bounded
+        queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (see Bounded):
+        False then also means that the log holds ``limit`` items. Returns False if the
+        item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
+        carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
+        TransportError (no memory, or fd limits): nothing was put.
+        """
+        mutex = self._lock()
+        try:
+            header = self._header
+            if used_socket:  # first: whatever happens next, the flag has been passed on
+                header[_DRAINED] = 0
+            if header[_CLOSED]:
+                raise QueueClosed("put on a closed aiomp.Queue")
+            selected = header[_SELECT]
+            head, tail, count = _STATE.unpack_from(header, _COPIES[selected])
+            if limit and count >= limit:
+                return False
+            if count == 0 and try_socket is not None and try_socket():
+                return True  # the log was empty: order allows the socket again
+            length = len(body)
+            end = tail + ((_RECORD.size + length + 7) & ~7)
+            data = self._data
+            if data is None or len(data) < end or end > _U64.unpack_from(header, _SIZE)[0]:
+                data = self._mapped(end, grow=True)
+            nonce = _NO_NONCE
+            if fds:
+                nonce = os.urandom(8)
+                if not _transport.try_send(self._vault_in, nonce, fds):
+                    return False
+                self._step("producer: fds parked")
+            _RECORD.pack_into(data, tail, length, len(fds), nonce)
+            start = tail + _RECORD.size
+            data[start:start + length] = body
+            if fault is not None:
+                fault("producer: record written")
+            header[_HINT] = 1
+            if token_fd >= 0:
+                os.eventfd_write(token_fd, 1)  # before the commit: never fewer than items
+            _STATE.pack_into(header, _COPIES[1 - selected], head, end, count + 1)
+            header[_SELECT] = 1 - selected  # the commit (as in _commit)
+            if fault is not None:
+                fault("producer: committed")
+            return True
+        finally:
+            mutex.release()
+
+    def pop(self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1,
+            room_fd: int = -1) -> Popped | None:
+        """The oldest item: ``try_socket()``'s result if not None, else the log's head
+        record as ``(pickle, fds, False)``, else None when the log is empty.
+
+        A bounded queue passes ``try_socket=None``, its token and room eventfds (see
+        Bounded). The caller owns the fds returned. Raises TransportError if the item's fds cannot
+        be received here (this process is at its fd limit): the item stays in the log.
+        """
+        mutex = self._lock()
+        try:
+            header = self._header
+            if try_socket is not None and not header[_DRAINED]:
+                got = try_socket()
+                if got is not None:
+                    return got
+                header[_DRAINED] = 1
+            head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
+            if count == 0:
+                if token_fd >= 0 and not header[_CLOSED]:
+                    while _take(token_fd):  # every token left is a spurious wake-up
+                        pass
+                self._emptied(token_fd >= 0)
+                return None
+            data = self._data
+            if data is None or len(data) < tail:
+                data = self._mapped(tail, grow=False)
+            length, nfds, nonce = _RECORD.unpack_from(data, head)
+            start = head + _RECORD.size
+            body = data[start:start + length]
+            fds = self._claim_fds(nonce, nfds) if nfds else []
+            if fault is not None:
+                fault("consumer: record read")
+            if room_fd >= 0:
+                os.eventfd_write(room_fd, 1)  # before the commit: no wake-up is lost
+            if count == 1:
+                self._commit(0, 0, 0)
+            else:
+                self._commit(head + ((_RECORD.size + length + 7) & ~7), tail, count - 1)
+            if fault is not None:
+                fault("consumer: committed")
+            if nfds:
+                self._drop_vault_head()
+            if token_fd >= 0:
+                _take(token_fd)  # after the commit: never fewer tokens than items
+            if count == 1:
+                self._emptied(token_fd >= 0)
+            elif head >= GROW:
+                self._compact()
+            return body, fds, False
+        finally:
+            mutex.release()
+
+    def _emptied(self, bounded: bool) -> None:
+        """The log is empty (under the lock): clear the hint, free memory and the vault.
+
+        An unbounded queue's log is used in bursts and goes back to nothing; a bounded
+        queue's is used by every item and keeps KEEP bytes, not to reallocate each time
+        it runs empty."""
+        self._header[_HINT] = 0
+        self._header[_DRAINED] = 0
+        self._purge_vault()
+        self._shrink(0, KEEP if bounded else 0)
+
+    def _compact(self) -> None:
+        """Once at least as much has been consumed as is left (and past GROW), move the
+        live records to the start: the copy overwrites nothing live, and the move is
+        committed in one step, so a death part way leaves the old records in place."""
+        head, tail, count = self._state()
+        live = tail - head
+        if head < GROW or live > head:
+            return
+        assert self._data is not None
+        self._data.move(0, head, live)
+        self._commit(0, live, count)
+        self._shrink(live)
+
+    def closed(self) -> bool:
+        return self._header[_CLOSED] != 0
+
+    def close_log(self) -> None:
+        """Mark the queue closed, under the lock: an append that has checked it finishes
+        first, so a consumer that finds the log empty after this finds it for good."""
+        mutex = self._lock()
+        try:
+            self._header[_CLOSED] = 1
+        finally:
+            mutex.release()
