@@ -296,8 +296,10 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
                 _lease.release(segment.fd, segment.offset(index), segment.block_size)
             except OSError:
                 pass
-            if segment.name is not None:
-                _remove_if_orphan(segment.name)
+            if segment.name is not None and not any(
+                (segment.key, i) in _blocks for i in range(segment.nblocks)
+            ):  # our description now holds no lease: it can test for everyone else's
+                _remove_if_orphan(segment.name, fd=segment.fd)
             if segment not in _recent:
                 _recent.append(segment)
 
@@ -522,7 +524,7 @@ class _Pool:
         seg.owned = False
         if seg.name:
             _named.discard(seg.name)
-            _remove_if_orphan(seg.name, abandon=True)
+            _remove_if_orphan(seg.name, abandon=True, fd=seg.fd)
         seg.close()
 
 
@@ -589,7 +591,7 @@ def _start_time(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
     if fields[0] in (b"Z", b"X"):
         return None
@@ -597,8 +599,14 @@ def _start_time(pid: int) -> int | None:
 
 
 def _alive(pid: int, start: int = 0) -> bool:
-    """True if process ``pid`` runs (and, given ``start``, is the one that started then)."""
-    now = _start_time(pid)
+    """True if process ``pid`` runs (and, given ``start``, is the one that started then).
+
+    When it cannot tell (out of fds, say), it answers True: a name kept is the safe side.
+    """
+    try:
+        now = _start_time(pid)
+    except OSError:
+        return True
     return now is not None and (not start or now == start)
 
 
@@ -628,7 +636,9 @@ def _find_tree() -> tuple[int, int, bool]:
 def _header_identity() -> bytes:
     """The creator and tree fields of a new name's header page (from ``_H_CREATOR``)."""
     me = os.getpid()
-    return (me.to_bytes(4, "little") + bytes(4) + (_start_time(me) or 0).to_bytes(8, "little")
+    if _me[0] != me:  # a forked child
+        _me[:] = [me, _start_time(me) or 0]
+    return (me.to_bytes(4, "little") + bytes(4) + _me[1].to_bytes(8, "little")
             + _tree[0].to_bytes(4, "little") + bytes(4) + _tree[1].to_bytes(8, "little"))
 
 
@@ -654,19 +664,24 @@ def _unreadable(header: bytes, fd: int, ending: tuple[int, int] | None) -> bool:
 
 
 def _remove_if_orphan(name: str, *, abandon: bool = False,
-                      ending: tuple[int, int] | None = None, wait: bool = True) -> bool:
+                      ending: tuple[int, int] | None = None, wait: bool = True,
+                      fd: int = -1) -> bool:
     """Unlink ``name`` if nothing can need it any more; True if it was removed.
 
     With ``abandon``, the caller is its creator letting go of it first. The test and
     the unlink happen under the header's lock, so of a creator letting go and the last
     holder releasing, whichever comes second sees the other's step. Without ``wait``
-    (the janitor), a name whose header is locked right now is left alone.
+    (the janitor), a name whose header is locked right now is left alone. ``fd``: a
+    description of the name that holds no lease (one the caller has open already: at the
+    fd limit, opening another would fail).
     """
     pid = _creator(name)
     if pid < 0:
         return False
+    own = fd < 0
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+        if own:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -688,7 +703,8 @@ def _remove_if_orphan(name: str, *, abandon: bool = False,
     except OSError:
         return False
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
 def janitor(*, _ending: tuple[int, int] | None = None) -> list[str]:
@@ -757,6 +773,10 @@ def at_exit() -> None:
                     _lease.release(seg.fd, 0, 0)
                 except OSError:
                     pass
+    for segs in list(_pool.segments.values()):
+        for seg in segs:
+            if seg.name in _named:
+                _remove_if_orphan(seg.name, abandon=True, ending=ending, fd=seg.fd)
     for name in list(_named):
         _remove_if_orphan(name, abandon=True, ending=ending)
         _named.discard(name)
@@ -820,7 +840,7 @@ def _fd_limit_error(exc: OSError, what: str) -> TransportError:
     finally:
         _reserve = _open_reserve()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    ours = sum(len(segs) for segs in _pool.segments.values()) + len(_segments)
+    ours = len(_segments)
     return TransportError(
         exc.errno,
         f"cannot open {what}: this process has {in_use} file descriptors open and its "
@@ -894,6 +914,7 @@ def _after_fork_in_child() -> None:
 
 
 _tree = _find_tree()
+_me = [os.getpid(), _start_time(os.getpid()) or 0]  # read up front: no fd needed later
 atexit.register(at_exit)
 _register_exit_hooks()
 os.register_at_fork(after_in_child=_after_fork_in_child)
