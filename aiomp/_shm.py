@@ -375,27 +375,38 @@ class _Pool:
         self.retired: dict[tuple[bool, int], deque[tuple[Segment, int]]] = {}
         # segments with no array of this process in them, oldest first (bounded)
         self.idle: dict[Segment, None] = {}
+        # >0 while the lists above are being walked: an array dying meanwhile (its
+        # finalizer runs retire, in this thread) must not give segments away then
+        self.busy = 0
 
     def allocate(self, nbytes: int, *, zero: bool) -> ctypes.Array[ctypes.c_char]:
-        bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
         with _lock:
-            found = self._take_free(bs) or self._take_retired(bs)
-            if found is None:
-                segment = self._new_segment(bs)
-                for i in range(segment.nblocks - 1, 0, -1):
-                    self.free.setdefault(bs, []).append((segment, i))
-                found = (segment, 0)
-            segment, index = found
-            segment.state[index] = 1
-            segment.live += 1
-            self._hold(segment)
-            if segment.name is not None:
-                segment.count(index, reset=True)
-            exporter = _export(segment, index)
-            if zero and segment.dirty[index]:
-                ctypes.memset(exporter, 0, segment.block_size)
-            segment.dirty[index] = 1
-            return exporter
+            self.busy += 1
+            try:
+                return self._allocate(nbytes, zero)
+            finally:
+                self.busy -= 1
+                self._bound()
+
+    def _allocate(self, nbytes: int, zero: bool) -> ctypes.Array[ctypes.c_char]:
+        bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
+        found = self._take_free(bs) or self._take_retired(bs)
+        if found is None:
+            segment = self._new_segment(bs)
+            for i in range(segment.nblocks - 1, 0, -1):
+                self.free.setdefault(bs, []).append((segment, i))
+            found = (segment, 0)
+        segment, index = found
+        segment.state[index] = 1
+        segment.live += 1
+        self._hold(segment)
+        if segment.name is not None:
+            segment.count(index, reset=True)
+        exporter = _export(segment, index)
+        if zero and segment.dirty[index]:
+            ctypes.memset(exporter, 0, segment.block_size)
+        segment.dirty[index] = 1
+        return exporter
 
     def _hold(self, segment: Segment) -> None:
         segment.held += 1
@@ -434,8 +445,12 @@ class _Pool:
         segment.held -= 1
         if segment.held == 0:
             self.idle[segment] = None
-            while len(self.idle) > IDLE_SEGMENTS:
-                self._forget(next(iter(self.idle)))
+            if not self.busy:
+                self._bound()
+
+    def _bound(self) -> None:
+        while len(self.idle) > IDLE_SEGMENTS:
+            self._forget(next(iter(self.idle)))
 
     def reclaim(self, segment: Segment, index: int) -> None:
         """A block of ours came back in a message: it is held here again."""
@@ -493,27 +508,37 @@ class _Pool:
     def trim(self, limit: int) -> None:
         """Release idle segments (no block used anywhere) while idle bytes exceed ``limit``."""
         with _lock:
-            idle = [seg for seg in self.idle
-                    if all(seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks))]
-            total = sum(s.size for s in idle)
-            for seg in idle:
-                if total <= limit:
-                    break
-                total -= seg.size
-                self._forget(seg)
+            self.busy += 1
+            try:
+                idle = [seg for seg in self.idle if all(
+                    seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks))]
+                total = sum(s.size for s in idle)
+                for seg in idle:
+                    if total <= limit:
+                        break
+                    total -= seg.size
+                    self._forget(seg)
+            finally:
+                self.busy -= 1
 
     def shed(self) -> int:
         """Give away every segment with no array of this process in it (to free fds)."""
         with _lock:
-            idle = list(self.idle)
-            for seg in idle:
-                self._forget(seg)
-            return len(idle)
+            self.busy += 1
+            try:
+                idle = list(self.idle)
+                for seg in idle:
+                    self._forget(seg)
+                return len(idle)
+            finally:
+                self.busy -= 1
 
     def _forget(self, seg: Segment) -> None:
         """Drop ``seg`` from the pool and close it here. Blocks still held elsewhere (by a
         message in flight or a receiver) stay valid: the kernel frees a memfd with its last
         holder, and the last user of an abandoned name removes it."""
+        if not seg.owned:
+            return  # forgotten already
         bs = (seg.name is not None, seg.block_size)
         self.segments[bs].remove(seg)
         self.idle.pop(seg, None)
