@@ -227,10 +227,14 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
         gc.collect()
         marks.append((fds(), rss(), sum(len(s) for s in _shm._pool.segments.values())))
     lost, duplicated = exactly_once(put, taken)
-    (fds0, rss0, segs0), (fds1, rss1, segs1) = marks[1], marks[-1]
-    assert fds1 - fds0 <= 2, marks
-    assert segs1 - segs0 <= 1, marks
-    assert rss1 - rss0 < 16 << 20, marks
+    # flat: the second half of the rounds needs no more than the first half did (the
+    # first rounds warm the pool up, depending on the drawn sizes)
+    half = ROUNDS // 2
+    fds0, rss0, segs0 = (max(m[i] for m in marks[:half]) for i in range(3))
+    fds1, rss1, segs1 = (max(m[i] for m in marks[half:]) for i in range(3))
+    assert fds1 - fds0 <= 1, marks
+    assert segs1 - segs0 <= 0, marks
+    assert rss1 - rss0 < 8 << 20, marks
     leaked = names_of(pids)
     assert not leaked
     _chaos.record("sigkill-consumers", strategy=strategy, seed=seed, messages=len(put),
