@@ -214,8 +214,9 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
             ctx = await aiomp.spawn(_chaos.hold_until_killed, 1,
                                     args=(q, took, strategy, HELD), grace_period=GRACE)
             pids += ctx.pids()
-            for j in range(HELD):
-                size = (100 << 10) if rng.random() < 0.5 else (2 << 20)
+            sizes = [2 << 20] + [100 << 10] * (HELD - 1)  # the same demand every round
+            rng.shuffle(sizes)
+            for j, size in enumerate(sizes):
                 key = (r, j)
                 await q.put((key, np.full(size, _chaos.fill_of(key), np.uint8)))
                 put.append(key)
@@ -227,8 +228,7 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
         gc.collect()
         marks.append((fds(), rss(), sum(len(s) for s in _shm._pool.segments.values())))
     lost, duplicated = exactly_once(put, taken)
-    # flat: the second half of the rounds needs no more than the first half did (the
-    # first rounds warm the pool up, depending on the drawn sizes)
+    # flat: the second half of the rounds needs no more than the first half did
     half = ROUNDS // 2
     fds0, rss0, segs0 = (max(m[i] for m in marks[:half]) for i in range(3))
     fds1, rss1, segs1 = (max(m[i] for m in marks[half:]) for i in range(3))
@@ -320,9 +320,7 @@ def test_sigkilled_parent_then_a_new_start_sweeps(strategy: str, seed: int) -> N
         proc.wait()
         assert proc.stdout is not None
         proc.stdout.close()
-    left_by_kill = names_of(pids)
-    if strategy == "file_system":
-        assert left_by_kill, "a SIGKILLed tree leaves names (nobody could clean up)"
+    left_by_kill = names_of(pids)  # (test_shm pins that there are some, deterministically)
     subprocess.run([sys.executable, "-c", "import aiomp; aiomp.zeros(1)"], cwd=REPO,
                    check=True, timeout=TIMEOUT)
     leaked = names_of(pids)
