@@ -789,7 +789,10 @@ def at_exit() -> None:
     because fork and forkserver children leave by ``os._exit``, from multiprocessing's
     own exit hook too (once before it joins children, once after).
     """
-    ending = _tree[:2] if _tree_is_ending() else None
+    try:
+        ending = _tree[:2] if _tree_is_ending() else None
+    except (OSError, ImportError):  # out of fds, say: let go of our names all the same
+        ending = None
     if ending is not None:
         # our own leases do not count any more: we are the last process of the tree
         for seg in list(_segments.values()):
