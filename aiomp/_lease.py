@@ -57,16 +57,17 @@ class exclusive:
     """``with exclusive(fd, start, length):`` a blocking OFD write lock on the range.
 
     A cross-process mutex the kernel releases if its holder dies. Threads that share a
-    description share the lock: guard against them separately.
+    description share the lock: guard against them separately. With ``wait=False``,
+    entering raises :class:`BlockingIOError` at once if another description holds it.
     """
 
-    __slots__ = ("fd", "length", "start")
+    __slots__ = ("fd", "length", "start", "wait")
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length = fd, start, length
+    def __init__(self, fd: int, start: int, length: int, wait: bool = True) -> None:
+        self.fd, self.start, self.length, self.wait = fd, start, length, wait
 
     def __enter__(self) -> None:
-        _lock(self.fd, _SETLKW, fcntl.F_WRLCK, self.start, self.length)
+        _lock(self.fd, _SETLKW if self.wait else _SETLK, fcntl.F_WRLCK, self.start, self.length)
 
     def __exit__(self, *exc: object) -> None:
         _lock(self.fd, _SETLK, fcntl.F_UNLCK, self.start, self.length)

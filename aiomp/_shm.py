@@ -19,12 +19,33 @@ in full up front (``posix_fallocate``: an exhausted ``/dev/shm`` or memory is a
 :class:`~aiomp.SharedMemoryError` at the call, never a SIGBUS later) and mapped with
 ``MAP_POPULATE``. Idle segments beyond :data:`POOL_LIMIT` bytes are released.
 
+File descriptors stay bounded however many arrays were ever sent. A mapping holds no fd
+(it is made with libc's ``mmap``; Python's ``mmap`` would keep a ``dup`` of the fd for its
+whole life): a segment has one fd, kept because it is needed to send the segment again and
+to test or hold leases. A process keeps at most :data:`IDLE_SEGMENTS` segments with none of
+its own arrays in them; past that the oldest is *given away*: closed here, its memory freed
+by the kernel once the last message or receiver holding it lets go. A process that runs out
+of fds gives away its idle segments and tries again; if it still cannot open one, it raises
+:class:`~aiomp.TransportError` saying how many fds it has open, its limit and what to do.
+
 Under ``"file_system"`` a message carries no fd, so nothing can hold a block while the
 message is in flight: a block that was sent is not reused until a receiver has opened it
-(a counter in the segment's header page) and released it. A name lives while its creator
-lives or any process holds a lease in it; :func:`janitor` removes the names whose creator
-died (SIGKILL included) and that nobody holds. A message whose sender died can be read
-only until then: use ``"file_descriptor"`` when senders may exit first.
+(a counter in the segment's header page) and released it. The header page also names the
+creator and the *process tree* (the root process and its descendants, the only processes
+that can hold the tree's queues), and says whether the creator has let the name go
+(*abandoned*: at its exit, or when it gave the segment away). The name is removed by
+whoever sees last, under the header's lock, that
+
+- its creator has let go of it or is dead (SIGKILL included),
+- no process holds a lease in it, and
+- no message naming it can still be read: every reference sent has been opened, or the
+  tree is gone (no live process can hold the queue it is in), or nothing was sent naming
+  it for :data:`STALE_IN_FLIGHT` seconds.
+
+That is: the creator at its exit, the last receiver when it drops its arrays, the root of
+the tree at its exit (once no child is left), and :func:`janitor`, which the first segment
+of every new process tree runs (sweeping what dead trees left) and which runs when a child
+exits abnormally.
 """
 
 from __future__ import annotations
@@ -34,14 +55,18 @@ import ctypes
 import errno
 import mmap
 import os
+import resource  # imported up front: the fd-limit error path must not need an fd
 import threading
 import time
 import weakref
 from collections import deque
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from . import _lease, _reduction
-from ._errors import SharedMemoryError
+from ._errors import SharedMemoryError, TransportError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 STRATEGIES = frozenset({"file_descriptor", "file_system"})
 _strategy = "file_descriptor"
@@ -58,9 +83,18 @@ LARGE_ROUND = 2 << 20
 STALE_IN_FLIGHT = 60.0
 #: Bytes of idle pooled segments a process keeps for reuse.
 POOL_LIMIT = 1 << 30
+#: Segments with no array of this process in them that a process keeps (one fd each);
+#: past that the oldest is given away (see the module docstring).
+IDLE_SEGMENTS = 32
 SHM_DIR = "/dev/shm"
 PREFIX = "aiomp-"
 _MAX_RETIRED_CHECKS = 64
+# file_system header page: byte 0 is the lock; then who made the name, and its tree
+_H_CREATOR = 8  # pid (4 bytes), then at 16 its start time (8 bytes)
+_H_TREE = 24  # the tree's root: pid (4 bytes), then at 32 its start time (8 bytes)
+_H_FLAGS = 40
+_ABANDONED = 1  # the creator has let go of the name (exited, or gave the segment away)
+_EMFILE = (errno.EMFILE, errno.ENFILE)
 
 _lock = threading.RLock()
 
@@ -98,6 +132,35 @@ def block_size_for(nbytes: int) -> int:
     return -(-nbytes // LARGE_ROUND) * LARGE_ROUND
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long)
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Mapping:
+    """A shared mapping that holds no fd (Python's ``mmap`` keeps a dup of it).
+
+    Unmapped when the last reference goes: its segment's, and each exporter's (a view
+    of the memory must never outlive it).
+    """
+
+    __slots__ = ("__weakref__", "address", "size")
+
+    def __init__(self, fd: int, size: int, populate: bool) -> None:
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+        if address is None or address == _MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot map a shared segment: {os.strerror(err)}")
+        self.address: int = address
+        self.size = size
+        weakref.finalize(self, _libc.munmap, address, size)
+
+
 class Segment:
     """One shared file mapped in this process, with this process's own description.
 
@@ -106,8 +169,8 @@ class Segment:
 
     def __init__(self, fd: int, size: int, block_size: int, name: str | None, owned: bool,
                  populate: bool) -> None:
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-        self.mm = mmap.mmap(fd, size, flags)
+        self.mapping: _Mapping | None = _Mapping(fd, size, populate)
+        self.address = self.mapping.address
         self.fd = fd
         self.size = size
         self.block_size = block_size
@@ -119,8 +182,9 @@ class Segment:
         self.state = bytearray(self.nblocks)
         self.dirty = bytearray(self.nblocks)
         self.live = 0  # blocks not free
+        self.held = 0  # blocks in state 1: this process has arrays in them
         self.inherited = False  # set in a forked child: the parent's, not ours to touch
-        self._finalizer = weakref.finalize(self, _close_segment, self.mm, fd)
+        self._finalizer = weakref.finalize(self, _close_fd, fd)
 
     def offset(self, index: int) -> int:
         return HEADER + index * self.block_size
@@ -131,20 +195,22 @@ class Segment:
     # Read-modify-write happens under an OFD write lock on byte 0 (robust: a holder that
     # dies releases it), plus the module lock for threads sharing our description.
     def counters(self, index: int) -> tuple[int, int]:
-        at = _COUNTERS + index * 8
+        at = self.address + _COUNTERS + index * 8
         with _lock, _lease.exclusive(self.fd, 0, 1):
-            return (int.from_bytes(self.mm[at : at + 4], "little"),
-                    int.from_bytes(self.mm[at + 4 : at + 8], "little"))
+            raw = ctypes.string_at(at, 8)
+        return int.from_bytes(raw[:4], "little"), int.from_bytes(raw[4:], "little")
 
     def count(self, index: int, sends: int = 0, opens: int = 0, reset: bool = False) -> None:
-        at = _COUNTERS + index * 8
+        at = self.address + _COUNTERS + index * 8
         with _lock, _lease.exclusive(self.fd, 0, 1):
             if reset:
-                self.mm[at : at + 8] = bytes(8)
+                ctypes.memset(at, 0, 8)
                 return
-            s = int.from_bytes(self.mm[at : at + 4], "little") + sends
-            o = int.from_bytes(self.mm[at + 4 : at + 8], "little") + opens
-            self.mm[at : at + 8] = max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little")
+            raw = ctypes.string_at(at, 8)
+            s = int.from_bytes(raw[:4], "little") + sends
+            o = int.from_bytes(raw[4:], "little") + opens
+            ctypes.memmove(at, max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little"),
+                           8)
         if sends > 0:
             os.utime(self.fd)  # the janitor's clock for messages that are never read
 
@@ -153,15 +219,16 @@ class Segment:
         return opens < sends
 
     def close(self) -> None:
+        """Close the fd now; the memory is unmapped once no array of it is left."""
+        self.mapping = None
         self._finalizer()
 
 
-def _close_segment(mm: mmap.mmap, fd: int) -> None:
+def _close_fd(fd: int) -> None:
     try:
-        mm.close()
-    except BufferError:
-        pass  # views remain; the mapping goes when they do
-    os.close(fd)
+        os.close(fd)
+    except OSError:
+        pass
 
 
 class BlockRef:
@@ -184,7 +251,7 @@ class BlockRef:
         memo_key = ("aiomp-seg", seg.key)
         handoff = cast("tuple[int, int] | None", state.memo.get(memo_key))
         if handoff is None:
-            fd = _lease.reopen(seg.fd)
+            fd = _open_fd(lambda: _lease.reopen(seg.fd), "a shared segment to send")
             _reduction.on_sent(lambda: os.close(fd))
             handoff = (fd, _reduction.add_fd(fd))
             state.memo[memo_key] = handoff
@@ -206,7 +273,9 @@ _recent: deque[Segment] = deque(maxlen=4)  # received segments kept mapped a whi
 
 
 def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
-    exporter = (ctypes.c_char * segment.block_size).from_buffer(segment.mm, segment.offset(index))
+    exporter = (ctypes.c_char * segment.block_size).from_address(
+        segment.address + segment.offset(index))
+    exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]  # outlives views
     _info[id(exporter)] = (segment, index)
     _blocks[(segment.key, index)] = exporter
     weakref.finalize(exporter, _drop_block, segment, index, id(exporter))
@@ -221,15 +290,16 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
         if (segment.key, index) in _blocks:
             return  # rebuilt (by another thread) since this exporter died: still in use
         if segment.owned:
-            segment.state[index] = 2
             _pool.retire(segment, index)
         else:
             try:
                 _lease.release(segment.fd, segment.offset(index), segment.block_size)
             except OSError:
                 pass
-            if segment.name is not None:
-                _remove_if_orphan(segment.name)
+            if segment.name is not None and not any(
+                (segment.key, i) in _blocks for i in range(segment.nblocks)
+            ):  # our description now holds no lease: it can test for everyone else's
+                _remove_if_orphan(segment.name, fd=segment.fd)
             if segment not in _recent:
                 _recent.append(segment)
 
@@ -269,10 +339,12 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
         segment = _segments.get(key)
         if segment is None:
             if name is None:
-                own = _lease.reopen(fd)
+                own = _open_fd(lambda: _lease.reopen(fd), "a shared segment received")
             else:
+                path = os.path.join(SHM_DIR, name)
                 try:
-                    own = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+                    own = _open_fd(lambda: os.open(path, os.O_RDWR | os.O_CLOEXEC),
+                                   "a shared segment received")
                 except FileNotFoundError:
                     raise SharedMemoryError(
                         errno.ENOENT, f"shared segment {name!r} vanished before it was opened"
@@ -301,26 +373,44 @@ class _Pool:
         self.segments: dict[tuple[bool, int], list[Segment]] = {}
         self.free: dict[tuple[bool, int], list[tuple[Segment, int]]] = {}
         self.retired: dict[tuple[bool, int], deque[tuple[Segment, int]]] = {}
+        # segments with no array of this process in them, oldest first (bounded)
+        self.idle: dict[Segment, None] = {}
+        # >0 while the lists above are being walked: an array dying meanwhile (its
+        # finalizer runs retire, in this thread) must not give segments away then
+        self.busy = 0
 
     def allocate(self, nbytes: int, *, zero: bool) -> ctypes.Array[ctypes.c_char]:
-        bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
         with _lock:
-            found = self._take_free(bs) or self._take_retired(bs)
-            if found is None:
-                segment = self._new_segment(bs)
-                for i in range(segment.nblocks - 1, 0, -1):
-                    self.free.setdefault(bs, []).append((segment, i))
-                found = (segment, 0)
-            segment, index = found
-            segment.state[index] = 1
-            segment.live += 1
-            if segment.name is not None:
-                segment.count(index, reset=True)
-            exporter = _export(segment, index)
-            if zero and segment.dirty[index]:
-                ctypes.memset(exporter, 0, segment.block_size)
-            segment.dirty[index] = 1
-            return exporter
+            self.busy += 1
+            try:
+                return self._allocate(nbytes, zero)
+            finally:
+                self.busy -= 1
+                self._bound()
+
+    def _allocate(self, nbytes: int, zero: bool) -> ctypes.Array[ctypes.c_char]:
+        bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
+        found = self._take_free(bs) or self._take_retired(bs)
+        if found is None:
+            segment = self._new_segment(bs)
+            for i in range(segment.nblocks - 1, 0, -1):
+                self.free.setdefault(bs, []).append((segment, i))
+            found = (segment, 0)
+        segment, index = found
+        segment.state[index] = 1
+        segment.live += 1
+        self._hold(segment)
+        if segment.name is not None:
+            segment.count(index, reset=True)
+        exporter = _export(segment, index)
+        if zero and segment.dirty[index]:
+            ctypes.memset(exporter, 0, segment.block_size)
+        segment.dirty[index] = 1
+        return exporter
+
+    def _hold(self, segment: Segment) -> None:
+        segment.held += 1
+        self.idle.pop(segment, None)
 
     def _take_free(self, bs: tuple[bool, int]) -> tuple[Segment, int] | None:
         free = self.free.get(bs)
@@ -348,26 +438,42 @@ class _Pool:
         return None
 
     def retire(self, segment: Segment, index: int) -> None:
+        """The last array of this process in a block of ours has gone."""
+        segment.state[index] = 2
         key = (segment.name is not None, segment.block_size)
         self.retired.setdefault(key, deque()).append((segment, index))
+        segment.held -= 1
+        if segment.held == 0:
+            self.idle[segment] = None
+            if not self.busy:
+                self._bound()
+
+    def _bound(self) -> None:
+        while len(self.idle) > IDLE_SEGMENTS:
+            self._forget(next(iter(self.idle)))
 
     def reclaim(self, segment: Segment, index: int) -> None:
         """A block of ours came back in a message: it is held here again."""
         if segment.state[index] == 2:
             segment.state[index] = 1
+            self._hold(segment)
 
     def _new_segment(self, key: tuple[bool, int]) -> Segment:
+        if not _started:
+            _start()
         self.trim(POOL_LIMIT)
         named, bs = key
         size = HEADER + (SLAB if bs <= LARGEST_SMALL else bs)
         name = None
         if named:
             name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
-            fd = os.open(os.path.join(SHM_DIR, name),
-                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            path = os.path.join(SHM_DIR, name)
+            fd = _open_fd(lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                                          0o600), "a new shared segment")
         else:
             _check_memory(size)
-            fd = os.memfd_create("aiomp-shm", os.MFD_CLOEXEC)
+            fd = _open_fd(lambda: os.memfd_create("aiomp-shm", os.MFD_CLOEXEC),
+                          "a new shared segment")
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -385,6 +491,8 @@ class _Pool:
                         f"cannot allocate {size} bytes of shared memory: {where} is full "
                         f"({exc.strerror}); free shared arrays, or enlarge {where}",
                     ) from None
+            if name:
+                os.pwrite(fd, _header_identity(), _H_CREATOR)
             segment = Segment(fd, size, bs, name, owned=True, populate=True)
         except BaseException:
             os.close(fd)
@@ -400,28 +508,48 @@ class _Pool:
     def trim(self, limit: int) -> None:
         """Release idle segments (no block used anywhere) while idle bytes exceed ``limit``."""
         with _lock:
-            idle: list[Segment] = []
-            for segs in self.segments.values():
-                for seg in segs:
-                    if seg.live == 0 or all(
-                        seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks)
-                    ):
-                        idle.append(seg)
-            total = sum(s.size for s in idle)
-            for seg in idle:
-                if total <= limit:
-                    break
-                total -= seg.size
-                self._forget(seg)
+            self.busy += 1
+            try:
+                idle = [seg for seg in self.idle if all(
+                    seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks))]
+                total = sum(s.size for s in idle)
+                for seg in idle:
+                    if total <= limit:
+                        break
+                    total -= seg.size
+                    self._forget(seg)
+            finally:
+                self.busy -= 1
+
+    def shed(self) -> int:
+        """Give away every segment with no array of this process in it (to free fds)."""
+        with _lock:
+            self.busy += 1
+            try:
+                idle = list(self.idle)
+                for seg in idle:
+                    self._forget(seg)
+                return len(idle)
+            finally:
+                self.busy -= 1
 
     def _forget(self, seg: Segment) -> None:
+        """Drop ``seg`` from the pool and close it here. Blocks still held elsewhere (by a
+        message in flight or a receiver) stay valid: the kernel frees a memfd with its last
+        holder, and the last user of an abandoned name removes it."""
+        if not seg.owned:
+            return  # forgotten already
         bs = (seg.name is not None, seg.block_size)
         self.segments[bs].remove(seg)
+        self.idle.pop(seg, None)
         self.free[bs] = [(s, i) for s, i in self.free.get(bs, []) if s is not seg]
         self.retired[bs] = deque((s, i) for s, i in self.retired.get(bs, ()) if s is not seg)
+        if _segments.get(seg.key) is seg:
+            del _segments[seg.key]
+        seg.owned = False
         if seg.name:
             _named.discard(seg.name)
-            _unlink(seg.name)
+            _remove_if_orphan(seg.name, abandon=True, fd=seg.fd)
         seg.close()
 
 
@@ -477,75 +605,278 @@ def _creator(name: str) -> int:
         return -1
 
 
-def _remove_if_orphan(name: str, creator_must_be_dead: bool = True) -> bool:
+# -- who may still need a name (file_system) ----------------------------------------
+
+
+def _start_time(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot); None if it is gone or a zombie.
+
+    A pid with its start time names one process even after the pid is reused.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _alive(pid: int, start: int = 0) -> bool:
+    """True if process ``pid`` runs (and, given ``start``, is the one that started then).
+
+    When it cannot tell (out of fds, say), it answers True: a name kept is the safe side.
+    """
+    try:
+        now = _start_time(pid)
+    except OSError:
+        return True
+    return now is not None and (not start or now == start)
+
+
+def _find_tree() -> tuple[int, int, bool]:
+    """(root pid, root start time, whether this process is the root) of this process tree.
+
+    The root is the process with no multiprocessing parent; its descendants learn it
+    from ``AIOMP_TREE`` in their environment (or take their parent, if it was not set when
+    they started). Only the tree's processes can hold its queues.
+    """
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        pid, start, root = os.getpid(), _start_time(os.getpid()) or 0, True
+    else:
+        try:
+            pid, start = map(int, os.environ.get("AIOMP_TREE", "").split(":"))
+        except ValueError:
+            pid = parent.pid or 0
+            start = _start_time(pid) or 0
+        root = False
+    os.environ["AIOMP_TREE"] = f"{pid}:{start}"
+    return pid, start, root
+
+
+def _header_identity() -> bytes:
+    """The creator and tree fields of a new name's header page (from ``_H_CREATOR``)."""
+    me = os.getpid()
+    if _me[0] != me:  # a forked child
+        _me[:] = [me, _start_time(me) or 0]
+    return (me.to_bytes(4, "little") + bytes(4) + _me[1].to_bytes(8, "little")
+            + _tree[0].to_bytes(4, "little") + bytes(4) + _tree[1].to_bytes(8, "little"))
+
+
+def _field(header: bytes, at: int, size: int) -> int:
+    return int.from_bytes(header[at : at + size], "little")
+
+
+def _unread(header: bytes) -> bool:
+    """True if a reference to some block was sent and not yet opened."""
+    for at in range(_COUNTERS, HEADER - 7, 8):
+        if _field(header, at + 4, 4) < _field(header, at, 4):
+            return True
+    return False
+
+
+def _unreadable(header: bytes, fd: int, ending: tuple[int, int] | None) -> bool:
+    """True if no message naming the segment can still be read: its tree is gone (or is
+    ``ending``: its root is exiting with no child left), or it is stale."""
+    tree = (_field(header, _H_TREE, 4), _field(header, _H_TREE + 8, 8))
+    if tree[0] and (tree == ending or not _alive(*tree)):
+        return True
+    return time.time() - os.fstat(fd).st_mtime > STALE_IN_FLIGHT
+
+
+def _remove_if_orphan(name: str, *, abandon: bool = False,
+                      ending: tuple[int, int] | None = None, wait: bool = True,
+                      fd: int = -1) -> bool:
     """Unlink ``name`` if nothing can need it any more; True if it was removed.
 
-    Nothing needs it when its creator is dead (or is us, exiting), no process holds a
-    lease in it, and every reference ever sent has been opened (nothing in flight) or,
-    for a dead creator's name, the last send is :data:`STALE_IN_FLIGHT` seconds old (a
-    message that was dropped unread, with its queue, would otherwise pin it forever).
+    With ``abandon``, the caller is its creator letting go of it first. The test and
+    the unlink happen under the header's lock, so of a creator letting go and the last
+    holder releasing, whichever comes second sees the other's step. Without ``wait``
+    (the janitor), a name whose header is locked right now is left alone. ``fd``: a
+    description of the name that holds no lease (one the caller has open already: at the
+    fd limit, opening another would fail).
     """
     pid = _creator(name)
-    if pid < 0 or (creator_must_be_dead and (pid == os.getpid() or _alive(pid))):
+    if pid < 0:
         return False
+    own = fd < 0
     try:
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+        if own:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        if _lease.is_held(fd, 0, 0):
-            return False
-        header = os.pread(fd, HEADER, 0)
-        stale = creator_must_be_dead and time.time() - os.fstat(fd).st_mtime > STALE_IN_FLIGHT
-        for at in range(_COUNTERS, len(header) - 7, 8):
-            sends = int.from_bytes(header[at : at + 4], "little")
-            if int.from_bytes(header[at + 4 : at + 8], "little") < sends and not stale:
+        with _lease.exclusive(fd, 0, 1, wait):
+            header = os.pread(fd, HEADER, 0)
+            complete = len(header) == HEADER
+            if abandon:
+                os.pwrite(fd, bytes((_ABANDONED,)), _H_FLAGS)
+            elif not (complete and header[_H_FLAGS] & _ABANDONED):
+                start = _field(header, _H_CREATOR + 8, 8) if complete else 0
+                if _alive(pid, start):
+                    return False
+            if _lease.is_held(fd, 1, 0):  # any lease (all but the lock byte)
                 return False
-        _unlink(name)
-        return True
+            if complete and _unread(header) and not _unreadable(header, fd, ending):
+                return False
+            _unlink(name)
+            return True
+    except OSError:
+        return False
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
 
 
-def janitor() -> list[str]:
+def janitor(*, _ending: tuple[int, int] | None = None) -> list[str]:
     """Remove ``/dev/shm/aiomp-*`` names that nothing can need any more.
 
-    A name goes once its creator has died (SIGKILL included), no process holds it, and no
-    message naming it is still unread. Returns the names removed. Safe to call at any
-    time from any process; aiomp calls it when a child exits abnormally.
+    A name goes once its creator has let go of it or died (SIGKILL included), no process
+    holds it, and no message naming it can still be read (see the module docstring).
+    Returns the names removed. Safe to call at any time from any process; aiomp calls it
+    when the first segment of a process tree is made, when a child exits abnormally, and
+    when the root of a tree exits.
     """
     try:
         names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
     except OSError:
         return []
-    return [name for name in names if _remove_if_orphan(name)]
+    return [name for name in names if _remove_if_orphan(name, ending=_ending, wait=False)]
 
 
-def _alive(pid: int) -> bool:
+def _children() -> set[int]:
+    pids: set[int] = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/children") as f:
+                pids.update(int(p) for p in f.read().split())
+        except OSError:
+            pass
+    return pids
+
+
+def _tree_is_ending() -> bool:
+    """True in the root when no other process of the tree is left: none of its children
+    lives but multiprocessing's helpers (their children, the fork server's, count)."""
+    if not _tree[2]:
+        return False
+    from multiprocessing import forkserver, resource_tracker
+
+    helpers = {forkserver._forkserver._forkserver_pid,  # type: ignore[attr-defined]
+               resource_tracker._resource_tracker._pid}  # type: ignore[attr-defined]
+    others = set()
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        others = _children() - helpers
+        server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+        if server and _alive(server):
+            with open(f"/proc/{server}/task/{server}/children") as f:
+                others.update(int(p) for p in f.read().split())
     except OSError:
-        return False
+        pass
+    return not any(_alive(pid) for pid in others)
 
 
 def at_exit() -> None:
-    """Remove the names this process created that nothing needs any more.
+    """Let go of the names this process created; in the root of a tree with no child
+    left, also sweep what the tree leaves (its messages can no longer be read).
 
-    Names still held, or named by a message not yet read, stay: whoever drops them last
-    (a receiver, or the janitor) removes them. Runs at interpreter exit and, because
-    fork and forkserver children leave by ``os._exit``, from multiprocessing's own exit
-    hook too.
+    A name still held, or named by a message that can still be read, stays: whoever
+    drops it last (a receiver, or the janitor) removes it. Runs at interpreter exit and,
+    because fork and forkserver children leave by ``os._exit``, from multiprocessing's
+    own exit hook too (once before it joins children, once after).
     """
+    try:
+        ending = _tree[:2] if _tree_is_ending() else None
+    except (OSError, ImportError):  # out of fds, say: let go of our names all the same
+        ending = None
+    if ending is not None:
+        # our own leases do not count any more: we are the last process of the tree
+        for seg in list(_segments.values()):
+            if not seg.owned and not seg.inherited:
+                try:
+                    _lease.release(seg.fd, 0, 0)
+                except OSError:
+                    pass
+    for segs in list(_pool.segments.values()):
+        for seg in segs:
+            if seg.name in _named:
+                _remove_if_orphan(seg.name, abandon=True, ending=ending, fd=seg.fd)
     for name in list(_named):
-        if _remove_if_orphan(name, creator_must_be_dead=False):
-            _named.discard(name)
+        _remove_if_orphan(name, abandon=True, ending=ending)
+        _named.discard(name)
+    if ending is not None:
+        janitor(_ending=ending)
+
+
+# -- running out of file descriptors ---------------------------------------------------
+
+def _open_reserve() -> int:
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
+
+
+_reserve = _open_reserve()  # an fd kept free for the error path (counting fds needs one)
+_started = False
+
+
+def _start() -> None:
+    """The first segment of this process: the root of a new tree sweeps what dead trees
+    left, and imports up front what recovering from an fd shortage needs (starting a
+    consumer), since an import needs an fd."""
+    global _started
+    _started = True
+    if _tree[2]:
+        janitor()
+        from . import _context  # noqa: F401
+
+
+def _open_fd(open_: Callable[[], int], what: str) -> int:
+    """``open_()``, an fd; at the fd limit, give away idle segments and retry, then raise
+    a :class:`~aiomp.TransportError` that says what to do."""
+    try:
+        return open_()
+    except OSError as exc:
+        if exc.errno not in _EMFILE:
+            raise
+        with _lock:
+            shed = _pool.shed()
+            _recent.clear()
+        if shed:
+            try:
+                return open_()
+            except OSError as again:
+                if again.errno not in _EMFILE:
+                    raise
+        raise _fd_limit_error(exc, what) from None
+
+
+def _fd_limit_error(exc: OSError, what: str) -> TransportError:
+    global _reserve
+    if _reserve >= 0:
+        os.close(_reserve)  # the slot listdir needs
+        _reserve = -1
+    try:
+        in_use = str(len(os.listdir("/proc/self/fd")) - 1)
+    except OSError:
+        in_use = "all its"
+    finally:
+        _reserve = _open_reserve()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    ours = len(_segments)
+    return TransportError(
+        exc.errno,
+        f"cannot open {what}: this process has {in_use} file descriptors open and its "
+        f"limit (RLIMIT_NOFILE) is {soft}; about {ours} hold shared-memory segments that "
+        "arrays of this process live in. Drop arrays (or other files) you no longer need, "
+        "let consumers receive pending messages, or raise the limit (ulimit -n, "
+        "resource.setrlimit)",
+    )
 
 
 def _raise_fd_limit() -> None:
@@ -566,6 +897,7 @@ def _register_exit_hooks(_: object = None) -> None:
     from multiprocessing import util
 
     util.Finalize(None, at_exit, exitpriority=0)
+    util.Finalize(None, at_exit, exitpriority=-100)  # after multiprocessing joins children
     # multiprocessing clears its finalizers in a forked child: register again there
     util.register_after_fork(_pool, _register_exit_hooks)
 
@@ -581,8 +913,10 @@ def _after_fork_in_child() -> None:
     every block it inherited a view of (through descriptions of its own, kept until it
     exits). They travel as copies (pass arrays in ``args`` to send them as shared).
     """
-    global _pool, _lock
+    global _pool, _lock, _tree, _started
     _lock = threading.RLock()  # another thread may have held it at the fork
+    _tree = (_tree[0], _tree[1], False)
+    _started = True  # the root has swept
     own: dict[tuple[int, int], int] = {}
     for segment, index in list(_info.values()):
         try:
@@ -607,6 +941,8 @@ def _after_fork_in_child() -> None:
     _register_exit_hooks()
 
 
+_tree = _find_tree()
+_me = [os.getpid(), _start_time(os.getpid()) or 0]  # read up front: no fd needed later
 atexit.register(at_exit)
 _register_exit_hooks()
 os.register_at_fork(after_in_child=_after_fork_in_child)

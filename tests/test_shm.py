@@ -32,6 +32,7 @@ import pytest
 import aiomp
 from aiomp import _lease, _numpy, _shm
 from tests import _funcs as funcs
+from tests import _funcs_shm as funcs_shm
 
 TIMEOUT = 20
 GRACE = 0.5
@@ -1113,3 +1114,269 @@ def test_janitor_removes_a_dead_creators_name_whose_message_was_never_read(
         old = time.time() - _shm.STALE_IN_FLIGHT - 1
         os.utime(os.path.join(_shm.SHM_DIR, name), (old, old))
     assert set(_shm.janitor()) >= names
+
+
+# -- issue 9 item 1: file_system names outlive no one; issue 9 item 3 and issue 18 item 4:
+# -- bounded fds and a clear error at the fd limit ------------------------------------------
+
+
+def test_creator_exit_cleanup_then_last_release_removes_the_name(file_system: None) -> None:
+    """Regression (issue 9 item 1a): a producer's exit clean-up ran while a consumer still
+    held a lease, then the consumer released while the producer was still alive, and
+    neither unlinked: the segment outlived both (2-3 x 8 MiB in 4 of 6 load runs). The
+    creator now marks the name abandoned at exit, under the header's lock, and the last
+    holder, seeing the mark, removes it."""
+    q = aiomp.Queue()
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the producer
+        try:
+            os.close(go_w)
+            os.close(done_r)
+            q.sync.put(np.arange(100_000, dtype=np.float64))
+            os.read(go_r, 1)  # the consumer holds the array
+            _shm.at_exit()  # the exit clean-up runs while the lease is held
+            os.write(done_w, b"x")
+            os.read(go_r, 1)  # the consumer has released it: exit
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    os.close(done_w)
+    try:
+        arr = q.sync.get(timeout=TIMEOUT)
+        names = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+        assert names, "the producer's segment"
+        os.write(go_w, b"x")
+        assert os.read(done_r, 1) == b"x"
+        del arr  # the last release, while the producer is alive
+        gc.collect()
+        os.write(go_w, b"x")
+    finally:
+        os.close(go_w)
+        os.close(done_r)
+        os.waitpid(pid, 0)
+    left = names & shm_names()
+    _shm.janitor()  # (the leak check must see a clean /dev/shm either way)
+    assert not left
+
+
+def test_discard_undoes_a_named_send(file_system: None) -> None:
+    """The API for a message dropped before it was sent (issue 9 item 1b): pickling counts
+    a send in the segment's header; ``Outgoing.discard()`` takes it back, so nothing is in
+    flight and the name can go. ``close()`` is for a message that was sent."""
+    from aiomp import _reduction
+
+    arr = aiomp.zeros(100_000)
+    ref = _shm.block_of(_numpy._root(arr))
+    assert ref is not None
+    out = _reduction.dumps({"task": (arr, arr[10:])})
+    assert ref.segment.in_flight(ref.index), "pickled: counted as sent"
+    out.discard()
+    assert not ref.segment.in_flight(ref.index), "discarded: nothing in flight"
+
+
+@pytest.mark.anyio
+@ONE_LOOP
+async def test_pool_task_dropped_before_it_was_sent_leaves_no_name(file_system: None) -> None:
+    """Regression (issue 9 item 1b): under file_system, a task's send count was taken when
+    it was pickled; a task cancelled while it waited for a busy worker was never sent and
+    never opened, so its name stayed in /dev/shm after the run."""
+    started, go = aiomp.Event(), aiomp.Event()
+    try:
+        with anyio.fail_after(TIMEOUT):
+            async with aiomp.Pool(1, grace_period=GRACE) as pool, \
+                    anyio.create_task_group() as tg:
+                tg.start_soon(pool.apply, funcs_shm.signal_then_wait, (started, go))
+                await started.wait()
+                with anyio.move_on_after(0.1):  # the worker is busy: this one never starts
+                    await pool.apply(funcs_shm.nbytes, (np.ones(1 << 17),))
+                go.set()
+        gc.collect()
+        _shm.purge_pool()
+        left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{os.getpid()}-")}
+    finally:
+        for seg in [s for segs in _shm._pool.segments.values() for s in segs]:
+            _shm._pool._forget(seg)
+        for name in shm_names():
+            if name.startswith(f"{_shm.PREFIX}{os.getpid()}-"):
+                _shm._unlink(name)  # pinned by the dropped task: the leak check must pass
+    assert not left
+
+
+_TREE = textwrap.dedent("""
+    import os, sys
+    import anyio, numpy as np
+    import aiomp
+    from tests import _funcs_shm
+
+    async def main():
+        aiomp.set_sharing_strategy("file_system")
+        q, ready = aiomp.Queue(), aiomp.Queue()
+        await aiomp.spawn(_funcs_shm.put_unread_and_wait, 1, args=(q, ready, "file_system"))
+        child = await ready.get()
+        await q.put(np.full(200_000, 9.0))  # the parent's own, never read either
+        print(os.getpid(), child, flush=True)
+        await anyio.Event().wait()  # until SIGKILLed
+
+    anyio.run(main)
+""")
+
+
+def _wait_gone(pid: int, timeout: float = TIMEOUT) -> None:
+    """Wait for a process that is not our child to vanish (polling the kernel's view)."""
+    deadline = time.monotonic() + timeout
+    while _shm._alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} outlived its parent"
+        time.sleep(0.01)
+
+
+def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
+    """Regression (issue 9 item 1c): after a parent was SIGKILLed, the next aiomp start
+    cleaned 0 names, and so did janitor(): names named by unread messages were kept for
+    60 s. Nothing is in flight once no live process can hold the queue: the tree is gone."""
+    proc = subprocess.Popen([sys.executable, "-c", _TREE], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        parent, child = map(int, proc.stdout.readline().split())
+        names = {n for n in shm_names()
+                 if n.startswith((f"{_shm.PREFIX}{parent}-", f"{_shm.PREFIX}{child}-"))}
+        assert {n.split("-")[1] for n in names} == {str(parent), str(child)}
+        os.kill(parent, signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+        _wait_gone(child)  # its parent-death signal
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert names <= shm_names(), "kept while their messages were in flight"
+    subprocess.run([sys.executable, "-c", "import aiomp; aiomp.set_sharing_strategy("
+                    "'file_system'); aiomp.zeros(1)"], cwd=REPO, check=True, timeout=60)
+    left = names & shm_names()
+    _shm.janitor()
+    assert not left, "the next start's first segment swept the dead tree's names"
+
+
+_FD_LIMIT = textwrap.dedent("""
+    import gc, os, resource, sys
+    import anyio, numpy as np
+    import aiomp
+    from tests import _funcs_shm
+
+    strategy, keep_alive = sys.argv[1], sys.argv[2] == "keep"
+
+    async def main():
+        aiomp.set_sharing_strategy(strategy)
+        q = aiomp.Queue()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        keep, sent, error = [], 0, None
+        try:
+            for i in range(1000):
+                arr = np.full((2 << 20) if keep_alive else (1 << 20), i % 251, np.uint8)
+                if keep_alive:  # arrays the producer keeps: their segments stay open
+                    arr = aiomp.share_memory(arr)
+                    keep.append(arr)
+                q.put_nowait(arr)
+                sent += 1
+        except Exception as exc:
+            error = exc
+        del keep, arr
+        gc.collect()
+        fds = len(os.listdir("/proc/self/fd"))
+        with anyio.fail_after(60):
+            async with aiomp.spawn(_funcs_shm.drain, 1, args=(q, sent, strategy)) as ctx:
+                pass
+        assert ctx.results[0] == [i % 251 for i in range(sent)], "drained exactly once"
+        assert q.qsize() == 0
+        print(os.getpid(), sent, fds, type(error).__name__, error)
+
+    anyio.run(main)
+""")
+
+
+def _fd_limit_run(strategy: str, keep: str) -> tuple[int, int, str, str]:
+    proc = subprocess.run([sys.executable, "-c", _FD_LIMIT, strategy, keep], cwd=REPO,
+                          text=True, capture_output=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid, sent, fds, kind, message = proc.stdout.strip().split(" ", 4)
+    left = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    assert not left, "the names the process made went with it"
+    return int(sent), int(fds), kind, message
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_many_arrays_in_flight_under_a_low_fd_limit(strategy: str) -> None:
+    """Regression (issue 9 item 3, issue 18 item 4): with RLIMIT_NOFILE=256, puts of 1 MiB
+    arrays with nobody consuming failed at put #969 with a raw EMFILE, and the process
+    could not even spawn a consumer. Segments in flight now hold no fd of the sender's
+    (past IDLE_SEGMENTS they are given away): all 1000 go, and a consumer drains them."""
+    sent, fds, kind, _ = _fd_limit_run(strategy, "drop")
+    assert (sent, kind) == (1000, "NoneType")
+    assert fds < 64 + _shm.IDLE_SEGMENTS
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_fd_limit_is_a_clear_error_and_the_queue_drains_after(strategy: str) -> None:
+    """Regression (issue 9 item 3): at the fd limit a put raised a raw
+    ``OSError: [Errno 24] Too many open files: '/proc/self/fd/254'``. Now: a TransportError
+    saying how many fds are open, the limit and what to do; nothing half-sent, and a
+    consumer started after the error (the arrays dropped) drains the queue exactly once."""
+    sent, fds, kind, message = _fd_limit_run(strategy, "keep")
+    assert fds < 64 + _shm.IDLE_SEGMENTS, "the arrays dropped: their fds went too"
+    assert kind == "TransportError", message
+    assert 100 < sent < 256
+    assert "file descriptors open" in message and "RLIMIT_NOFILE) is 256" in message
+    assert "raise the limit" in message
+
+
+def test_large_arrays_hold_bounded_fds(strategy: str) -> None:
+    """Regression (issue 18 item 4): each array over 1 MiB had a segment of its own at two
+    fds (the memfd and the mmap's dup), and idle segments were trimmed only past 1 GiB:
+    200 x 2 MiB zeros held 400 fds after all of them were dropped. Now a mapping holds no
+    fd, and at most IDLE_SEGMENTS segments with no array in them are kept."""
+    n = (2 << 20) // 8
+    before = fd_count()
+    arrays = [aiomp.zeros(n) for _ in range(200)]
+    assert fd_count() - before <= 200 + 2, "one fd per segment: the mapping holds none"
+    del arrays
+    gc.collect()
+    assert fd_count() - before <= _shm.IDLE_SEGMENTS + 2
+    q = aiomp.Queue()
+    for i in range(1000):  # 1000 sent and dropped, up to 100 in flight at a time
+        q.put_nowait(aiomp.zeros(n))
+        if i >= 100:
+            q.get_nowait()
+    while not q.empty():
+        q.get_nowait()
+    del q
+    gc.collect()
+    # (arrays that came back after their segment was given away were received as
+    # another process's: a few such segments stay mapped a while, see _shm._recent)
+    assert fd_count() - before <= _shm.IDLE_SEGMENTS + (_shm._recent.maxlen or 0) + 2
+
+
+def test_names_of_unread_messages_go_with_the_root() -> None:
+    """Regression (issue 9 item 3): under file_system, the segments named by messages that
+    nobody read (about 1 GiB of /dev/shm there) stayed after the process had exited. When
+    the root of a tree exits with no child left, nothing can read them any more."""
+    script = textwrap.dedent("""
+        import os
+        import numpy as np
+        import aiomp
+        aiomp.set_sharing_strategy("file_system")
+        q = aiomp.Queue()
+        for i in range(40):
+            q.put_nowait(np.full((1 << 20) + i, i, np.uint8))
+        print(os.getpid(), len([n for n in os.listdir("/dev/shm")
+                                if n.startswith(f"aiomp-{os.getpid()}-")]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, text=True,
+                          capture_output=True, timeout=60, check=True)
+    pid, made = map(int, proc.stdout.split())
+    assert made >= 6, "the unread messages held names while the process ran"
+    left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    for name in left:
+        _shm._unlink(name)  # (the leak check must see a clean /dev/shm either way)
+    assert not left

@@ -1,0 +1,417 @@
+"""Chaos: many producers and consumers, cancellation storms, SIGKILL and SIGINT, fd
+exhaustion (issue 9). Each scenario is bounded (well under a minute), runs with a fixed seed
+and the session's random seed (printed; ``AIOMP_CHAOS_SEED=<n>`` replays it), and asserts:
+
+- exactly-once delivery: every item put arrives once (a put that was cancelled put
+  nothing, a get that was cancelled took nothing), intact;
+- nothing leaked: fds, ``/dev/shm`` names, live or zombie children (the autouse leak check,
+  plus explicit checks on the processes and names of subprocess trees);
+- no hang: every wait is bounded by ``anyio.fail_after`` or a subprocess timeout.
+
+Counts are printed as ``CHAOS ...`` lines (``-s`` shows them); docs/reliability.md records
+a run. The Pool's own chaos scenario (workers SIGKILLed during a stream of ``apply``) lives
+with the Pool tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aiomp
+from aiomp import _shm
+from tests.chaos import _chaos
+
+REPO = Path(__file__).resolve().parents[2]
+GRACE = 0.5
+TIMEOUT = 60
+STRATEGIES = ["file_descriptor", "file_system"]
+ONE_LOOP = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
+SEEDS = pytest.mark.parametrize("seed", _chaos.SEEDS,
+                                ids=[f"seed{s}" for s in _chaos.SEEDS])
+
+
+print(f"\naiomp chaos: random seed {_chaos.RANDOM_SEED} (AIOMP_CHAOS_SEED={_chaos.RANDOM_SEED} "
+      "replays it)", file=sys.stderr)
+
+
+@pytest.fixture(params=STRATEGIES)
+def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = aiomp.get_sharing_strategy()
+    aiomp.set_sharing_strategy(request.param)
+    try:
+        yield request.param
+    finally:
+        aiomp.set_sharing_strategy(before)
+
+
+def exactly_once(expected: list[Any], got: list[Any]) -> tuple[int, int]:
+    """(lost, duplicated); asserts both are 0."""
+    counts = Counter(got)
+    lost = sum(1 for k in expected if k not in counts)
+    duplicated = sum(n - 1 for n in counts.values() if n > 1)
+    unknown = set(counts) - set(expected)
+    assert not (lost or duplicated or unknown), (lost, duplicated, sorted(unknown)[:5])
+    return lost, duplicated
+
+
+def names_of(pids: list[int]) -> set[str]:
+    return _chaos.shm_names_of(pids)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_gone(pids: list[int], timeout: float = TIMEOUT) -> None:
+    """Wait for processes that are not our children to vanish (polling the kernel)."""
+    deadline = time.monotonic() + timeout
+    while any(_shm._alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"orphans left: {[p for p in pids if _shm._alive(p)]}"
+        time.sleep(0.01)
+
+
+# -- many producers and consumers, both strategies, all three loops -------------------------
+
+PRODUCERS, PER_PRODUCER = 3, 400
+
+
+@pytest.mark.anyio
+@SEEDS
+async def test_many_producers_and_consumers(strategy: str, seed: int) -> None:
+    """3 producers x 400 mixed items (ints, bytes, 100 B / 100 KiB / 2 MiB arrays) through
+    one bounded queue to 2 consumer processes and the parent at once. Every item arrives
+    once and intact; once every process has exited no name of theirs is left (issue 9
+    item 1a: a producer's exit clean-up racing a consumer's release left segments)."""
+    q, out = aiomp.Queue(maxsize=32), aiomp.Queue()
+    keys: list[tuple[int, int]] = []
+
+    async def parent_consumes() -> None:
+        async for key, payload in q:
+            _chaos.check(key, payload)
+            keys.append(key)
+            del payload
+
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(_chaos.consume, 2, args=(q, out, strategy),
+                               grace_period=GRACE) as consumers:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(parent_consumes)
+                async with aiomp.spawn(_chaos.produce, PRODUCERS,
+                                       args=(q, PER_PRODUCER, seed, strategy),
+                                       grace_period=GRACE) as producers:
+                    pass
+                q.close()
+        out.close()
+        by_parent = len(keys)
+        async for batch in out:
+            keys.extend(batch)
+    expected = [(r, i) for r in range(PRODUCERS) for i in range(PER_PRODUCER)]
+    lost, duplicated = exactly_once(expected, keys)
+    assert sum(consumers.results) == len(keys) - by_parent  # type: ignore[arg-type]
+    gc.collect()
+    leaked = names_of(producers.pids() + consumers.pids())
+    assert not leaked, "every process of the run has exited: its names must be gone"
+    _chaos.record("mpmc", strategy=strategy, seed=seed, messages=len(expected),
+                  by_parent=by_parent, lost=lost, duplicated=duplicated, leaked=len(leaked))
+
+
+# -- cancellation storms around get and put --------------------------------------------------
+
+STORM = 300
+
+
+@pytest.mark.anyio
+@SEEDS
+async def test_cancellation_storm(strategy: str, seed: int) -> None:
+    """Every put and get is raced by a random deadline (0-2 ms) on small bounded queues
+    through an echoing child. A cancelled put put nothing (its shared blocks are released),
+    a cancelled get took nothing: what was put is what comes back, once each."""
+    rng = random.Random(seed)
+    q, back = aiomp.Queue(maxsize=4), aiomp.Queue(maxsize=4)
+    sent: list[tuple[int, int]] = []
+    got: list[tuple[int, int]] = []
+    cancelled = {"put": 0, "get": 0}
+
+    async def consumer() -> None:
+        while True:
+            item = None
+            with anyio.move_on_after(rng.random() * 0.002):
+                try:
+                    item = await back.get()
+                except aiomp.QueueClosed:
+                    return
+            if item is None:
+                cancelled["get"] += 1
+                continue
+            _chaos.check(*item)
+            got.append(item[0])
+            del item
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            async with aiomp.spawn(_chaos.echo, 1, args=(q, back, strategy), grace_period=GRACE):
+                for i in range(STORM):
+                    key = (0, i)
+                    item = (key, _chaos.make(key, seed))
+                    done = False
+                    with anyio.move_on_after(rng.random() * 0.002):
+                        await q.put(item)
+                        done = True
+                    if done:
+                        sent.append(key)
+                    else:
+                        cancelled["put"] += 1
+                    del item
+                q.close()
+            back.close()
+    lost, duplicated = exactly_once(sent, got)
+    _chaos.record("storm", strategy=strategy, seed=seed, messages=len(sent),
+                  cancelled_puts=cancelled["put"], cancelled_gets=cancelled["get"],
+                  lost=lost, duplicated=duplicated)
+
+
+# -- repeated SIGKILL of consumers holding arrays --------------------------------------------
+
+ROUNDS, HELD = 8, 3
+
+
+@pytest.mark.anyio
+@ONE_LOOP
+@SEEDS
+async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> None:
+    """Consumers take arrays (100 KiB and 2 MiB copies made by this producer), hold them and
+    are SIGKILLed, round after round. The kernel drops their leases: this producer reuses
+    the blocks, and its fds, RSS and segments stay flat; no names are left."""
+    rng = random.Random(seed)
+    q, took = aiomp.Queue(), aiomp.Queue()
+    taken: list[tuple[int, int]] = []
+    put: list[tuple[int, int]] = []
+    marks: list[tuple[int, int, int]] = []
+    pids: list[int] = []
+    for r in range(ROUNDS):
+        with anyio.fail_after(TIMEOUT):
+            ctx = await aiomp.spawn(_chaos.hold_until_killed, 1,
+                                    args=(q, took, strategy, HELD), grace_period=GRACE)
+            pids += ctx.pids()
+            sizes = [2 << 20] + [100 << 10] * (HELD - 1)  # the same demand every round
+            rng.shuffle(sizes)
+            for j, size in enumerate(sizes):
+                key = (r, j)
+                await q.put((key, np.full(size, _chaos.fill_of(key), np.uint8)))
+                put.append(key)
+            for _ in range(HELD):
+                taken.append(await took.get())
+            os.kill(ctx.pids()[0], signal.SIGKILL)
+            with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+                await ctx.join()
+        gc.collect()
+        marks.append((fds(), rss(), sum(len(s) for s in _shm._pool.segments.values())))
+    lost, duplicated = exactly_once(put, taken)
+    # flat: the second half of the rounds needs no more than the first half did
+    half = ROUNDS // 2
+    fds0, rss0, segs0 = (max(m[i] for m in marks[:half]) for i in range(3))
+    fds1, rss1, segs1 = (max(m[i] for m in marks[half:]) for i in range(3))
+    assert fds1 - fds0 <= 1, marks
+    assert segs1 - segs0 <= 0, marks
+    assert rss1 - rss0 < 8 << 20, marks
+    leaked = names_of(pids)
+    assert not leaked
+    _chaos.record("sigkill-consumers", strategy=strategy, seed=seed, messages=len(put),
+                  kills=ROUNDS, fds_growth=fds1 - fds0, segments_growth=segs1 - segs0,
+                  rss_growth_kib=(rss1 - rss0) >> 10, lost=lost, duplicated=duplicated,
+                  leaked=len(leaked))
+
+
+# -- SIGKILL of the parent, then a new start sweeps; SIGINT to the parent -------------------
+
+_TREE = textwrap.dedent("""
+    import asyncio, os, sys
+    import anyio
+    import aiomp
+    from tests.chaos import _chaos
+
+    loop, strategy, seed, ready_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+
+    async def main():
+        aiomp.set_sharing_strategy(strategy)
+        q, out = aiomp.Queue(maxsize=8), aiomp.Queue()
+        async with aiomp.spawn(_chaos.consume, 2, args=(q, out, strategy), grace_period=0.5), \\
+                aiomp.spawn(_chaos.produce, 1, args=(q, 10**9, seed, strategy),
+                            grace_period=0.5) as producer:
+            held = []  # the parent takes and holds items too
+            i = 0
+            async for item in q:
+                held.append(item)
+                del held[:-8]
+                i += 1
+                if i == ready_at:
+                    print(os.getpid(), *producer.pids(), flush=True)
+
+    if loop == "trio":
+        import trio
+        trio.run(main)
+    elif loop == "uvloop":
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+""")
+
+
+def _tree_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _start_tree(loop: str, strategy: str, seed: int) -> tuple[subprocess.Popen[str], list[int]]:
+    ready_at = random.Random(seed).randrange(20, 200)
+    proc = subprocess.Popen([sys.executable, "-c", _TREE, loop, strategy, str(seed),
+                             str(ready_at)], cwd=REPO, text=True, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "the tree did not start"
+    return proc, _tree_pids(int(line.split()[0]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@SEEDS
+def test_sigkilled_parent_then_a_new_start_sweeps(strategy: str, seed: int) -> None:
+    """A parent under load (a producer, two consumers and itself taking items) is
+    SIGKILLed at a seeded moment: its children die (parent-death signal), and the next
+    aiomp start removes every name the dead tree left (unread messages included)."""
+    proc, pids = _start_tree("asyncio", strategy, seed)
+    try:
+        os.kill(pids[0], signal.SIGKILL)
+        proc.wait(timeout=TIMEOUT)
+        wait_gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    left_by_kill = names_of(pids)  # (test_shm pins that there are some, deterministically)
+    subprocess.run([sys.executable, "-c", "import aiomp; aiomp.zeros(1)"], cwd=REPO,
+                   check=True, timeout=TIMEOUT)
+    leaked = names_of(pids)
+    assert not leaked, "the next start swept the dead tree"
+    _chaos.record("sigkill-parent", strategy=strategy, seed=seed, kills=1,
+                  processes=len(pids), names_left_by_kill=len(left_by_kill),
+                  leaked=len(leaked), orphans=0)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+def test_sigint_to_the_parent(loop: str) -> None:
+    """Ctrl-C to a parent under load, on each loop: it exits (not with success), its
+    children are terminated and reaped, and nothing it made is left in /dev/shm."""
+    seed = _chaos.RANDOM_SEED
+    proc, pids = _start_tree(loop, "file_system", seed)
+    try:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=TIMEOUT)
+        wait_gone(pids)
+    finally:
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert rc != 0, "Ctrl-C is never reported as success"
+    leaked = names_of(pids)
+    assert not leaked
+    _chaos.record("sigint", loop=loop, seed=seed, processes=len(pids), returncode=rc,
+                  leaked=len(leaked), orphans=0)
+
+
+# -- fd exhaustion and recovery ---------------------------------------------------------------
+
+_FD = textwrap.dedent("""
+    import asyncio, gc, os, random, resource, sys
+    import anyio
+    import numpy as np
+    import aiomp
+    from tests.chaos import _chaos
+    from tests import _funcs_shm
+
+    loop, strategy, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+    async def main():
+        aiomp.set_sharing_strategy(strategy)
+        rng = random.Random(seed)
+        q = aiomp.Queue()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        keep, sent, error = [], 0, None
+        try:
+            while True:  # shared arrays the producer keeps, of seeded sizes
+                arr = aiomp.zeros(rng.choice([3 << 20, 5 << 20]), np.uint8)
+                arr[0] = sent % 251
+                keep.append(arr)
+                await q.put(arr)
+                sent += 1
+        except aiomp.TransportError as exc:
+            error = str(exc)
+        del keep, arr
+        gc.collect()
+        with anyio.fail_after(60):
+            async with aiomp.spawn(_funcs_shm.drain, 1, args=(q, sent, strategy)) as ctx:
+                pass
+        assert ctx.results[0] == [i % 251 for i in range(sent)]
+        assert q.qsize() == 0
+        print(os.getpid(), sent, error, flush=True)
+
+    if loop == "trio":
+        import trio
+        trio.run(main)
+    elif loop == "uvloop":
+        import uvloop
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_fd_exhaustion_and_recovery(loop: str, strategy: str) -> None:
+    """RLIMIT_NOFILE=256 and shared arrays kept until the fds run out: a TransportError
+    that says so (not a raw EMFILE); the arrays dropped, a consumer started afterwards
+    drains the queue exactly once; the process leaves no name behind."""
+    seed = _chaos.RANDOM_SEED
+    proc = subprocess.run([sys.executable, "-c", _FD, loop, strategy, str(seed)], cwd=REPO,
+                          text=True, capture_output=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pid, sent, error = proc.stdout.strip().split(" ", 2)
+    assert "file descriptors open" in error and "RLIMIT_NOFILE) is 256" in error, error
+    leaked = names_of([int(pid)])
+    assert not leaked
+    _chaos.record("fd-exhaustion", loop=loop, strategy=strategy, seed=seed, messages=sent,
+                  lost=0, duplicated=0, leaked=len(leaked))
