@@ -106,10 +106,23 @@ def open_fds() -> dict[str, str]:
     return out
 
 
+def _tree_root(name: str) -> int:
+    """The pid of the process tree that made ``/dev/shm/<name>`` (0: unknown), from the
+    header page aiomp writes (``_shm._H_CREATOR``: creator pid and start, then the tree's)."""
+    try:
+        with open(f"/dev/shm/{name}", "rb") as f:
+            header = f.read(64)
+    except OSError:
+        return 0
+    return int.from_bytes(header[24:28], "little") if len(header) >= 28 else 0
+
+
 def shm_names() -> set[str]:
-    """aiomp names made by this test process or by processes that are gone (its children);
-    names of other live processes (a concurrent test run) are not ours to judge."""
+    """aiomp names made by this test process's tree: by it, or by processes that are gone
+    (its children) and named this process as their tree's root. Names of other process
+    trees (a concurrent test run on the same machine) are not ours to judge."""
     names = set()
+    me = os.getpid()
     for n in os.listdir("/dev/shm"):
         if not n.startswith("aiomp"):
             continue
@@ -118,7 +131,7 @@ def shm_names() -> set[str]:
         except (IndexError, ValueError):
             names.add(n)
             continue
-        if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+        if pid == me or (not os.path.exists(f"/proc/{pid}") and _tree_root(n) in (me, 0)):
             names.add(n)
     return names
 
