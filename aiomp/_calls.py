@@ -105,6 +105,8 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
         return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
                     define=info.define, group=group, index=index, size=size, on_done=on_done)
 
+    if pool._encode is not None:  # aiomp.ray: a message that Ray carries
+        return task(pool._encode(fn, info, flags, items, kwds, group))
     try:
         if not kwds and type(items) is tuple:
             # apply(f, (1, "a")): nothing in it can carry an fd or an array.
