@@ -197,6 +197,7 @@ class Pool(_pool.Pool):
         if address is not None and not isinstance(address, str):
             raise TypeError(f"address must be a str or None, not {type(address).__name__}")
         self._initializer = initializer
+        self._initargs = tuple(initargs)
         self._auto_processes = processes is None
         self._address = address
         self._num_cpus = num_cpus
