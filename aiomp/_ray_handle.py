@@ -182,7 +182,7 @@ class ActorHandle:
                 self.closed = True
                 try:
                     self._ray.kill(self.actor, no_restart=True)
-                except Exception:  # noqa: BLE001, S110 - Ray forgot it: it is gone already
+                except Exception:  # noqa: BLE001 - Ray forgot it: it is gone already
                     pass
                 with anyio.move_on_after(self._grace + CONFIRM):
                     await self._gone.wait()

@@ -56,6 +56,7 @@ one (seconds) and shuts it down when the pool closes. A session the caller opene
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import logging
 import pickle
@@ -114,7 +115,7 @@ class _Call:
 class _Pickler(pickle.Pickler):
     """Pickles a task's arguments, putting large numpy arrays into the object store."""
 
-    def __init__(self, file: io.BytesIO, ndarray: type, put: Callable[[Any], int]) -> None:
+    def __init__(self, file: io.BytesIO, ndarray: Any, put: Callable[[Any], int]) -> None:
         super().__init__(file, protocol=5)
         self._ndarray = ndarray
         self._put = put
@@ -131,6 +132,12 @@ def _import_ray() -> Any:
     except ImportError as exc:
         raise ImportError('aiomp.ray.Pool needs Ray: pip install "aiomp[ray]"') from exc
     return ray
+
+
+def _cloudpickle(obj: object) -> bytes:
+    """Pickle ``obj`` with Ray's cloudpickle: by value what a remote node could not import."""
+    dumps: Callable[..., bytes] = importlib.import_module("ray.cloudpickle").dumps
+    return dumps(obj, protocol=5)
 
 
 _actor_class: Any = None
@@ -187,10 +194,8 @@ class Pool(_pool.Pool):
         super().__init__(1 if processes is None else processes,
                          maxtasksperchild=maxtasksperchild, concurrency=concurrency,
                          grace_period=grace_period)
-        if initializer is not None:
-            if not callable(initializer):
-                raise TypeError(f"initializer must be callable, not "
-                                f"{type(initializer).__name__}")
+        if initializer is not None and not callable(initializer):
+            raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a number >= 0, not {value!r}")
@@ -267,12 +272,7 @@ class Pool(_pool.Pool):
                 "thread")
         ray = self._ray = _import_ray()
         try:
-            from ray import cloudpickle
-        except ImportError:  # pragma: no cover - Ray always vendors it
-            import pickle as cloudpickle
-        try:
-            self._init_blob = cloudpickle.dumps((self._initializer, self._initargs),
-                                                protocol=5)
+            self._init_blob = _cloudpickle((self._initializer, self._initargs))
         except Exception as exc:
             exc.add_note("(while pickling the pool's initializer and initargs for Ray)")
             raise
@@ -314,7 +314,7 @@ class Pool(_pool.Pool):
         assert self._tg is not None
         actor = self._actor_cls.options(**self._options).remote()
         h = ActorHandle(slot, actor, self._loop, self._grace, self._on_result,
-                        self._on_ready, self._on_exit)  # type: ignore[arg-type]
+                        self._on_ready, self._on_exit)
         self._handles[h] = None  # type: ignore[index]
         self._sched.add(h)
         h.init(self._init_blob)
@@ -362,16 +362,14 @@ class Pool(_pool.Pool):
             return self._fn_keys[fn]
         except (KeyError, TypeError):
             pass
-        from ray import cloudpickle
-
-        key: bytes = cloudpickle.dumps(fn, protocol=5)
+        key = _cloudpickle(fn)
         try:
             self._fn_keys[fn] = key
         except TypeError:  # not weakly referenceable: pickled on every call
             pass
         return key
 
-    def _encode(self, fn: Callable[..., Any], info: Any, flags: int, items: Any,  # type: ignore[override]
+    def _encode(self, fn: Callable[..., Any], info: Any, flags: int, items: Any,
                 kwds: dict[str, object] | None, group: object) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
         try:
