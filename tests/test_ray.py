@@ -316,3 +316,13 @@ async def test_two_nodes_placement_and_node_loss(ray_head: Any, gate: Gate) -> N
     finally:
         if node in ray_head.worker_nodes:
             ray_head.remove_node(node)
+
+
+def test_example_runs(ray_head: Any) -> None:
+    """examples/ray_pool.py, the local pipeline on Ray, joins the module's Ray instance."""
+    out = subprocess.run(
+        [sys.executable, "examples/ray_pool.py", "--batches", "8", "--address",
+         ray_head.address], cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().endswith("ok")
