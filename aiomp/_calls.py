@@ -4,7 +4,8 @@ Each call pickles its tasks in the caller (an argument that cannot be pickled ra
 the call site, before anything is sent), checks for cancellation, then hands them to the
 pool and waits. It uses a small part of :class:`aiomp.Pool`: ``_submit(task)``,
 ``_sched.drop(task)``, ``_abandon(tasks)`` (shielded here), ``_check_open()``, and the
-settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``.
+settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``, ``_encode``
+(None: tasks use the process workers' wire format; ``aiomp.ray.Pool`` makes its own).
 
 Cancellation: a call made in a cancelled scope sends nothing (a checkpoint comes first;
 on the asyncio ``apply`` fast path, the task is handed to the pool by a loop callback
