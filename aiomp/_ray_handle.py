@@ -121,6 +121,7 @@ class ActorHandle:
         self._gone.set()
 
     def _died(self, exc: BaseException) -> None:
+        self.closed = True  # from now on a task meant for it goes to another actor
         if not self._stop.is_set():
             self.why = _reason(exc)
             self._stop.set()
@@ -161,7 +162,8 @@ class ActorHandle:
     def cancel(self, tid: int) -> None:
         """Cancel async task ``tid`` inside the actor (its coroutine sees CancelledError)."""
         if not self.closed:
-            self._cancel(tid)
+            # Watched, so that Ray counts its error (the actor died meanwhile) as handled.
+            self._cancel(tid).future()
 
     def kill(self) -> None:
         """Have the watcher kill the actor (``ray.kill``) and report its exit."""

@@ -336,8 +336,19 @@ class Pool(_pool.Pool):
 
     def _on_result(self, h: ActorHandle, tid: int, ok: bool, value: Any) -> None:
         """A task's outcome (in a loop callback): a value, an ErrorPayload, or a Ray error."""
-        if not ok and isinstance(value, P.ErrorPayload):
-            value = self._rebuild(h, value)
+        if not ok:
+            if isinstance(value, P.ErrorPayload):
+                value = self._rebuild(h, value)
+            elif isinstance(value, self._ray.exceptions.RayTaskError):
+                # The actor's run() answers every error of the task itself: what fails
+                # after it is Ray serializing the result.
+                task = self._sched.task(h, tid)
+                cause = getattr(value, "cause", None) or value
+                err = pickle.PicklingError(
+                    f"the result of {task.name if task else 'a task'} could not be pickled "
+                    f"to return it from {h.name}: {type(cause).__name__}: {cause}")
+                err.__cause__ = value
+                value = err
         self._sched.complete(h, tid, ok, value)
 
     def _on_exit(self, h: Any, exitcode: int | None, unsent: list[int]) -> None:

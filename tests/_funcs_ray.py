@@ -91,3 +91,9 @@ def node_and_pid(*_: object) -> tuple[str, int]:
     import ray
 
     return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def unpicklable_result() -> object:
+    import threading
+
+    return threading.Lock()

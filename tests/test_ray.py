@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -108,6 +109,8 @@ async def test_exception_is_its_own_type_with_the_actor_traceback() -> None:
             assert "_funcs_ray.py" in str(info.value.__cause__)
             with pytest.raises(ValueError, match="boom"):  # map raises the first, bare
                 await p.map(funcs.fail, ["boom", "boom"])
+            with pytest.raises(pickle.PicklingError, match="result of unpicklable_result"):
+                await p.apply(funcs.unpicklable_result)
             assert await p.apply(funcs.square, (3,)) == 9  # the actor lives on
             assert p.statistics().replaced == 0
             with pytest.raises(TypeError):  # pickled in the caller: raises here, sends nothing
@@ -141,7 +144,7 @@ async def test_actor_killed_mid_task_fails_only_its_task_and_is_replaced(gate: G
             assert await p.apply(funcs.square, (4,)) == 16
 
 
-@LOOPS
+@asyncio_only
 async def test_timeout_kills_a_sync_task_and_replaces_its_actor(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p:
@@ -201,7 +204,7 @@ async def test_maxtasksperchild_and_initializer() -> None:
                 await p.apply(funcs.square, (1,))
 
 
-@LOOPS
+@asyncio_only
 async def test_imap_endless_input_is_read_only_as_fast_as_consumed() -> None:
     pulled = 0
 
