@@ -26,12 +26,16 @@ import io
 import itertools
 import os
 import pickle
+import types
 from typing import Any
 
 from . import _protocol as P
 
 #: Flags in a task's blob (the wire format's own, for the same meanings).
 F_ASYNC, F_STAR, F_APPLY = P.F_ASYNC, P.F_STAR, P.F_APPLY
+
+
+_Coroutine = types.CoroutineType
 
 
 class _Unpickler(pickle.Unpickler):
@@ -98,7 +102,7 @@ class Worker:
             elif not flags & F_ASYNC:
                 # A loop in C, as the process worker's: a chunk may hold thousands.
                 result = list(itertools.starmap(fn, items) if flags & F_STAR else map(fn, items))
-                if any(asyncio.iscoroutine(r) for r in result):  # a sync fn made coroutines
+                if _Coroutine in set(map(type, result)):  # a sync fn made coroutines
                     result = [await r if asyncio.iscoroutine(r) else r for r in result]
             else:
                 result = []

@@ -82,6 +82,10 @@ log = logging.getLogger("aiomp")
 #: smaller ones inside the task's pickle. Ray's own limit for inlining an argument.
 ARRAY_THRESHOLD = 100 * 1024
 
+#: Sync chunks of one map that may wait in an actor behind the running one: with map's
+#: default chunk size (four chunks per actor), a whole map is sent at once.
+CHUNK_DEPTH = 3
+
 _CTL_GROUP = {"ctl": 8}  # cancel and alive: never behind a task that blocks the actor's loop
 
 
@@ -203,6 +207,10 @@ class Pool(_pool.Pool):
             raise TypeError(f"address must be a str or None, not {type(address).__name__}")
         self._initializer = initializer
         self._initargs = tuple(initargs)
+        # A Ray call costs about a millisecond, many times a small chunk's work: let a map's
+        # chunks wait in the actors (Ray queues them there) rather than in the pool, so
+        # that an actor never idles for a round trip between two chunks of one call.
+        self._sched.chunk_depth = CHUNK_DEPTH
         self._auto_processes = processes is None
         self._address = address
         self._num_cpus = num_cpus

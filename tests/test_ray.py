@@ -250,6 +250,25 @@ async def test_arrays_go_through_the_object_store_once_per_call(
             assert out.sum() == 200_000 and not out.flags.writeable
 
 
+def test_chunk_depth_lets_a_maps_chunks_wait_in_the_least_loaded_actor() -> None:
+    """The scheduler rule aiomp.ray.Pool widens (``chunk_depth``): a map's sync chunks may
+    wait behind its own running chunks, up to the depth, spread over the workers; another
+    call's chunk never waits behind them."""
+    from tests.test_scheduler import Rig
+
+    r = Rig(2)
+    r.sched.chunk_depth = 3
+    a, b = r.handles
+    group = object()
+    chunks = [r.task(group=group) for _ in range(9)]
+    r.submit(*chunks)
+    assert len(a.sent) == len(b.sent) == 4  # one running and three waiting in each
+    assert r.sched.queued == 1
+    other = r.task(group=object())
+    r.submit(other)
+    assert other.tid not in a.sent + b.sent
+
+
 @pytest.mark.parametrize("anyio_backend", [("trio", {})], ids=["trio"])
 async def test_trio_is_refused_clearly() -> None:
     with pytest.raises(RuntimeError, match="asyncio and uvloop only"):
