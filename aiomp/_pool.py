@@ -226,6 +226,8 @@ class Pool:
     #: Turns a call into a task's message (see ``_calls.make_task``); None: the process
     #: workers' wire format. ``aiomp.ray.Pool`` sets its own.
     _encode: Callable[..., Any] | None = None
+    #: ``map``'s default chunk size makes this many chunks per worker slot.
+    _chunks_per_slot = 4
 
     def __init__(
         self,

@@ -5,8 +5,8 @@ and two concurrency groups: the default one runs the tasks (``init``, ``run``), 
 group (its own thread and event loop in Ray) answers ``cancel`` and ``alive`` even while
 a sync task blocks the tasks' loop.
 
-A task arrives as ``run(tid, blob, *arrays)``: ``blob`` is a pickle of
-``(flags, fn_key, items, kwds)`` made in the caller, in which each large numpy array is a
+A task arrives as ``run(blob, *arrays)``: ``blob`` is a pickle of
+``(tid, flags, fn_key, items, kwds)`` made in the caller, in which each large numpy array is a
 persistent id ``i`` naming ``arrays[i]``. The arrays are top-level ``ObjectRef``
 arguments, so Ray resolves them from its object store before the call (zero-copy,
 read-only). ``fn_key`` is the function pickled once by the caller; the actor unpickles each
@@ -36,6 +36,8 @@ F_ASYNC, F_STAR, F_APPLY = P.F_ASYNC, P.F_STAR, P.F_APPLY
 
 
 _Coroutine = types.CoroutineType
+#: Distinct pickled functions an actor keeps unpickled (a bound on its memory).
+_MAX_FNS = 256
 
 
 class _Unpickler(pickle.Unpickler):
@@ -81,19 +83,22 @@ class Worker:
             return False, P.ErrorPayload.of(exc)
         return True, os.getpid(), ray.get_runtime_context().get_node_id()
 
-    async def run(self, tid: int, blob: bytes, *arrays: Any) -> tuple[bool, Any]:
+    async def run(self, blob: bytes, *arrays: Any) -> tuple[bool, Any]:
         """Run one task (an ``apply`` call or a chunk of a map). Cancelled by :meth:`cancel`:
         the function sees ``CancelledError``, and the answer is that error."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks[tid] = task
+        tid = 0
         try:
+            tid, flags, key, items, kwds = loads(blob, arrays)
+            task = asyncio.current_task()
+            assert task is not None
+            self._tasks[tid] = task
             if tid in self._cancelled:
                 self._cancelled.discard(tid)
                 raise asyncio.CancelledError
-            flags, key, items, kwds = loads(blob, arrays)
             fn = self._fns.get(key)
             if fn is None:
+                if len(self._fns) >= _MAX_FNS:  # partials or closures of varying state
+                    self._fns.clear()
                 fn = self._fns[key] = pickle.loads(key)
             if flags & F_APPLY:
                 result = fn(*items, **kwds) if kwds else fn(*items)
@@ -114,7 +119,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - CancelledError too: the pool asked
             return False, P.ErrorPayload.of(exc)
         finally:
-            del self._tasks[tid]
+            self._tasks.pop(tid, None)
         return True, result
 
     async def cancel(self, tid: int) -> None:

@@ -139,7 +139,7 @@ class ActorHandle:
         msg = task.message
         tid = task.tid
         self.pending += 1
-        self._watch(self._run(tid, msg.blob, *msg.refs), lambda fut: self._task_done(tid, fut))
+        self._watch(self._run(msg.blob, *msg.refs), lambda fut: self._task_done(tid, fut))
         return True
 
     def _task_done(self, tid: int, fut: Any) -> None:

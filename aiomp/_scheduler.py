@@ -15,7 +15,7 @@ The rules (the why is in ``aiomp._pool``'s docstring):
 * Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
   (weight ``concurrency``), except that a sync chunk of a map may wait behind one other
-  sync chunk of the same call (``chunk_depth`` of them).
+  sync chunk of the same call.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
   the head of the queue. Tasks still in a dead worker's outbox go back the same way.
@@ -185,10 +185,6 @@ class Scheduler:
         self.replaced = 0
         self.start_failures: dict[int, int] = {}
         self.broken: BrokenPoolError | None = None
-        #: How many sync chunks of one map may wait behind the running one in a worker.
-        #: One for processes; ``aiomp.ray.Pool`` sets more (a Ray call's latency is a
-        #: millisecond, many times a small chunk's work).
-        self.chunk_depth = 1
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
@@ -386,15 +382,12 @@ class Scheduler:
             return best
         if task.group is None or task.is_async:
             return None
-        behind: Worker | None = None  # a sync chunk: behind its own call's chunks only
-        for w in self.workers.values():
-            n = len(w.running)
-            if (0 < n <= self.chunk_depth and w.usable
-                    and (behind is None or n < len(behind.running))
-                    and all(other.group is task.group and not other.is_async
-                            for other in w.running.values())):
-                behind = w
-        return behind
+        for w in self.workers.values():  # a sync chunk: behind one of its own call's chunks
+            if len(w.running) == 1 and w.usable:
+                (other,) = w.running.values()
+                if other.group is task.group and not other.is_async:
+                    return w
+        return None
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:

@@ -16,13 +16,13 @@ dispatch, chunking, back-pressure and failure semantics.
 
 How a call travels
 ------------------
-The caller pickles each task into one blob, ``(flags, function, items, kwds)``: the
+The caller pickles each task into one blob, ``(tid, flags, function, items, kwds)``: the
 function pickled once per function with Ray's cloudpickle (so a lambda or a function of
 ``__main__`` works on a remote node), the arguments with pickle, except that every numpy
 array of at least :data:`ARRAY_THRESHOLD` bytes is ``ray.put`` into the object store, once
 per distinct array per call (a ``map``'s chunks share one put), and named in the blob by
 its index among the task's ``ObjectRef`` arguments. The scheduler sends it with
-``actor.run.remote(tid, blob, *refs)``; Ray hands the actor the arrays zero-copy from its
+``actor.run.remote(blob, *refs)``; Ray hands the actor the arrays zero-copy from its
 object store, **read-only**. Results come back the way Ray returns values: large arrays
 through the object store, also read-only, zero-copy where the caller shares the node.
 
@@ -43,6 +43,8 @@ Semantics (as ``aiomp.Pool``)
   replaces it; a running async task is first cancelled inside the actor (its coroutine sees
   ``CancelledError``), and its actor killed only if it has not finished within
   ``grace_period``. A queued task that is cancelled never starts.
+* ``map``'s default chunk size is ``ceil(n / (2 * processes))``, half as many chunks as
+  locally: a Ray call costs about a millisecond, far more than a local round trip.
 * ``maxtasksperchild`` replaces an actor after that many tasks; ``initializer`` runs once
   in each actor (an async one on the actor's loop, which its async tasks share).
 
@@ -81,10 +83,6 @@ log = logging.getLogger("aiomp")
 #: numpy arrays at least this large (bytes) travel through Ray's object store (``ray.put``);
 #: smaller ones inside the task's pickle. Ray's own limit for inlining an argument.
 ARRAY_THRESHOLD = 100 * 1024
-
-#: Sync chunks of one map that may wait in an actor behind the running one: with map's
-#: default chunk size (four chunks per actor), a whole map is sent at once.
-CHUNK_DEPTH = 3
 
 _CTL_GROUP = {"ctl": 8}  # cancel and alive: never behind a task that blocks the actor's loop
 
@@ -180,6 +178,11 @@ class Pool(_pool.Pool):
     Runs on asyncio and uvloop; under trio, entering it raises ``RuntimeError``.
     """
 
+    # A Ray call costs about a millisecond (a local worker's round trip: tens of us), far
+    # more than a small chunk's work: half multiprocessing's chunks per slot. Every chunk of
+    # a default map is then in flight at once (one running, one waiting in each actor).
+    _chunks_per_slot = 2
+
     def __init__(
         self,
         processes: int | None = None,
@@ -207,10 +210,6 @@ class Pool(_pool.Pool):
             raise TypeError(f"address must be a str or None, not {type(address).__name__}")
         self._initializer = initializer
         self._initargs = tuple(initargs)
-        # A Ray call costs about a millisecond, many times a small chunk's work: let a map's
-        # chunks wait in the actors (Ray queues them there) rather than in the pool, so
-        # that an actor never idles for a round trip between two chunks of one call.
-        self._sched.chunk_depth = CHUNK_DEPTH
         self._auto_processes = processes is None
         self._address = address
         self._num_cpus = num_cpus
@@ -388,12 +387,12 @@ class Pool(_pool.Pool):
             pass
         return key
 
-    def _encode(self, fn: Callable[..., Any], info: Any, flags: int, items: Any,
+    def _encode(self, tid: int, fn: Callable[..., Any], info: Any, flags: int, items: Any,
                 kwds: dict[str, object] | None, group: object) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
         try:
             key = self._fn_key(fn)
-            task = (flags, key, items, kwds)
+            task = (tid, flags, key, items, kwds)
             np = sys.modules.get("numpy")
             if np is None or (all(type(x) in P.PLAIN for x in items)
                               and not (kwds and any(type(v) not in P.PLAIN

@@ -85,7 +85,9 @@ async def test_results() -> None:
             assert await p.apply(funcs.add, (1,), {"y": 2}) == 3
             assert await p.apply(funcs.async_square, (5,)) == 25
             assert await p.apply(lambda x: x + 1, (1,)) == 2  # cloudpickled, by value
+            before = p.statistics().completed
             assert await p.map(funcs.square, range(100)) == [x * x for x in range(100)]
+            assert p.statistics().completed - before == 4  # two chunks per actor by default
             assert await p.map(funcs.async_square, numbers()) == [x * x for x in range(20)]
             assert await p.starmap(funcs.add, [(1, 2), (3, 4)]) == [3, 7]
             assert [x async for x in p.imap(funcs.square, range(20), 3)] == [
@@ -248,25 +250,6 @@ async def test_arrays_go_through_the_object_store_once_per_call(
             assert len(puts) == 2  # small arrays travel inside the task
             out = await p.apply(funcs.ones, (200_000,))
             assert out.sum() == 200_000 and not out.flags.writeable
-
-
-def test_chunk_depth_lets_a_maps_chunks_wait_in_the_least_loaded_actor() -> None:
-    """The scheduler rule aiomp.ray.Pool widens (``chunk_depth``): a map's sync chunks may
-    wait behind its own running chunks, up to the depth, spread over the workers; another
-    call's chunk never waits behind them."""
-    from tests.test_scheduler import Rig
-
-    r = Rig(2)
-    r.sched.chunk_depth = 3
-    a, b = r.handles
-    group = object()
-    chunks = [r.task(group=group) for _ in range(9)]
-    r.submit(*chunks)
-    assert len(a.sent) == len(b.sent) == 4  # one running and three waiting in each
-    assert r.sched.queued == 1
-    other = r.task(group=object())
-    r.submit(other)
-    assert other.tid not in a.sent + b.sent
 
 
 @pytest.mark.parametrize("anyio_backend", [("trio", {})], ids=["trio"])
