@@ -88,36 +88,40 @@ class ActorHandle:
 
     # -- refs -------------------------------------------------------------------------
     def _watch(self, ref: Any, done: Callable[[Any], None]) -> None:
-        """Call ``done(future)`` on the loop once ``ref`` has settled."""
+        """Call ``done(outcome)`` on the loop once ``ref`` has settled: its value, or the
+        exception that getting it raises (no method of the actor returns an exception)."""
         loop = self._loop
 
-        def settled(fut: Any) -> None:  # on Ray's thread
+        held: Any = ref
+
+        def settled(outcome: Any) -> None:  # on Ray's thread
+            nonlocal held
+            held = None  # kept until now: Ray crashes resolving a ref that nobody holds
             try:
-                loop.call_soon_threadsafe(done, fut)
+                loop.call_soon_threadsafe(done, outcome)
             except RuntimeError:  # the loop has closed: nobody is waiting any more
                 pass
 
-        ref.future().add_done_callback(settled)
+        # What ``ref.future()`` and ``await ref`` use, without a concurrent Future between.
+        ref._on_completed(settled)
 
     def init(self, blob: bytes) -> None:
         """Have the actor run the pool's initializer; ``on_ready`` gets the answer."""
         self.pending += 1
         self._watch(self.actor.init.remote(blob), self._init_done)
 
-    def _init_done(self, fut: Any) -> None:
+    def _init_done(self, answer: Any) -> None:
         self._settle()
-        exc = fut.exception()
-        if exc is not None:
-            self._died(exc)
+        if isinstance(answer, BaseException):
+            self._died(answer)
             return
-        answer = fut.result()
         if answer[0]:
             self._pid, self.node_id = answer[1], answer[2]
         self._on_ready(self, answer)
 
-    def _alive_done(self, fut: Any) -> None:
-        exc = fut.exception()
-        self._died(exc if exc is not None else RuntimeError("the actor's alive() returned"))
+    def _alive_done(self, outcome: Any) -> None:
+        self._died(outcome if isinstance(outcome, BaseException)
+                   else RuntimeError("the actor's alive() returned"))
         self._gone.set()
 
     def _died(self, exc: BaseException) -> None:
@@ -139,19 +143,18 @@ class ActorHandle:
         msg = task.message
         tid = task.tid
         self.pending += 1
-        self._watch(self._run(msg.blob, *msg.refs), lambda fut: self._task_done(tid, fut))
+        self._watch(self._run(msg.blob, *msg.refs), lambda out: self._task_done(tid, out))
         return True
 
-    def _task_done(self, tid: int, fut: Any) -> None:
+    def _task_done(self, tid: int, outcome: Any) -> None:
         self._settle()
-        exc = fut.exception()
-        if exc is None:
-            ok, value = fut.result()
+        if not isinstance(outcome, BaseException):
+            ok, value = outcome
             self._on_result(self, tid, ok, value)
-        elif isinstance(exc, self._actor_error):
-            self._died(exc)  # the scheduler fails the task once the exit is reported
+        elif isinstance(outcome, self._actor_error):
+            self._died(outcome)  # the scheduler fails the task once the exit is reported
         else:  # Ray could not run it or return its result (serialization, cancellation)
-            self._on_result(self, tid, False, exc)
+            self._on_result(self, tid, False, outcome)
 
     def send_exit(self) -> None:
         """The pool has no more tasks for the actor: it goes (killed, exit code 0)."""
@@ -163,7 +166,7 @@ class ActorHandle:
         """Cancel async task ``tid`` inside the actor (its coroutine sees CancelledError)."""
         if not self.closed:
             # Watched, so that Ray counts its error (the actor died meanwhile) as handled.
-            self._cancel(tid).future()
+            self._watch(self._cancel(tid), _ignore)
 
     def kill(self) -> None:
         """Have the watcher kill the actor (``ray.kill``) and report its exit."""
@@ -197,6 +200,10 @@ class ActorHandle:
             self.closed = True
             self._on_exit(self, self.exitcode, [])
             self.dead.set()
+
+
+def _ignore(_: object) -> None:
+    pass
 
 
 def _reason(exc: BaseException) -> str:
