@@ -10,10 +10,10 @@ A task arrives as ``run(blob, *arrays)``: ``blob`` is a pickle of
 persistent id ``i`` naming ``arrays[i]``. The arrays are top-level ``ObjectRef``
 arguments, so Ray resolves them from its object store before the call (zero-copy,
 read-only). ``fn_key`` is the function pickled once by the caller; the actor unpickles each
-distinct one once. The answer is ``(True, value)`` or ``(False, ErrorPayload)``: the same
-error payload as a process worker sends, so that the exception is raised in the caller as
-its own type with this traceback as its cause. Ray serializes the value (large arrays go
-through the object store).
+distinct one once. The answer is the value itself, or an ``ErrorPayload`` (no task returns
+one of those): the error payload a process worker sends, so that the exception is raised
+in the caller as its own type with this traceback as its cause. Ray serializes the value
+(large arrays go through the object store).
 
 This module imports ray only inside methods (the actor process has it anyway): the pool
 turns :class:`Worker` into an actor class, the module stays importable without Ray.
@@ -83,9 +83,10 @@ class Worker:
             return False, P.ErrorPayload.of(exc)
         return True, os.getpid(), ray.get_runtime_context().get_node_id()
 
-    async def run(self, blob: bytes, *arrays: Any) -> tuple[bool, Any]:
-        """Run one task (an ``apply`` call or a chunk of a map). Cancelled by :meth:`cancel`:
-        the function sees ``CancelledError``, and the answer is that error."""
+    async def run(self, blob: bytes, *arrays: Any) -> Any:
+        """Run one task (an ``apply`` call or a chunk of a map): its result, or the
+        ErrorPayload of its exception. Cancelled by :meth:`cancel`: the function sees
+        ``CancelledError``, and the answer is that error."""
         tid = 0
         try:
             tid, flags, key, items, kwds = loads(blob, arrays)
@@ -117,10 +118,10 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - CancelledError too: the pool asked
-            return False, P.ErrorPayload.of(exc)
+            return P.ErrorPayload.of(exc)
         finally:
             self._tasks.pop(tid, None)
-        return True, result
+        return result  # bare, as a plain actor method's (a tuple around it costs a pickle)
 
     async def cancel(self, tid: int) -> None:
         """(``ctl`` group) Cancel task ``tid`` if it is running: on the tasks' loop."""

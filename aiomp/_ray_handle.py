@@ -31,6 +31,7 @@ from typing import Any
 
 import anyio
 
+from ._protocol import ErrorPayload
 from ._scheduler import Task
 from ._wakeup import Signal
 
@@ -149,8 +150,7 @@ class ActorHandle:
     def _task_done(self, tid: int, outcome: Any) -> None:
         self._settle()
         if not isinstance(outcome, BaseException):
-            ok, value = outcome
-            self._on_result(self, tid, ok, value)
+            self._on_result(self, tid, not isinstance(outcome, ErrorPayload), outcome)
         elif isinstance(outcome, self._actor_error):
             self._died(outcome)  # the scheduler fails the task once the exit is reported
         else:  # Ray could not run it or return its result (serialization, cancellation)

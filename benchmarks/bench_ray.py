@@ -27,6 +27,15 @@ N_MAP = 10_000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+async def ready(pool: object, n: int) -> None:
+    """Wait until ``n`` actors are ready: a map before then runs on fewer."""
+    import anyio
+
+    with anyio.fail_after(120):
+        while len(pool.pids()) < n:  # type: ignore[attr-defined]  # noqa: ASYNC110 - no event for it
+            await anyio.sleep(0.05)
+
+
 class _Floor:
     """The floor's actor: an async method that does nothing."""
 
@@ -75,6 +84,7 @@ class RayPoolMap(h.Variant):
 
         self.pool = aiomp.ray.Pool(2, grace_period=1.0)
         await self.pool.__aenter__()
+        await ready(self.pool, 2)
 
     async def once(self) -> None:
         out = await self.pool.map(trivial, range(N_MAP))
@@ -92,7 +102,7 @@ class RayMpPoolMap(h.Variant):
     async def start(self) -> None:
         from ray.util.multiprocessing import Pool
 
-        self.pool = Pool(2)
+        self.pool = Pool(2)  # returns once its actors are up
 
     def once_sync(self) -> None:
         out = self.pool.map(trivial, range(N_MAP))
