@@ -43,8 +43,9 @@ Semantics (as ``aiomp.Pool``)
   replaces it; a running async task is first cancelled inside the actor (its coroutine sees
   ``CancelledError``), and its actor killed only if it has not finished within
   ``grace_period``. A queued task that is cancelled never starts.
-* ``map``'s default chunk size is ``ceil(n / (2 * processes))``, half as many chunks as
-  locally: a Ray call costs about a millisecond, far more than a local round trip.
+* ``map``'s default chunk size is ``ceil(n / processes)`` (times ``concurrency`` for an
+  async function), one chunk per slot rather than multiprocessing's four: a Ray call costs
+  about a millisecond, far more than a local round trip.
 * ``maxtasksperchild`` replaces an actor after that many tasks; ``initializer`` runs once
   in each actor (an async one on the actor's loop, which its async tasks share).
 
@@ -178,10 +179,12 @@ class Pool(_pool.Pool):
     Runs on asyncio and uvloop; under trio, entering it raises ``RuntimeError``.
     """
 
-    # A Ray call costs about a millisecond (a local worker's round trip: tens of us), far
-    # more than a small chunk's work: half multiprocessing's chunks per slot. Every chunk of
-    # a default map is then in flight at once (one running, one waiting in each actor).
-    _chunks_per_slot = 2
+    # One chunk per slot, not multiprocessing's four: a Ray call costs about a millisecond
+    # (a local worker's round trip: tens of us), the work of thousands of small items. More
+    # chunks would not balance the load better: the scheduler commits a map's chunks to the
+    # actors as they come (one running and one waiting in each), so they would only cost
+    # more calls.
+    _chunks_per_slot = 1
 
     def __init__(
         self,

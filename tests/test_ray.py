@@ -87,7 +87,7 @@ async def test_results() -> None:
             assert await p.apply(lambda x: x + 1, (1,)) == 2  # cloudpickled, by value
             before = p.statistics().completed
             assert await p.map(funcs.square, range(100)) == [x * x for x in range(100)]
-            assert p.statistics().completed - before == 4  # two chunks per actor by default
+            assert p.statistics().completed - before == 2  # a chunk per actor by default
             assert await p.map(funcs.async_square, numbers()) == [x * x for x in range(20)]
             assert await p.starmap(funcs.add, [(1, 2), (3, 4)]) == [3, 7]
             assert [x async for x in p.imap(funcs.square, range(20), 3)] == [
