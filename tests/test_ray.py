@@ -228,6 +228,10 @@ async def test_imap_endless_input_is_read_only_as_fast_as_consumed() -> None:
 @asyncio_only
 async def test_arrays_go_through_the_object_store_once_per_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large arrays are put once per call and arrive read-only; large results come back
+    through the object store. Pins a bug found while building this: a result in the object
+    store whose ref the handle did not hold until Ray's callback made Ray abort the whole
+    process (``ObjectUnknownOwner`` in ``PlasmaCallback``)."""
     big = np.arange(100_000, dtype=np.float64)  # 800 kB: above ARRAY_THRESHOLD
     small = np.arange(10, dtype=np.float64)
     puts = []
