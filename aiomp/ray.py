@@ -99,18 +99,38 @@ class ActorInfo:
     pid: int | None
 
 
+class _Puts:
+    """The arrays put into the object store for one call, shared by its tasks: ``id`` ->
+    ``(array, ref)`` (the array kept, so that its id names it alone). It lives while a task
+    of the call is unfinished, so that a call's later chunks reuse the puts of its earlier
+    ones, and no longer: a caller may change an array in place before its next call."""
+
+    __slots__ = ("entries", "group", "pending")
+
+    def __init__(self, group: object) -> None:
+        self.group = group
+        self.entries: dict[int, tuple[Any, Any]] = {}
+        self.pending = 0
+
+
 class _Call:
     """A task's message: its blob and the refs of the arrays it names (see the module
     docstring). Dropping the refs lets Ray free the arrays once the actor has them."""
 
-    __slots__ = ("blob", "refs")
+    __slots__ = ("_done", "blob", "refs")
 
-    def __init__(self, blob: bytes, refs: list[Any]) -> None:
+    def __init__(self, blob: bytes, refs: list[Any],
+                 done: Callable[[], None] | None = None) -> None:
         self.blob = blob
         self.refs = refs
+        self._done = done
 
     def close(self) -> None:
+        """The task is finished or dropped (maybe in a loop callback: nothing async)."""
         self.refs = []
+        done, self._done = self._done, None
+        if done is not None:
+            done()
 
     discard = close
 
@@ -180,10 +200,7 @@ class Pool(_pool.Pool):
     """
 
     # One chunk per slot, not multiprocessing's four: a Ray call costs about a millisecond
-    # (a local worker's round trip: tens of us), the work of thousands of small items. More
-    # chunks would not balance the load better: the scheduler commits a map's chunks to the
-    # actors as they come (one running and one waiting in each), so they would only cost
-    # more calls.
+    # (a local worker's round trip: tens of us), the work of thousands of small items.
     _chunks_per_slot = 1
 
     def __init__(
@@ -233,9 +250,7 @@ class Pool(_pool.Pool):
         self._started_ray = False  # this pool called ray.init: it shuts Ray down at exit
         # fn -> its cloudpickle (weak: the cache must not keep a function alive).
         self._fn_keys: weakref.WeakKeyDictionary[object, bytes] = weakref.WeakKeyDictionary()
-        # The arrays put for the latest call (a map's chunks share them): id -> (arr, ref).
-        self._put_group: object = None
-        self._put_memo: dict[int, tuple[Any, Any]] = {}
+        self._puts: _Puts | None = None  # the latest call's, while it has tasks
 
     def __repr__(self) -> str:
         state = ("new", "open", "closing", "closed")[self._state]
@@ -309,14 +324,14 @@ class Pool(_pool.Pool):
 
     async def _disconnect(self) -> None:
         """Shut down the Ray session this pool started (shielded; Ray bounds it)."""
-        self._put_group, self._put_memo = None, {}
+        self._puts = None
         if self._started_ray:
             self._started_ray = False
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._ray.shutdown)
 
     def _release_init(self) -> None:
-        self._put_group, self._put_memo = None, {}
+        self._puts = None
 
     # -- workers -----------------------------------------------------------------------
     def _spawn(self, slot: int) -> None:
@@ -407,9 +422,11 @@ class Pool(_pool.Pool):
             raise
 
     def _encode_with_arrays(self, task: tuple[Any, ...], ndarray: type, group: object) -> _Call:
-        if group is None or group is not self._put_group:
-            self._put_group, self._put_memo = group, {}
-        memo = self._put_memo
+        puts = self._puts
+        if group is None or puts is None or puts.group is not group:
+            puts = _Puts(group)
+            self._puts = puts if group is not None else None
+        memo = puts.entries
         refs: list[Any] = []
         index: dict[int, int] = {}  # id(array) -> its index among this task's refs
         put = self._ray.put
@@ -426,7 +443,16 @@ class Pool(_pool.Pool):
 
         buf = io.BytesIO()
         _Pickler(buf, ndarray, persist).dump(task)
-        return _Call(buf.getvalue(), refs)
+        if not refs:
+            return _Call(buf.getvalue(), refs)
+        puts.pending += 1
+
+        def done() -> None:
+            puts.pending -= 1
+            if not puts.pending and self._puts is puts:
+                self._puts = None  # the call is over: its arrays may change before the next
+
+        return _Call(buf.getvalue(), refs, done)
 
 
 for _cls in (Pool, ActorInfo):

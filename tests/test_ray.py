@@ -250,8 +250,11 @@ async def test_arrays_go_through_the_object_store_once_per_call(
             got = await p.starmap(funcs.array_info, [(big, i) for i in range(8)], chunksize=1)
             assert [t for _, _, t in got] == [big.sum() + i for i in range(8)]
             assert puts == [big.nbytes] * 2  # once for the whole call, not per chunk
+            big += 1  # changed in place between two calls: the next call puts it again
+            got = await p.starmap(funcs.array_info, [(big, 0)] * 2, chunksize=1)
+            assert [t for _, _, t in got] == [big.sum()] * 2 and len(puts) == 3
             assert (await p.apply(funcs.array_info, (small,)))[2] == small.sum()
-            assert len(puts) == 2  # small arrays travel inside the task
+            assert len(puts) == 3  # small arrays travel inside the task
             out = await p.apply(funcs.ones, (200_000,))
             assert out.sum() == 200_000 and not out.flags.writeable
 
