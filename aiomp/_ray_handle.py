@@ -13,11 +13,15 @@ scheduler (``on_result``), which resolves the caller's future: no anyio, no task
 
 :meth:`run` is the *watcher*, one task in the pool's task group per actor. It waits until
 the actor must go (:meth:`kill`, :meth:`send_exit`) or has gone (``alive`` failed, or a
-task's ref failed with ``RayActorError``), then ``ray.kill``\\ s it, waits (bounded by the
-grace period) until Ray confirms the death and every ref it was sent has settled, so that a
-task that finished just before the death keeps its result, and reports the exit. Every ref
-still unsettled then belonged to a dead actor: the scheduler fails those tasks with
-:class:`aiomp.BrokenWorkerError`.
+task's ref failed with ``RayActorError``), then ``ray.kill``\\ s it, waits (at most the
+grace period plus :data:`CONFIRM` seconds) until Ray confirms the death and every ref it was
+sent has settled, so that a task that finished just before the death keeps its result, and
+reports the exit. Every ref still unsettled then belonged to a dead actor: the scheduler
+fails those tasks with :class:`aiomp.BrokenWorkerError`.
+
+Each ref is held until its callback has run: Ray aborts the process when it resolves an
+object in its store whose ref nobody holds (``ray.ObjectRef.future`` holds it the same
+way).
 
 A task sent to an actor that has died but whose death the pool has not seen yet fails with
 the others it held: Ray cannot tell whether the actor started it.
