@@ -259,6 +259,25 @@ async def test_arrays_go_through_the_object_store_once_per_call(
             assert out.sum() == 200_000 and not out.flags.writeable
 
 
+def test_bad_arguments_raise_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="num_cpus"):
+        aiomp.ray.Pool(1, num_cpus=-1)
+    with pytest.raises(ValueError, match="num_gpus"):
+        aiomp.ray.Pool(1, num_gpus="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="initializer must be callable"):
+        aiomp.ray.Pool(1, initializer=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="processes"):
+        aiomp.ray.Pool(0)
+
+
+@asyncio_only
+async def test_default_processes_fill_the_cluster() -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.ray.Pool(num_cpus=2, grace_period=GRACE) as p:  # the head has 4
+            assert p.processes == 2
+            assert await p.apply(funcs.square, (2,)) == 4
+
+
 @pytest.mark.parametrize("anyio_backend", [("trio", {})], ids=["trio"])
 async def test_trio_is_refused_clearly() -> None:
     with pytest.raises(RuntimeError, match="asyncio and uvloop only"):
