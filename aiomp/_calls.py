@@ -4,7 +4,9 @@ Each call pickles its tasks in the caller (an argument that cannot be pickled ra
 the call site, before anything is sent), checks for cancellation, then hands them to the
 pool and waits. It uses a small part of :class:`aiomp.Pool`: ``_submit(task)``,
 ``_sched.drop(task)``, ``_abandon(tasks)`` (shielded here), ``_check_open()``, and the
-settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``.
+settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``, and two that
+``aiomp.ray.Pool`` sets its own way: ``_encode`` (None: tasks use the process workers'
+wire format) and ``_chunks_per_slot`` (map's default chunks per worker slot).
 
 Cancellation: a call made in a cancelled scope sends nothing (a checkpoint comes first;
 on the asyncio ``apply`` fast path, the task is handed to the pool by a loop callback
@@ -112,6 +114,8 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
         return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
                     define=info.define, group=group, index=index, size=size, on_done=on_done)
 
+    if pool._encode is not None:  # aiomp.ray: a message that Ray carries
+        return task(pool._encode(tid, fn, info, flags, items, kwds, group))
     try:
         if not kwds and type(items) is tuple:
             # apply(f, (1, "a")): nothing in it can carry an fd or an array.
@@ -235,7 +239,7 @@ async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int
     n = len(items)
     if chunksize is None:
         slots = pool._processes * (pool._concurrency if info.is_async else 1)
-        chunksize = max(1, math.ceil(n / (4 * slots)))
+        chunksize = max(1, math.ceil(n / (pool._chunks_per_slot * slots)))
     elif not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
     await anyio.lowlevel.checkpoint()

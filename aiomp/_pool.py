@@ -237,6 +237,12 @@ class Pool:
     See the module docstring of ``aiomp._pool`` for how tasks are dispatched.
     """
 
+    #: Turns a call into a task's message (see ``_calls.make_task``); None: the process
+    #: workers' wire format. ``aiomp.ray.Pool`` sets its own.
+    _encode: Callable[..., Any] | None = None
+    #: ``map``'s default chunk size makes this many chunks per worker slot.
+    _chunks_per_slot = 4
+
     def __init__(
         self,
         processes: int | None = None,
@@ -320,12 +326,8 @@ class Pool:
         if self._state != _NEW:
             raise RuntimeError("a Pool can be used in `async with` only once")
         await anyio.lowlevel.checkpoint_if_cancelled()
-        self._init = P.Message(P.OP_INIT, 0, 0, b"", (self._initializer, self._initargs))
         try:
-            if self._start_method == "fork":
-                _context.check_fork_safe()
-            elif self._start_method == "forkserver":
-                await _context.prepare_forkserver()
+            await self._prepare()
             tg = anyio.create_task_group()
             await tg.__aenter__()
         except BaseException:
@@ -349,6 +351,14 @@ class Pool:
             await _exit_task_group(tg, exc)
             raise
         return self
+
+    async def _prepare(self) -> None:
+        """What must be done before the first worker starts (``aiomp.ray.Pool`` has its own)."""
+        self._init = P.Message(P.OP_INIT, 0, 0, b"", (self._initializer, self._initargs))
+        if self._start_method == "fork":
+            _context.check_fork_safe()
+        elif self._start_method == "forkserver":
+            await _context.prepare_forkserver()
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> bool | None:

@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
-NAMES = ("spawn", "queue", "arrays", "torch", "pool", "cuda")
+NAMES = ("spawn", "queue", "arrays", "torch", "pool", "cuda", "ray")
 TITLES = {
     "spawn": "Spawn and failure propagation",
     "queue": "Small-message round trip",
@@ -33,6 +33,7 @@ TITLES = {
     "torch": "torch tensors through a queue",
     "pool": "Pool",
     "cuda": "CuPy arrays as CUDA IPC handles (needs a GPU)",
+    "ray": "aiomp.ray.Pool on a local Ray instance (needs Ray)",
 }
 RESULTS = os.path.join(HERE, "RESULTS.md")
 #: A comparison that runs longer than this is stopped and reported as an error.
