@@ -141,6 +141,10 @@ class ActorHandle:
             self._settled.set()
 
     # -- sending (never blocks, never touches anyio) -----------------------------------
+    def unsend(self, task: Task) -> bool:
+        """Ray queues a submitted call on its side, out of reach: it cannot be taken back."""
+        return False
+
     def send(self, task: Task) -> bool:
         """Submit ``task`` to the actor; False once the actor is known to be gone."""
         if self.closed:
