@@ -102,7 +102,7 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
     pool's workers could not import ``fn`` (a lambda, a function of an interactive
     ``__main__``): the same check as ``spawn``'s, once per function and start method."""
     method = pool._start_method
-    if method not in info.checked:
+    if method not in info.checked and pool._encode is None:  # (Ray pickles by value)
         _context.check_function(fn, method)
         info.checked.add(method)
     tid = next(_tids)

@@ -176,8 +176,9 @@ class ActorHandle:
             # Watched, so that Ray counts its error (the actor died meanwhile) as handled.
             self._watch(self._cancel(tid), _ignore)
 
-    def kill(self) -> None:
-        """Have the watcher kill the actor (``ray.kill``) and report its exit."""
+    def kill(self, now: bool = False) -> None:
+        """Have the watcher kill the actor (``ray.kill``, which does not wait: ``now`` is
+        how it always kills) and report its exit."""
         if not self._stop.is_set():
             self.exitcode = KILLED
             self._stop.set()

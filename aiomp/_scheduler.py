@@ -135,8 +135,9 @@ class Handle(Protocol):
     def send_exit(self) -> None:
         """Ask the worker to exit once it has sent its results."""
 
-    def kill(self) -> None:
-        """Terminate the worker (SIGTERM, grace period, SIGKILL); report its exit later."""
+    def kill(self, now: bool = False) -> None:
+        """Terminate the worker (SIGTERM, grace period, SIGKILL; with ``now``, SIGKILL at
+        once); report its exit later."""
 
 
 class Worker:

@@ -47,7 +47,7 @@ class FakeHandle:
     def send_exit(self) -> None:
         self.exit_requested = True
 
-    def kill(self) -> None:
+    def kill(self, now: bool = False) -> None:
         self.killed = True
 
 
