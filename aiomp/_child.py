@@ -148,6 +148,54 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> 
     sock.close()
 
 
+UNGUARDED_MAIN = (
+    "this child re-ran the parent's main module while starting, and that module starts "
+    "aiomp processes when imported: protect the entry point with "
+    "`if __name__ == \"__main__\":` (spawn and forkserver children import the main "
+    "module; only the guard keeps them from running the program again)"
+)
+
+
+def refuse_unguarded_main() -> None:
+    """Report :data:`UNGUARDED_MAIN` to the parent and exit at once (status 1).
+
+    Called in a spawn child that is still importing its parent's ``__main__``, before
+    multiprocessing has handed it its control socket: the socket is found among the
+    inherited fds as the unix seqpacket socket whose peer is the parent. A Pool worker
+    (stream channel) or a child without one prints the line on stderr instead.
+    """
+    sock = _inherited_report_socket()
+    if sock is not None:
+        report_error(sock, RuntimeError(UNGUARDED_MAIN), "", traceback=False)
+        sock.close()
+    else:
+        os.write(2, f"aiomp: {UNGUARDED_MAIN}\n".encode())
+    os._exit(1)
+
+
+def _inherited_report_socket() -> socket.socket | None:
+    import struct
+
+    ppid = os.getppid()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if (sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET
+                    and struct.unpack("3i", cred)[0] == ppid):
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    return None
+
+
 def send_message(sock: socket.socket, out: _reduction.Outgoing) -> None:
     try:
         datagram, fds, extra = _transport.encode(out.body, out.fds)
@@ -162,16 +210,23 @@ def send_message(sock: socket.socket, out: _reduction.Outgoing) -> None:
         out.close()
 
 
-def format_error(exc: BaseException, context: str = "") -> str:
-    import traceback
+def format_error(exc: BaseException, context: str = "", traceback: bool = True) -> str:
+    if traceback:
+        import traceback as tb
 
-    text = "".join(traceback.format_exception(exc))
+        text = "".join(tb.format_exception(exc))
+    else:
+        text = f"{type(exc).__name__}: {exc}\n"
     return f"{context}:\n{text}" if context else text
 
 
-def report_error(sock: socket.socket, exc: BaseException, context: str = "") -> None:
-    """Send ``("err", traceback text, exc or None)``; the text always arrives."""
-    text = format_error(exc, context)
+def report_error(sock: socket.socket, exc: BaseException, context: str = "",
+                 traceback: bool = True) -> None:
+    """Send ``("err", traceback text, exc or None)``; the text always arrives.
+
+    ``traceback=False`` sends only the exception's one-line summary as the text.
+    """
+    text = format_error(exc, context, traceback)
     try:
         out = _reduction.dumps(("err", text, exc))
         _reduction.loads(out.body, [])  # the parent must be able to rebuild it

@@ -79,13 +79,11 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     if not callable(fn):
         raise TypeError(f"{what} must be callable, not {type(fn).__name__}")
     if start_method != "fork":
-        module = getattr(fn, "__module__", None)
-        main = sys.modules.get("__main__")
-        if module == "__main__" and not getattr(main, "__file__", None):
+        if getattr(fn, "__module__", None) == "__main__" and not _main_importable():
             raise pickle.PicklingError(
-                f"{what}={fn!r} is defined in an interactive __main__ (a notebook or REPL), "
-                f"which {start_method} children cannot import: move it into a module, "
-                "or use start_method='fork'"
+                f"{what}={fn!r} is defined in an interactive __main__ (a notebook, a REPL, "
+                f"`python -c` or a script read from stdin), which {start_method} children "
+                "cannot import: move it into a module, or use start_method='fork'"
             )
         try:
             _reduction.dumps(fn).discard()  # a trial: undo what it promised
@@ -98,6 +96,30 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
+
+
+def _main_importable() -> bool:
+    """Whether spawn/forkserver children can import ``__main__``: it was run by module
+    name (``python -m``) or from a file. A notebook, a REPL and ``python -c`` have no
+    file; ``python -`` names ``<stdin>``, which a child cannot read again."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None:
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def check_not_bootstrapping() -> None:
+    """Stop a spawn child that is re-running its parent's unguarded main module.
+
+    A spawn child imports the parent's ``__main__`` before it runs anything; a script
+    without an ``if __name__ == "__main__":`` guard starts aiomp processes again right
+    there. multiprocessing would refuse with a long traceback in every child (and the
+    parent would see only "exit code 1"); instead the child reports one line to its
+    parent and exits. See :func:`aiomp._child.refuse_unguarded_main`.
+    """
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        _child.refuse_unguarded_main()
 
 
 def check_fork_safe() -> None:
@@ -215,10 +237,19 @@ class _Child:
             return
         try:
             got = _transport.try_recv(self.sock)
-        except _transport.Closed:
-            self.sock.close()
-            self.sock = None
-            return
+        except _transport.Closed as exc:
+            # A child that exits with our message unread makes the kernel report
+            # ECONNRESET once, ahead of what it sent: its report may still be queued.
+            got = None
+            if isinstance(exc.__cause__, ConnectionResetError):
+                try:
+                    got = _transport.try_recv(self.sock)
+                except (_transport.Closed, OSError):
+                    pass
+            if got is None:
+                self.sock.close()
+                self.sock = None
+                return
         except OSError as exc:
             self.outcome = ("err", ProcessRaisedException(
                 f"process {self.rank} (pid {self.pid}) sent a report that could not be "
@@ -238,7 +269,8 @@ class _Child:
             self.outcome = ("ok", msg[1])
         else:
             self.outcome = ("err", ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1]}", self.rank, self.pid))
+                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1].rstrip()}", self.rank,
+                self.pid))
 
     async def wait_message(self) -> None:
         """Wait until the child's report has arrived or its socket has closed."""
@@ -513,6 +545,7 @@ async def start_children(
     daemon: bool,
     grace_period: float,
 ) -> ProcessContext:
+    check_not_bootstrapping()
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, not {nprocs!r}")
     check_start_method(start_method)
@@ -572,6 +605,7 @@ def launch(target: Callable[..., object], rank: int, start_method: str, daemon: 
     Pool worker's channel). Returns at once (the child boots concurrently). Call
     :func:`prepare_forkserver` first for ``"forkserver"``.
     """
+    check_not_bootstrapping()
     mp: Any = multiprocessing.get_context(start_method)
     pair = _transport.stream_socketpair if stream else _transport.socketpair
     parent_sock, child_sock = pair()

@@ -1003,6 +1003,70 @@ async def test_function_from_interactive_main(monkeypatch: pytest.MonkeyPatch) -
     _no_process_started()
 
 
+_STDIN_SCRIPT = textwrap.dedent("""
+    import pickle
+
+    import anyio
+
+    import aiomp
+
+    def work(rank):
+        return rank
+
+    async def main():
+        try:
+            await aiomp.spawn(work, 1)
+        except pickle.PicklingError as exc:
+            print("refused:", exc)
+
+    anyio.run(main)
+""")
+
+
+def test_function_from_a_script_read_from_stdin() -> None:
+    """Regression (issue 11): a function defined in ``python -`` was not detected; the
+    child died with ``FileNotFoundError: '<stdin>'`` and the parent saw "exit code 1"."""
+    out = subprocess.run([sys.executable, "-"], input=_STDIN_SCRIPT, cwd=REPO, text=True,
+                         capture_output=True, timeout=TIMEOUT)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout
+    assert "interactive __main__" in out.stdout and "python -" in out.stdout
+
+
+_UNGUARDED = textwrap.dedent("""
+    import anyio
+
+    import aiomp
+
+    def work(rank):
+        return rank
+
+    async def main():
+        async with aiomp.spawn(work, 4, grace_period=1):
+            pass
+
+    anyio.run(main)  # no `if __name__ == "__main__":` guard
+""")
+
+
+def test_unguarded_main_module_gets_a_one_line_hint(tmp_path: Path) -> None:
+    """Regression (issue 11): a script without the ``__main__`` guard made every spawned
+    child re-run it; multiprocessing's "bootstrapping phase" error came out of each child
+    in 115 to 346 lines, and the parent said only "exit code 1". Now each child reports
+    one line and the parent's exception carries it."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED)
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=TIMEOUT)
+    assert out.returncode == 1
+    lines = out.stderr.splitlines()
+    assert len(lines) < 60, out.stderr
+    assert "bootstrapping phase" not in out.stderr
+    assert lines[-1].startswith("RuntimeError: this child re-ran the parent's main module")
+    assert 'protect the entry point with `if __name__ == "__main__":`' in lines[-1]
+    assert any(line.startswith("aiomp.ProcessRaisedException: process ") for line in lines)
+
+
 @pytest.mark.anyio
 async def test_coroutine_object_instead_of_function() -> None:
     coro = funcs.async_echo(0)
