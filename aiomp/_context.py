@@ -207,10 +207,15 @@ class _Child:
                 pass
 
     def terminate(self) -> None:
-        """SIGTERM it, logged as torch logs it; once (concurrent terminations share it)."""
+        """SIGTERM it, logged as torch logs it; once (concurrent terminations share it).
+
+        A child that has already sent its report is on its way out: it is signalled
+        too, in case it hangs on exit, but not logged as a survivor.
+        """
         if not (self.sent_term or self.sent_kill or self.poll_exit()):
             self.sent_term = True
-            log.warning("Terminating process %d via signal SIGTERM", self.pid)
+            if self.outcome is None:
+                log.warning("Terminating process %d via signal SIGTERM", self.pid)
             self.signal(signal.SIGTERM)
 
     def kill(self, why: str = "") -> None:

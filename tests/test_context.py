@@ -27,6 +27,7 @@ import pytest
 
 import aiomp
 from tests import _funcs as funcs
+from tests import _funcs_context as funcs_context
 from tests._gate import Gate
 
 #: Bound on every await on a child. Generous: two shared cores, cold interpreters.
@@ -337,10 +338,16 @@ async def test_killed_by_signal(start_method: str, sig: signal.Signals) -> None:
 
 @pytest.mark.anyio
 async def test_sigint_in_child_is_failure(gate: Gate) -> None:
-    """R9: Ctrl-C reaches the whole process group; a child it interrupts has failed."""
+    """R9: Ctrl-C reaches the whole process group; a child it interrupts has failed.
+
+    Regression (issue 11, the loaded-machine flake: a timeout, then 4 leaked pipe fds):
+    the child blocked in a ``signal.pause()`` loop, and a SIGINT that landed just before
+    ``pause()`` started was handled at the C level while ``pause()`` slept on, so the
+    child never raised (3 hangs in 400 tries under load). It now waits race-free.
+    """
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs_context.ready_then_wait_for_signals, 2,
+                                args=(gate.address,), grace_period=GRACE)
         pids = await gate.ready(2)
         os.kill(pids[0], signal.SIGINT)
         with pytest.raises(aiomp.ProcessException) as info:
@@ -756,12 +763,17 @@ async def test_cancelled_terminate_still_kills_and_reaps(
 
 _DOUBLE_SIGINT_PARENT = textwrap.dedent("""
     import asyncio
+    import signal
     import sys
 
     import anyio
 
     import aiomp
     from tests import _funcs
+
+    # As run from a terminal: a test run started in the background inherits SIGINT
+    # ignored, and then neither asyncio nor trio would install its Ctrl-C handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def main():
         address = "\\0" + sys.argv[1]  # abstract socket: argv cannot hold the NUL
@@ -827,12 +839,15 @@ def test_double_sigint_kills_children_and_exits(loop: str, gate: Gate) -> None:
 
 
 _EXIT_WITH_CHILDREN = textwrap.dedent("""
+    import signal
     import sys
 
     import anyio
 
     import aiomp
     from tests import _funcs
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as run from a terminal
 
     async def main():
         address = "\\0" + sys.argv[1]
