@@ -116,8 +116,31 @@ def reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> None:
+def redirect_output(ends: tuple[socket.socket, socket.socket]) -> None:
+    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``), line-buffered."""
+    for fd, end in zip((1, 2), ends, strict=True):
+        os.dup2(end.fileno(), fd)
+        end.close()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        try:
+            ours = stream.fileno() == fd
+        except (AttributeError, OSError, ValueError):
+            ours = False
+        if ours and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)  # a line written is a line sent
+        else:
+            # A fork child inherits whatever the parent had put there (pytest's capture,
+            # an app's redirection), which would not reach the fd.
+            setattr(sys, name, open(fd, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
+                                    closefd=False))
+
+
+def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
+         output: tuple[socket.socket, socket.socket] | None = None) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
+    if output is not None:
+        redirect_output(output)
     reset_signals()
     set_parent_death_signal()
     if not _parent_alive(parent_pid):

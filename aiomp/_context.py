@@ -41,7 +41,7 @@ from typing import Any
 
 import anyio
 
-from . import _child, _reduction, _transport
+from . import _child, _output, _reduction, _transport
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -148,8 +148,10 @@ class _Child:
     """One child process and the fds aiomp holds for it. Owned by a ProcessContext."""
 
     def __init__(self, rank: int, process: multiprocessing.process.BaseProcess,
-                 sock: socket.socket, start_method: str, report: bool = True) -> None:
+                 sock: socket.socket, start_method: str, report: bool = True,
+                 output: _output.Forwarder | None = None) -> None:
         self.rank = rank
+        self.output = output  # its stdout/stderr, forwarded; closed once it has exited
         # report: the socket carries one final report that poll_message reads. A Pool
         # worker's socket carries a stream of messages its owner reads instead.
         self.report = report
@@ -177,6 +179,8 @@ class _Child:
             if code is not None:
                 self.exitcode = code
                 _running.discard(self)
+                if self.output is not None:
+                    self.output.close()  # forwards what it wrote last
                 self.poll_message()
                 self._release()
                 if code != 0:
@@ -549,8 +553,10 @@ async def start_children(
     start_method: str,
     daemon: bool,
     grace_period: float,
+    output: _output.Output = "prefix",
 ) -> ProcessContext:
     check_not_bootstrapping()
+    _output.check_output(output)
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, not {nprocs!r}")
     check_start_method(start_method)
@@ -572,7 +578,9 @@ async def start_children(
             await prepare_forkserver()
         for rank in range(nprocs):
             target_fn = fn if start_method == "fork" else None
-            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,)))
+            fw = None if output == "inherit" else _output.Forwarder(rank, output)
+            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,),
+                                   output=fw))
         payload.copies(len(children))  # one message, sent to every child
         for c in children:
             assert c.sock is not None
@@ -603,12 +611,17 @@ async def prepare_forkserver() -> None:
 
 def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
            extra: tuple[object, ...] = (), name: str | None = None,
-           report: bool = True, stream: bool = False) -> _Child:
+           report: bool = True, stream: bool = False,
+           output: _output.Forwarder | None = None) -> _Child:
     """Start one process running ``target(rank, control_socket, parent_pid, *extra)``.
 
     The control socket is a datagram socket pair, or a stream pair with ``stream`` (a
-    Pool worker's channel). Returns at once (the child boots concurrently). Call
-    :func:`prepare_forkserver` first for ``"forkserver"``.
+    Pool worker's channel). With ``output``, the target also gets
+    ``output=(stdout_end, stderr_end)`` as a keyword, to hand to
+    :func:`aiomp._child.redirect_output` first thing; the returned child owns the
+    forwarder from then on (and it is closed here if the start fails). Returns at once
+    (the child boots concurrently). Call :func:`prepare_forkserver` first for
+    ``"forkserver"``. Must run on the event loop's thread, in a task.
     """
     check_not_bootstrapping()
     mp: Any = multiprocessing.get_context(start_method)
@@ -618,16 +631,21 @@ def launch(target: Callable[..., object], rank: int, start_method: str, daemon: 
         proc = mp.Process(
             target=target,
             args=(rank, child_sock, os.getpid(), *extra),
+            kwargs={} if output is None else {"output": output.child_ends()},
             daemon=daemon,
             name=name or f"aiomp-{rank}",
         )
         proc.start()
+        if output is not None:
+            output.start()
     except BaseException:
         parent_sock.close()
+        if output is not None:
+            output.close()
         raise
     finally:
         child_sock.close()
-    return _Child(rank, proc, parent_sock, start_method, report)
+    return _Child(rank, proc, parent_sock, start_method, report, output)
 
 
 class SpawnHandle:
@@ -640,8 +658,8 @@ class SpawnHandle:
     """
 
     def __init__(self, fn: object, nprocs: int, args: tuple[object, ...], start_method: str,
-                 daemon: bool, grace_period: float) -> None:
-        self._params = (fn, nprocs, args, start_method, daemon, grace_period)
+                 daemon: bool, grace_period: float, output: _output.Output) -> None:
+        self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -712,6 +730,7 @@ def spawn(
     start_method: str = "spawn",
     daemon: bool = False,
     grace_period: float = 5.0,
+    output: _output.Output = "prefix",
 ) -> SpawnHandle:
     """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
 
@@ -723,8 +742,13 @@ def spawn(
     Raises ``ValueError`` for an unknown ``start_method`` or ``nprocs < 1``, and
     ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` children could not run, before
     any process starts. Starting never blocks the event loop.
+
+    ``output``: ``"prefix"`` (the default) forwards each line a child writes to its
+    fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
+    read on the event loop (see ``aiomp._output``); ``"inherit"`` leaves the children
+    the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
     """
-    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)
 
 
 def start_processes(
@@ -735,9 +759,10 @@ def start_processes(
     start_method: str = "spawn",
     daemon: bool = False,
     grace_period: float = 5.0,
+    output: _output.Output = "prefix",
 ) -> SpawnHandle:
     """The torch-compatible name of :func:`spawn`."""
-    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)
 
 
 for _obj in (ProcessContext, spawn, start_processes):
