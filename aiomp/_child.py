@@ -116,28 +116,34 @@ def reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def redirect_output(ends: tuple[socket.socket, socket.socket]) -> None:
-    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``), line-buffered."""
-    for fd, end in zip((1, 2), ends, strict=True):
+def redirect_output(ends: tuple[socket.socket, socket.socket, bool]) -> None:
+    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``).
+
+    ``sys.stdout`` is line-buffered when the third item says so (the parent's stdout is
+    a terminal), as it would have been on the inherited fd; ``sys.stderr`` always is.
+    """
+    out, err, line_buffered = ends
+    for fd, end in ((1, out), (2, err)):
         os.dup2(end.fileno(), fd)
         end.close()
     for fd, name in ((1, "stdout"), (2, "stderr")):
         stream = getattr(sys, name)
+        lines = line_buffered or fd == 2
         try:
             ours = stream.fileno() == fd
         except (AttributeError, OSError, ValueError):
             ours = False
         if ours and hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)  # a line written is a line sent
+            stream.reconfigure(line_buffering=lines)
         else:
             # A fork child inherits whatever the parent had put there (pytest's capture,
             # an app's redirection), which would not reach the fd.
-            setattr(sys, name, open(fd, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
-                                    closefd=False))
+            setattr(sys, name, open(fd, "w", buffering=1 if lines else -1,  # noqa: SIM115
+                                    errors="backslashreplace", closefd=False))
 
 
 def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
-         output: tuple[socket.socket, socket.socket] | None = None) -> None:
+         output: tuple[socket.socket, socket.socket, bool] | None = None) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
     if output is not None:
         redirect_output(output)

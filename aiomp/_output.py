@@ -79,8 +79,16 @@ class Forwarder:
             self.close()
             raise
 
-    def child_ends(self) -> tuple[socket.socket, socket.socket]:
-        return self._child[0], self._child[1]
+    def child_ends(self) -> tuple[socket.socket, socket.socket, bool]:
+        """What the child passes to :func:`aiomp._child.redirect_output`: the two write
+        ends, and whether to line-buffer its ``sys.stdout``: as it would be on the fds it
+        would otherwise inherit (a terminal: yes; a pipe or file: block-buffered, the
+        fast way, flushed at exit)."""
+        try:
+            tty = sys.stdout.isatty()
+        except (AttributeError, ValueError, OSError):
+            tty = False
+        return self._child[0], self._child[1], tty
 
     def start(self) -> None:
         """Close our copies of the child's ends and start reading on the running loop."""

@@ -13,6 +13,7 @@ def write_lines(rank: int, n: int) -> int:
     for i in range(n):
         print(f"out {rank} {i}")
         os.write(2, f"err {rank} {i}\n".encode())
+    sys.stdout.flush()  # block-buffered (the test's stdout is no terminal), like a pipe
     os.write(1, b"bad utf-8 \xff\n")
     print(f"last {rank}", end="")
     sys.stdout.flush()
@@ -20,7 +21,7 @@ def write_lines(rank: int, n: int) -> int:
 
 
 def write_then_crash(rank: int, how: str) -> None:
-    print(f"before the crash {rank}")
+    print(f"before the crash {rank}", flush=True)  # written to the fd: must arrive
     os.write(1, b"partial, no newline")
     if how == "segv":
         import faulthandler
