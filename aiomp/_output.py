@@ -4,7 +4,8 @@ Each child's fd 1 and fd 2 become the write ends of two unix stream sockets whos
 ends the parent holds in one :class:`Forwarder` per child. Output is caught at the fd
 level, so C extensions and subprocesses are caught too. The parent reads on its event
 loop with no thread and no polling: an ``add_reader`` callback on asyncio and uvloop,
-a system task under trio (which has no reader callbacks). Neither touches anyio: a
+a system task under trio (which has no reader callbacks); a read waits
+:data:`COALESCE` after readiness, so many small writes cost one wake-up. Neither touches anyio: a
 callback of a plain ``asyncio.run`` loop cannot use it.
 
 Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
@@ -16,7 +17,7 @@ Nothing is lost: when the child has exited, :meth:`Forwarder.close` reads what i
 in the socket (what a child wrote just before a SIGSEGV or SIGKILL included) and flushes
 a last partial line. Buffering is bounded by the kernel's socket buffer: while the
 parent's loop is blocked, a child that writes more than that waits in ``write()`` until
-the loop runs again, and goes on then.
+the loop runs again, and goes on then. The child's end asks for a 4 MiB buffer.
 
 The Pool reuses this with ``label="worker"``: a Forwarder per worker, its
 :meth:`child_ends` passed to ``_context.launch(..., output=...)``, and
@@ -31,6 +32,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import _transport
+
 log = logging.getLogger("aiomp")
 
 #: ``(rank, stream, line)``: ``stream`` is ``"stdout"`` or ``"stderr"``, ``line`` has no
@@ -40,6 +43,11 @@ Output = str | LineCallback
 
 STREAMS = ("stdout", "stderr")
 _CHUNK = 256 * 1024
+#: Once a child's output is readable, wait this long before reading it, so that a child
+#: writing many small pieces (unbuffered, PYTHONUNBUFFERED=1) costs the parent one
+#: wake-up per batch, not one per write. Only while output flows; the line is late by
+#: at most this much.
+COALESCE = 0.002
 
 
 def check_output(output: object) -> None:
@@ -66,6 +74,7 @@ class Forwarder:
         self._child: list[socket.socket] = []
         self._partial = [b"", b""]
         self._loop: Any = None
+        self._timers: list[Any] = [None, None]  # asyncio: the pending coalescing read
         self._trio_scopes: list[Any] = []
         try:
             for _ in STREAMS:
@@ -75,6 +84,9 @@ class Forwarder:
                 ours.setblocking(False)
                 ours.shutdown(socket.SHUT_WR)
                 theirs.shutdown(socket.SHUT_RD)
+                # Room for a few thousand small writes (each costs ~1 KiB of kernel
+                # accounting) while the parent is busy or coalescing.
+                _transport._grow_buffers(theirs)
         except BaseException:
             self.close()
             raise
@@ -115,7 +127,7 @@ class Forwarder:
 
         with trio.CancelScope() as scope:
             self._trio_scopes.append(scope)
-            while self._read(i):
+            while self._read(i, drain=True):
                 s = self._parent[i]
                 if s is None:
                     return
@@ -123,9 +135,22 @@ class Forwarder:
                     await trio.lowlevel.wait_readable(s)
                 except (trio.ClosedResourceError, OSError):
                     return
+                await trio.sleep(COALESCE)
 
     def _on_readable(self, i: int) -> None:
-        if not self._read(i):
+        s = self._parent[i]
+        if s is not None and self._timers[i] is None:
+            self._loop.remove_reader(s.fileno())
+            self._timers[i] = self._loop.call_later(COALESCE, self._read_batch, i)
+
+    def _read_batch(self, i: int) -> None:
+        self._timers[i] = None
+        s = self._parent[i]
+        if s is None:
+            return
+        if self._read(i, drain=True):
+            self._loop.add_reader(s.fileno(), self._on_readable, i)
+        else:
             self._detach(i)
 
     def _read(self, i: int, drain: bool = False) -> bool:
@@ -175,6 +200,9 @@ class Forwarder:
             return
         self._parent[i] = None
         if self._loop is not None:
+            timer, self._timers[i] = self._timers[i], None
+            if timer is not None:
+                timer.cancel()
             try:
                 self._loop.remove_reader(s.fileno())
             except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
