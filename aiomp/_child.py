@@ -116,13 +116,15 @@ def reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def redirect_output(ends: tuple[socket.socket, socket.socket, bool]) -> None:
+def redirect_output(ends: tuple[socket.socket, socket.socket, bool, socket.socket, int],
+                    ) -> None:
     """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``).
 
     ``sys.stdout`` is line-buffered when the third item says so (the parent's stdout is
     a terminal), as it would have been on the inherited fd; ``sys.stderr`` always is.
+    The records socket and level are for :func:`forward_logging`, once fn is loaded.
     """
-    out, err, line_buffered = ends
+    out, err, line_buffered, _, _ = ends
     for fd, end in ((1, out), (2, err)):
         os.dup2(end.fileno(), fd)
         end.close()
@@ -142,8 +144,51 @@ def redirect_output(ends: tuple[socket.socket, socket.socket, bool]) -> None:
                                     errors="backslashreplace", closefd=False))
 
 
+def forward_logging(sock: socket.socket, level: int) -> None:
+    """Send this process's logging records to the parent (``aiomp._output``).
+
+    Only when ``logging`` is already imported (by fn's module; a child that never logs
+    does not pay for it), and only as ``logging.lastResort``: the handler Python uses
+    when the code configured none, so a function that configures logging itself keeps
+    its own. Records below ``level`` (the parent's effective root level) stay here.
+    """
+    if "logging" not in sys.modules:
+        sock.close()
+        return
+    import logging
+    import pickle
+
+    class ToParent(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                d = dict(record.__dict__)
+                d["msg"], d["args"] = record.getMessage(), None
+                if record.exc_info and not record.exc_text:
+                    d["exc_text"] = logging.Formatter().formatException(record.exc_info)
+                d["exc_info"] = None
+                d.pop("message", None)
+                try:
+                    data = pickle.dumps(d)
+                except Exception:  # noqa: BLE001 - an unpicklable `extra`: the basics go
+                    data = pickle.dumps({k: d[k] for k in _RECORD_BASICS if k in d})
+                sock.send(data)
+            except Exception:  # noqa: BLE001 - as any handler: report, never raise
+                self.handleError(record)
+
+    logging.lastResort = ToParent()
+    root = logging.getLogger()
+    if not root.handlers:
+        root.setLevel(level)
+
+
+_RECORD_BASICS = ("name", "msg", "levelname", "levelno", "pathname", "filename", "module",
+                  "lineno", "funcName", "created", "msecs", "relativeCreated", "thread",
+                  "threadName", "processName", "process", "exc_text", "stack_info")
+
+
 def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
-         output: tuple[socket.socket, socket.socket, bool] | None = None) -> None:
+         output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+         ) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
     if output is not None:
         redirect_output(output)
@@ -159,6 +204,8 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
     if fn is None:
         fn = payload_fn
     del got, body, fds
+    if output is not None:
+        forward_logging(output[3], output[4])
     try:
         result = run_fn(fn, (rank, *args), is_async)
     except SystemExit:

@@ -13,6 +13,13 @@ parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirectio
 pytest's capture see it); a callable receives ``(rank, stream, line)``. Bytes that are
 not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated.
 
+Logging records travel as records: unless the child's code configures logging itself,
+a record at the parent's effective root level or above goes (pickled, its message
+already formatted, exception info as text) over a third socket and is re-emitted with
+``logging.getLogger(record.name).handle(record)``, so the parent's handlers, formatters
+and filters apply; ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` are
+set. See :func:`aiomp._child.forward_logging` for the child's side.
+
 Nothing is lost: when the child has exited, :meth:`Forwarder.close` reads what is left
 in the socket (what a child wrote just before a SIGSEGV or SIGKILL included) and flushes
 a last partial line. Buffering is bounded by the kernel's socket buffer: while the
@@ -27,6 +34,7 @@ The Pool reuses this with ``label="worker"``: a Forwarder per worker, its
 from __future__ import annotations
 
 import logging
+import pickle
 import socket
 import sys
 from collections.abc import Callable
@@ -43,6 +51,7 @@ Output = str | LineCallback
 
 STREAMS = ("stdout", "stderr")
 _CHUNK = 256 * 1024
+_RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr as text
 #: Once a child's output is readable, wait this long before reading it, so that a child
 #: writing many small pieces (unbuffered, PYTHONUNBUFFERED=1) costs the parent one
 #: wake-up per batch, not one per write. Only while output flows; the line is late by
@@ -68,17 +77,19 @@ class Forwarder:
 
     def __init__(self, rank: int, output: Output, label: str = "rank") -> None:
         self.rank = rank
+        self._label = label
         self._prefix = f"[{label} {rank}] "
         self._output = output
         self._parent: list[socket.socket | None] = []
         self._child: list[socket.socket] = []
         self._partial = [b"", b""]
         self._loop: Any = None
-        self._timers: list[Any] = [None, None]  # asyncio: the pending coalescing read
+        self._timers: list[Any] = [None, None, None]  # asyncio: pending coalescing reads
         self._trio_scopes: list[Any] = []
         try:
-            for _ in STREAMS:
-                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            # stdout, stderr (byte streams), then logging records (one datagram each)
+            for kind in (socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+                ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent.append(ours)
                 self._child.append(theirs)
                 ours.setblocking(False)
@@ -91,16 +102,18 @@ class Forwarder:
             self.close()
             raise
 
-    def child_ends(self) -> tuple[socket.socket, socket.socket, bool]:
-        """What the child passes to :func:`aiomp._child.redirect_output`: the two write
-        ends, and whether to line-buffer its ``sys.stdout``: as it would be on the fds it
-        would otherwise inherit (a terminal: yes; a pipe or file: block-buffered, the
-        fast way, flushed at exit)."""
+    def child_ends(self) -> tuple[socket.socket, socket.socket, bool, socket.socket, int]:
+        """What the child passes to :func:`aiomp._child.redirect_output`: the stdout and
+        stderr write ends; whether to line-buffer its ``sys.stdout`` (as it would be on
+        the fd it would otherwise inherit: a terminal yes, a pipe or file no, the fast
+        way, flushed at exit); the logging records' end; and the parent's effective
+        root logging level, the least a record needs to be sent."""
         try:
             tty = sys.stdout.isatty()
         except (AttributeError, ValueError, OSError):
             tty = False
-        return self._child[0], self._child[1], tty
+        level = logging.getLogger().getEffectiveLevel()
+        return self._child[0], self._child[1], tty, self._child[2], level
 
     def start(self) -> None:
         """Close our copies of the child's ends and start reading on the running loop."""
@@ -158,18 +171,32 @@ class Forwarder:
         s = self._parent[i]
         while s is not None:
             try:
-                data = s.recv(_CHUNK)
+                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
                 data = b""
             if not data:
-                self._emit(i, b"", final=True)
+                if i < 2:
+                    self._emit(i, b"", final=True)
                 return False
-            self._emit(i, data)
+            if i < 2:
+                self._emit(i, data)
+            else:
+                self._emit_record(data)
             if not drain:
                 return True
         return False
+
+    def _emit_record(self, data: bytes) -> None:
+        """Re-emit a child's logging record through this process's logger of its name."""
+        try:
+            record = logging.makeLogRecord(pickle.loads(data))
+            setattr(record, self._label, self.rank)
+            record.pid = record.process
+            logging.getLogger(record.name).handle(record)
+        except Exception:  # a loop callback must not raise: log it, keep forwarding
+            log.exception("aiomp: a logging record from %s was lost", self._prefix.strip())
 
     def _emit(self, i: int, data: bytes, final: bool = False) -> None:
         buf = self._partial[i] + data
@@ -224,7 +251,8 @@ class Forwarder:
         for i in range(len(self._parent)):
             if self._parent[i] is not None:
                 self._read(i, drain=True)
-                self._emit(i, b"", final=True)
+                if i < 2:
+                    self._emit(i, b"", final=True)
                 self._detach(i)
         for scope in self._trio_scopes:
             try:

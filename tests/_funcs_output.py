@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -37,4 +38,21 @@ def write_a_lot(rank: int, mib: int) -> int:
     line = b"x" * 1023 + b"\n"
     for _ in range(mib * 1024):
         os.write(1, line)
+    return rank
+
+
+def log_records(rank: int) -> int:
+    log = logging.getLogger("aiomp.test.child")
+    log.warning("careful %s", rank)
+    log.debug("below the parent's level")
+    try:
+        1 / 0  # noqa: B018
+    except ZeroDivisionError:
+        log.exception("it failed")
+    return os.getpid()
+
+
+def log_with_own_config(rank: int) -> int:
+    logging.basicConfig(stream=sys.stdout, format="own: %(message)s")
+    logging.getLogger("aiomp.test.child").warning("configured here")
     return rank

@@ -128,3 +128,33 @@ def test_in_a_parent_process(output: str) -> None:
     assert f"{tag}out 1 1\n" in out.stdout
     assert f"{tag}err 1 0\n" in out.stderr
     assert ("[rank" in out.stdout) == (output == "prefix")
+
+
+@pytest.mark.anyio
+async def test_logging_records_are_re_emitted_in_the_parent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A child's records go through the parent's logging, with ``rank`` and ``pid`` set;
+    records below the parent's effective level stay in the child."""
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.log_records, 2, grace_period=GRACE) as ctx:
+            pass
+    mine = [r for r in caplog.records if r.name == "aiomp.test.child"]
+    by_rank = {rank: [r for r in mine if r.rank == rank] for rank in range(2)}  # type: ignore[attr-defined]
+    for rank, records in by_rank.items():
+        assert [(r.levelname, r.getMessage()) for r in records] == [
+            ("WARNING", f"careful {rank}"), ("ERROR", "it failed")]
+        assert all(r.pid == ctx.results[rank] for r in records)  # type: ignore[attr-defined]
+        assert "ZeroDivisionError: division by zero" in (records[1].exc_text or "")
+    assert "below the parent's level" not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_child_that_configures_logging_keeps_its_own(
+        caplog: pytest.LogCaptureFixture) -> None:
+    lines = Lines()
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.log_with_own_config, 1, grace_period=GRACE,
+                               output=lines):
+            pass
+    assert lines.of(0, "stdout") == ["own: configured here"]
+    assert not [r for r in caplog.records if r.name == "aiomp.test.child"]
