@@ -15,7 +15,7 @@ not UTF-8 come through with ``errors="backslashreplace"``; lines are never trunc
 
 Logging records travel as records: unless the child's code configures logging itself,
 a record at the parent's effective root level or above goes (pickled, its message
-already formatted, exception info as text) over a third socket and is re-emitted with
+already formatted, exception info as text) over a third socket (datagrams) and is re-emitted with
 ``logging.getLogger(record.name).handle(record)``, so the parent's handlers, formatters
 and filters apply; ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` are
 set. See :func:`aiomp._child.forward_logging` for the child's side.
@@ -87,8 +87,10 @@ class Forwarder:
         self._timers: list[Any] = [None, None, None]  # asyncio: pending coalescing reads
         self._trio_scopes: list[Any] = []
         try:
-            # stdout, stderr (byte streams), then logging records (one datagram each)
-            for kind in (socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_SEQPACKET):
+            # stdout, stderr (byte streams), then logging records (one datagram each;
+            # SOCK_DGRAM, not SEQPACKET: a child tells its control socket, the one
+            # seqpacket socket it shares with its parent, by its type)
+            for kind in (socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM):
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent.append(ours)
                 self._child.append(theirs)
