@@ -116,8 +116,82 @@ def reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> None:
+def redirect_output(ends: tuple[socket.socket, socket.socket, bool, socket.socket, int],
+                    ) -> None:
+    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``).
+
+    ``sys.stdout`` is line-buffered when the third item says so (the parent's stdout is
+    a terminal), as it would have been on the inherited fd; ``sys.stderr`` always is.
+    The records socket and level are for :func:`forward_logging`, once fn is loaded.
+    """
+    out, err, line_buffered, _, _ = ends
+    for fd, end in ((1, out), (2, err)):
+        os.dup2(end.fileno(), fd)
+        end.close()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = getattr(sys, name)
+        lines = line_buffered or fd == 2
+        try:
+            ours = stream.fileno() == fd
+        except (AttributeError, OSError, ValueError):
+            ours = False
+        if ours and hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=lines)
+        else:
+            # A fork child inherits whatever the parent had put there (pytest's capture,
+            # an app's redirection), which would not reach the fd.
+            setattr(sys, name, open(fd, "w", buffering=1 if lines else -1,  # noqa: SIM115
+                                    errors="backslashreplace", closefd=False))
+
+
+def forward_logging(sock: socket.socket, level: int) -> None:
+    """Send this process's logging records to the parent (``aiomp._output``).
+
+    Only when ``logging`` is already imported (by fn's module; a child that never logs
+    does not pay for it), and only as ``logging.lastResort``: the handler Python uses
+    when the code configured none, so a function that configures logging itself keeps
+    its own. Records below ``level`` (the parent's effective root level) stay here.
+    """
+    if "logging" not in sys.modules:
+        sock.close()
+        return
+    import logging
+    import pickle
+
+    class ToParent(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                d = dict(record.__dict__)
+                d["msg"], d["args"] = record.getMessage(), None
+                if record.exc_info and not record.exc_text:
+                    d["exc_text"] = logging.Formatter().formatException(record.exc_info)
+                d["exc_info"] = None
+                d.pop("message", None)
+                try:
+                    data = pickle.dumps(d)
+                except Exception:  # noqa: BLE001 - an unpicklable `extra`: the basics go
+                    data = pickle.dumps({k: d[k] for k in _RECORD_BASICS if k in d})
+                sock.send(data)
+            except Exception:  # noqa: BLE001 - as any handler: report, never raise
+                self.handleError(record)
+
+    logging.lastResort = ToParent()
+    root = logging.getLogger()
+    if not root.handlers:
+        root.setLevel(level)
+
+
+_RECORD_BASICS = ("name", "msg", "levelname", "levelno", "pathname", "filename", "module",
+                  "lineno", "funcName", "created", "msecs", "relativeCreated", "thread",
+                  "threadName", "processName", "process", "exc_text", "stack_info")
+
+
+def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
+         output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+         ) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
+    if output is not None:
+        redirect_output(output)
     reset_signals()
     set_parent_death_signal()
     if not _parent_alive(parent_pid):
@@ -130,6 +204,8 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> 
     if fn is None:
         fn = payload_fn
     del got, body, fds
+    if output is not None:
+        forward_logging(output[3], output[4])
     try:
         result = run_fn(fn, (rank, *args), is_async)
     except SystemExit:
@@ -148,6 +224,54 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None) -> 
     sock.close()
 
 
+UNGUARDED_MAIN = (
+    "this child re-ran the parent's main module while starting, and that module starts "
+    "aiomp processes when imported: protect the entry point with "
+    "`if __name__ == \"__main__\":` (spawn and forkserver children import the main "
+    "module; only the guard keeps them from running the program again)"
+)
+
+
+def refuse_unguarded_main() -> None:
+    """Report :data:`UNGUARDED_MAIN` to the parent and exit at once (status 1).
+
+    Called in a spawn child that is still importing its parent's ``__main__``, before
+    multiprocessing has handed it its control socket: the socket is found among the
+    inherited fds as the unix seqpacket socket whose peer is the parent. A Pool worker
+    (stream channel) or a child without one prints the line on stderr instead.
+    """
+    sock = _inherited_report_socket()
+    if sock is not None:
+        report_error(sock, RuntimeError(UNGUARDED_MAIN), "", traceback=False)
+        sock.close()
+    else:
+        os.write(2, f"aiomp: {UNGUARDED_MAIN}\n".encode())
+    os._exit(1)
+
+
+def _inherited_report_socket() -> socket.socket | None:
+    import struct
+
+    ppid = os.getppid()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if (sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET
+                    and struct.unpack("3i", cred)[0] == ppid):
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    return None
+
+
 def send_message(sock: socket.socket, out: _reduction.Outgoing) -> None:
     try:
         datagram, fds, extra = _transport.encode(out.body, out.fds)
@@ -162,16 +286,23 @@ def send_message(sock: socket.socket, out: _reduction.Outgoing) -> None:
         out.close()
 
 
-def format_error(exc: BaseException, context: str = "") -> str:
-    import traceback
+def format_error(exc: BaseException, context: str = "", traceback: bool = True) -> str:
+    if traceback:
+        import traceback as tb
 
-    text = "".join(traceback.format_exception(exc))
+        text = "".join(tb.format_exception(exc))
+    else:
+        text = f"{type(exc).__name__}: {exc}\n"
     return f"{context}:\n{text}" if context else text
 
 
-def report_error(sock: socket.socket, exc: BaseException, context: str = "") -> None:
-    """Send ``("err", traceback text, exc or None)``; the text always arrives."""
-    text = format_error(exc, context)
+def report_error(sock: socket.socket, exc: BaseException, context: str = "",
+                 traceback: bool = True) -> None:
+    """Send ``("err", traceback text, exc or None)``; the text always arrives.
+
+    ``traceback=False`` sends only the exception's one-line summary as the text.
+    """
+    text = format_error(exc, context, traceback)
     try:
         out = _reduction.dumps(("err", text, exc))
         _reduction.loads(out.body, [])  # the parent must be able to rebuild it

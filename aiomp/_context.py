@@ -10,23 +10,30 @@ Nothing here polls or uses threads: a child's exit is its pidfd becoming readabl
 event loop; its result or error is a datagram on its control socket. The error is sent
 before the child's interpreter shuts down, so it reaches the parent within milliseconds.
 
-Termination (on a failure, an exception in the ``async with`` body or cancellation) always
-runs shielded: SIGTERM to every live child, ``grace_period`` seconds, SIGKILL to the
-survivors (logged), then reap. It is bounded: a child that survives SIGKILL for
-:data:`KILL_TIMEOUT` seconds (uninterruptible sleep) is reported and left to init.
+Termination (on a failure, an exception in the ``async with`` body or cancellation) is one
+primitive, :func:`terminate_all`, which the Pool uses for its workers too: SIGTERM to every
+live child, ``grace_period`` seconds, SIGKILL to the survivors (each signal logged as torch
+logs it), then reap. Once started nothing breaks it: a second cancellation or Ctrl-C only
+cuts the grace period short (SIGKILL at once). It is bounded: a child that survives SIGKILL
+for :data:`KILL_TIMEOUT` seconds (uninterruptible sleep) is reported and left to init.
+Interpreter exit never waits on a child aiomp started: :func:`_kill_at_exit` SIGKILLs and
+reaps the ones still running before multiprocessing's own exit hook would join them.
 """
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import signal
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from types import TracebackType
@@ -34,7 +41,7 @@ from typing import Any
 
 import anyio
 
-from . import _child, _reduction, _transport
+from . import _child, _output, _reduction, _transport
 from ._errors import (
     ProcessException,
     ProcessExitedException,
@@ -72,13 +79,11 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     if not callable(fn):
         raise TypeError(f"{what} must be callable, not {type(fn).__name__}")
     if start_method != "fork":
-        module = getattr(fn, "__module__", None)
-        main = sys.modules.get("__main__")
-        if module == "__main__" and not getattr(main, "__file__", None):
+        if getattr(fn, "__module__", None) == "__main__" and not _main_importable():
             raise pickle.PicklingError(
-                f"{what}={fn!r} is defined in an interactive __main__ (a notebook or REPL), "
-                f"which {start_method} children cannot import: move it into a module, "
-                "or use start_method='fork'"
+                f"{what}={fn!r} is defined in an interactive __main__ (a notebook, a REPL, "
+                f"`python -c` or a script read from stdin), which {start_method} children "
+                "cannot import: move it into a module, or use start_method='fork'"
             )
         try:
             _reduction.dumps(fn).discard()  # a trial: undo what it promised
@@ -91,6 +96,30 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
+
+
+def _main_importable() -> bool:
+    """Whether spawn/forkserver children can import ``__main__``: it was run by module
+    name (``python -m``) or from a file. A notebook, a REPL and ``python -c`` have no
+    file; ``python -`` names ``<stdin>``, which a child cannot read again."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None:
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def check_not_bootstrapping() -> None:
+    """Stop a spawn child that is re-running its parent's unguarded main module.
+
+    A spawn child imports the parent's ``__main__`` before it runs anything; a script
+    without an ``if __name__ == "__main__":`` guard starts aiomp processes again right
+    there. multiprocessing would refuse with a long traceback in every child (and the
+    parent would see only "exit code 1"); instead the child reports one line to its
+    parent and exits. See :func:`aiomp._child.refuse_unguarded_main`.
+    """
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        _child.refuse_unguarded_main()
 
 
 def check_fork_safe() -> None:
@@ -119,8 +148,10 @@ class _Child:
     """One child process and the fds aiomp holds for it. Owned by a ProcessContext."""
 
     def __init__(self, rank: int, process: multiprocessing.process.BaseProcess,
-                 sock: socket.socket, start_method: str, report: bool = True) -> None:
+                 sock: socket.socket, start_method: str, report: bool = True,
+                 output: _output.Forwarder | None = None) -> None:
         self.rank = rank
+        self.output = output  # its stdout/stderr, forwarded; closed once it has exited
         # report: the socket carries one final report that poll_message reads. A Pool
         # worker's socket carries a stream of messages its owner reads instead.
         self.report = report
@@ -134,6 +165,8 @@ class _Child:
         self.exitcode: int | None = None
         self._exit_waiter: anyio.Event | None = None
         self._msg_waiter: anyio.Event | None = None
+        self.sent_term = self.sent_kill = False  # each signal is sent (and logged) once
+        _running.add(self)
 
     # -- exit -----------------------------------------------------------------------
     @property
@@ -145,6 +178,9 @@ class _Child:
             code = self.process.exitcode  # non-blocking waitpid / sentinel read
             if code is not None:
                 self.exitcode = code
+                _running.discard(self)
+                if self.output is not None:
+                    self.output.close()  # forwards what it wrote last
                 self.poll_message()
                 self._release()
                 if code != 0:
@@ -174,6 +210,25 @@ class _Child:
             except ProcessLookupError:
                 pass
 
+    def terminate(self) -> None:
+        """SIGTERM it, logged as torch logs it; once (concurrent terminations share it).
+
+        A child that has already sent its report is on its way out: it is signalled
+        too, in case it hangs on exit, but not logged as a survivor.
+        """
+        if not (self.sent_term or self.sent_kill or self.poll_exit()):
+            self.sent_term = True
+            if self.outcome is None:
+                log.warning("Terminating process %d via signal SIGTERM", self.pid)
+            self.signal(signal.SIGTERM)
+
+    def kill(self, why: str = "") -> None:
+        """SIGKILL it (logged once); safe to call again or after it has exited."""
+        if not (self.sent_kill or self.poll_exit()):
+            self.sent_kill = True
+            log.warning("Terminating process %d via signal SIGKILL%s", self.pid, why)
+            self.signal(signal.SIGKILL)
+
     def _release(self) -> None:
         # A task still waiting on an fd releases it when it wakes (wait_exit, wait_message):
         # closing an fd under its waiter would leave that waiter asleep forever.
@@ -191,10 +246,19 @@ class _Child:
             return
         try:
             got = _transport.try_recv(self.sock)
-        except _transport.Closed:
-            self.sock.close()
-            self.sock = None
-            return
+        except _transport.Closed as exc:
+            # A child that exits with our message unread makes the kernel report
+            # ECONNRESET once, ahead of what it sent: its report may still be queued.
+            got = None
+            if isinstance(exc.__cause__, ConnectionResetError):
+                try:
+                    got = _transport.try_recv(self.sock)
+                except (_transport.Closed, OSError):
+                    pass
+            if got is None:
+                self.sock.close()
+                self.sock = None
+                return
         except OSError as exc:
             self.outcome = ("err", ProcessRaisedException(
                 f"process {self.rank} (pid {self.pid}) sent a report that could not be "
@@ -214,7 +278,8 @@ class _Child:
             self.outcome = ("ok", msg[1])
         else:
             self.outcome = ("err", ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1]}", self.rank, self.pid))
+                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1].rstrip()}", self.rank,
+                self.pid))
 
     async def wait_message(self) -> None:
         """Wait until the child's report has arrived or its socket has closed."""
@@ -356,43 +421,126 @@ class ProcessContext:
     async def terminate(self, grace_period: float | None = None) -> None:
         """SIGTERM every live process, wait ``grace_period`` seconds, SIGKILL survivors, reap.
 
-        Shielded from cancellation and bounded: it returns within about
-        ``grace_period + KILL_TIMEOUT`` seconds whatever the children do.
+        ``grace_period=0`` SIGKILLs at once. Once started it cannot be broken (see
+        :func:`terminate_all`): a cancellation or KeyboardInterrupt that arrives meanwhile
+        cuts the grace period short (SIGKILL now), and is re-raised once every process has
+        been reaped. Bounded: about ``grace_period + KILL_TIMEOUT`` seconds at most.
         """
         grace = self.grace_period if grace_period is None else grace_period
-        with anyio.CancelScope(shield=True):
-            await terminate_all(self._children, grace)
-
-    def _sync_kill(self) -> None:
-        for c in self._children:
-            c.signal(signal.SIGKILL)
+        await terminate_all(self._children, grace)
 
 
 async def terminate_all(children: Sequence[_Child], grace: float) -> None:
+    """Terminate ``children`` for good: SIGTERM each live one, wait up to ``grace`` seconds
+    for them to exit, SIGKILL the survivors, and reap them all.
+
+    aiomp's one kill path (spawn's contexts and the Pool's workers). Once started, it
+    always ends with every child reaped or SIGKILLed, whatever arrives meanwhile:
+
+    * it runs shielded from anyio and trio cancel scopes;
+    * an interruption that gets through a shield (a native asyncio ``Task.cancel()``, as
+      ``asyncio.run`` sends on Ctrl-C and again when it shuts down; a KeyboardInterrupt,
+      which trio raises inside the wait and asyncio may raise anywhere) ends the grace
+      period at once: the survivors get SIGKILL and are reaped, and then the first
+      interruption is re-raised. A second Ctrl-C means "now", never "leave them running".
+
+    ``grace <= 0`` means "now": SIGKILL without a SIGTERM first.
+
+    Bounded: it returns (or re-raises) within about ``grace + KILL_TIMEOUT`` seconds. A
+    child that outlives SIGKILL by :data:`KILL_TIMEOUT` (uninterruptible sleep) is logged
+    and left to the kernel.
+    """
+    _protect_from_trio_ki()
     live = [c for c in children if not c.poll_exit()]
-    if not live:
-        return
-    for c in live:
-        c.signal(signal.SIGTERM)
-    if not await _wait_all(live, grace):
-        survivors = [c for c in live if not c.exited]
-        log.warning(
-            "aiomp: %d process(es) (pids %s) ignored SIGTERM for %.3g s; sending SIGKILL",
-            len(survivors), [c.pid for c in survivors], grace,
-        )
-        for c in survivors:
-            c.signal(signal.SIGKILL)
-        if not await _wait_all(survivors, KILL_TIMEOUT):
-            log.error("aiomp: pids %s survived SIGKILL for %s s (uninterruptible sleep?)",
-                      [c.pid for c in survivors if not c.exited], KILL_TIMEOUT)
+    if grace > 0:
+        for c in live:
+            c.terminate()
+    interrupted: BaseException | None = None
+    deadline = time.monotonic() + grace
+    killing = False
+    try:
+        with anyio.CancelScope(shield=True):
+            while survivors := [c for c in live if not c.poll_exit()]:
+                now = time.monotonic()
+                if not killing and (interrupted is not None or now >= deadline):
+                    killing, deadline = True, now + KILL_TIMEOUT
+                    why = " (interrupted)" if interrupted is not None else ""
+                    for c in survivors:
+                        c.kill(why)
+                elif killing and now >= deadline:
+                    log.error("aiomp: pids %s survived SIGKILL for %s s (uninterruptible "
+                              "sleep?)", [c.pid for c in survivors], KILL_TIMEOUT)
+                    break
+                try:
+                    await _wait_all(survivors, deadline - now)
+                except (KeyboardInterrupt, anyio.get_cancelled_exc_class()) as exc:
+                    interrupted = interrupted or exc
+    except BaseException:
+        for c in live:  # an unexpected error (or an interruption between our awaits)
+            c.kill(" (interrupted)")
+        raise
+    if interrupted is not None:
+        raise interrupted
 
 
 async def _wait_all(children: Sequence[_Child], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for every child to exit; return whether all did.
+
+    One at a time: each must exit anyway, and no task group stands in the kill path.
+    """
     with anyio.move_on_after(timeout):
-        async with anyio.create_task_group() as tg:
-            for c in children:
-                tg.start_soon(c.wait_exit)
+        for c in children:
+            await c.wait_exit()
     return all(c.exited for c in children)
+
+
+_ki_protected = False
+
+
+def _protect_from_trio_ki() -> None:
+    """Under trio, let a KeyboardInterrupt reach the kill path only at its awaits.
+
+    trio raises KeyboardInterrupt at once in code it does not protect, which could be
+    anywhere between two awaits of :func:`terminate_all`; protected code gets it at its
+    next wait instead, where terminate_all turns it into "SIGKILL now". Only when trio is
+    already imported: aiomp never imports it.
+    """
+    global _ki_protected
+    trio = sys.modules.get("trio")
+    if trio is not None and not _ki_protected:
+        _ki_protected = True
+        for fn in (terminate_all, _wait_all, _Child.wait_exit, _Child.poll_exit, _Child.kill,
+                   _Child.terminate):
+            trio.lowlevel.enable_ki_protection(fn)
+
+
+#: Every child aiomp started that has not been seen to exit (removed by poll_exit).
+_running: set[_Child] = set()
+
+
+def _kill_at_exit() -> None:
+    """At interpreter exit, SIGKILL and reap the children still running.
+
+    multiprocessing's own exit hook joins every non-daemon child (and SIGTERMs and joins
+    daemon ones) with no timeout: a child that ignores SIGTERM, or whose termination a
+    second Ctrl-C cut short, would hang the exit forever. Registered after that hook, so
+    it runs first (atexit is last-in, first-out). The children would die with us anyway
+    (the parent-death signal), so this only makes that happen before the join, not after.
+    """
+    live = [c for c in list(_running) if c.exitcode is None and c.process.exitcode is None]
+    if not live:
+        return
+    log.warning("aiomp: %d child process(es) still running at interpreter exit: killing "
+                "pids %s", len(live), [c.pid for c in live])
+    for c in live:
+        c.kill(" (interpreter exit)")
+    deadline = time.monotonic() + KILL_TIMEOUT
+    for c in live:
+        c.process.join(max(0.0, deadline - time.monotonic()))
+
+
+multiprocessing.util  # noqa: B018 - imported above so that its exit hook is registered first
+atexit.register(_kill_at_exit)
 
 
 # -- starting ----------------------------------------------------------------------
@@ -405,7 +553,10 @@ async def start_children(
     start_method: str,
     daemon: bool,
     grace_period: float,
+    output: _output.Output = "prefix",
 ) -> ProcessContext:
+    check_not_bootstrapping()
+    _output.check_output(output)
     if not isinstance(nprocs, int) or nprocs < 1:
         raise ValueError(f"nprocs must be an int >= 1, not {nprocs!r}")
     check_start_method(start_method)
@@ -427,7 +578,9 @@ async def start_children(
             await prepare_forkserver()
         for rank in range(nprocs):
             target_fn = fn if start_method == "fork" else None
-            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,)))
+            fw = None if output == "inherit" else _output.Forwarder(rank, output)
+            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,),
+                                   output=fw))
         payload.copies(len(children))  # one message, sent to every child
         for c in children:
             assert c.sock is not None
@@ -436,10 +589,7 @@ async def start_children(
             except _transport.Closed:
                 pass  # it died already; join reports how
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            for c in children:
-                c.signal(signal.SIGKILL)
-            await _wait_all(children, KILL_TIMEOUT)
+        await terminate_all(children, 0)  # not started yet: nothing to wait for
         raise
     finally:
         if extra >= 0:
@@ -461,13 +611,19 @@ async def prepare_forkserver() -> None:
 
 def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
            extra: tuple[object, ...] = (), name: str | None = None,
-           report: bool = True, stream: bool = False) -> _Child:
+           report: bool = True, stream: bool = False,
+           output: _output.Forwarder | None = None) -> _Child:
     """Start one process running ``target(rank, control_socket, parent_pid, *extra)``.
 
     The control socket is a datagram socket pair, or a stream pair with ``stream`` (a
-    Pool worker's channel). Returns at once (the child boots concurrently). Call
-    :func:`prepare_forkserver` first for ``"forkserver"``.
+    Pool worker's channel). With ``output``, the target also gets
+    ``output=(stdout_end, stderr_end)`` as a keyword, to hand to
+    :func:`aiomp._child.redirect_output` first thing; the returned child owns the
+    forwarder from then on (and it is closed here if the start fails). Returns at once
+    (the child boots concurrently). Call :func:`prepare_forkserver` first for
+    ``"forkserver"``. Must run on the event loop's thread, in a task.
     """
+    check_not_bootstrapping()
     mp: Any = multiprocessing.get_context(start_method)
     pair = _transport.stream_socketpair if stream else _transport.socketpair
     parent_sock, child_sock = pair()
@@ -475,16 +631,21 @@ def launch(target: Callable[..., object], rank: int, start_method: str, daemon: 
         proc = mp.Process(
             target=target,
             args=(rank, child_sock, os.getpid(), *extra),
+            kwargs={} if output is None else {"output": output.child_ends()},
             daemon=daemon,
             name=name or f"aiomp-{rank}",
         )
         proc.start()
+        if output is not None:
+            output.start()
     except BaseException:
         parent_sock.close()
+        if output is not None:
+            output.close()
         raise
     finally:
         child_sock.close()
-    return _Child(rank, proc, parent_sock, start_method, report)
+    return _Child(rank, proc, parent_sock, start_method, report, output)
 
 
 class SpawnHandle:
@@ -497,8 +658,8 @@ class SpawnHandle:
     """
 
     def __init__(self, fn: object, nprocs: int, args: tuple[object, ...], start_method: str,
-                 daemon: bool, grace_period: float) -> None:
-        self._params = (fn, nprocs, args, start_method, daemon, grace_period)
+                 daemon: bool, grace_period: float, output: _output.Output) -> None:
+        self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -533,7 +694,11 @@ class SpawnHandle:
             try:
                 swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
             except BaseExceptionGroup as group:
-                if exc is None or list(_leaves(group)) != [exc]:
+                # trio's nursery wraps what the body raised in a group of its own (another
+                # layer when the body raised a group itself, e.g. a KeyboardInterrupt in
+                # the user's nursery): when it holds nothing else, the body's exception
+                # leaves the block as it was raised.
+                if exc is None or list(_leaves(group)) != list(_leaves(exc)):
                     raise
             if exc is None:
                 await ctx.join()
@@ -548,12 +713,13 @@ class SpawnHandle:
         return False
 
 
-def _leaves(group: BaseExceptionGroup[BaseException]) -> Generator[BaseException, None, None]:
-    for e in group.exceptions:
-        if isinstance(e, BaseExceptionGroup):
+def _leaves(exc: BaseException) -> Generator[BaseException, None, None]:
+    """The exceptions inside ``exc``, however deeply grouped; ``exc`` itself if not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
             yield from _leaves(e)
-        else:
-            yield e
+    else:
+        yield exc
 
 
 def spawn(
@@ -564,6 +730,7 @@ def spawn(
     start_method: str = "spawn",
     daemon: bool = False,
     grace_period: float = 5.0,
+    output: _output.Output = "prefix",
 ) -> SpawnHandle:
     """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
 
@@ -575,8 +742,13 @@ def spawn(
     Raises ``ValueError`` for an unknown ``start_method`` or ``nprocs < 1``, and
     ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` children could not run, before
     any process starts. Starting never blocks the event loop.
+
+    ``output``: ``"prefix"`` (the default) forwards each line a child writes to its
+    fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
+    read on the event loop (see ``aiomp._output``); ``"inherit"`` leaves the children
+    the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
     """
-    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)
 
 
 def start_processes(
@@ -587,9 +759,10 @@ def start_processes(
     start_method: str = "spawn",
     daemon: bool = False,
     grace_period: float = 5.0,
+    output: _output.Output = "prefix",
 ) -> SpawnHandle:
     """The torch-compatible name of :func:`spawn`."""
-    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period)
+    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)
 
 
 for _obj in (ProcessContext, spawn, start_processes):

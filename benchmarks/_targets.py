@@ -27,6 +27,12 @@ def noop(rank: int) -> None:
     """Spawn target: run and return (aiomp, multiprocessing and torch all call fn(rank))."""
 
 
+def print_lines(rank: int, n: int) -> None:
+    """Spawn target: ``n`` short lines on stdout (output forwarding's throughput)."""
+    for i in range(n):
+        print("line", i)
+
+
 def raise_when_ready(rank: int, nprocs: int, ready_dir: str) -> None:
     """Rank 0 raises once every other rank is up; the others wait to be terminated.
 

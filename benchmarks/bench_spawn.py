@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from benchmarks import _common as c
-from benchmarks._targets import noop, raise_when_ready, raised_at
+from benchmarks._targets import noop, print_lines, raise_when_ready, raised_at
 
 
 def mp_spawn4() -> float:
@@ -39,13 +39,47 @@ def mp_spawn4() -> float:
     return dt
 
 
-async def aiomp_spawn4() -> float:
+async def aiomp_spawn4(output: str = "prefix") -> float:
     import aiomp
 
     t0 = c.now()
-    async with aiomp.spawn(noop, 4):
+    async with aiomp.spawn(noop, 4, output=output):
         pass
     return c.now() - t0
+
+
+LINES = 100_000
+
+
+async def aiomp_print_lines(output: str) -> float:
+    """One child prints LINES short lines: forwarded ("prefix", to a parent stdout that
+    is /dev/null) or written straight to an inherited pipe that a thread drains."""
+    import contextlib
+    import os
+    import sys
+    import threading
+
+    import aiomp
+
+    saved = os.dup(1)
+    r, w = os.pipe()
+    drain = threading.Thread(target=lambda: [None for _ in iter(lambda: os.read(r, 1 << 16), b"")])
+    drain.start()
+    try:
+        os.dup2(w, 1)  # what an "inherit" child writes to: a pipe, drained
+        os.close(w)
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # noqa: ASYNC230
+            sys.stdout.flush()
+            t0 = c.now()
+            async with aiomp.spawn(print_lines, 1, args=(LINES,), output=output):
+                pass
+            dt = c.now() - t0
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        drain.join()
+        os.close(r)
+    return dt
 
 
 def torch_spawn4() -> float:
@@ -109,6 +143,7 @@ async def main() -> None:
     t_aiomp: list[float] = []
     t_mp: list[float] = []
     t_torch: list[float] = []
+    t_inherit: list[float] = []
     mp_spawn4()  # warm the page cache and import paths for both
     if missing is None:
         await aiomp_spawn4()
@@ -118,11 +153,24 @@ async def main() -> None:
             t_mp.append(mp_spawn4())
         if missing is None:
             t_aiomp.append(await aiomp_spawn4())
+            t_inherit.append(await aiomp_spawn4("inherit"))
         if not i % 2:
             t_mp.append(mp_spawn4())
         if has_torch and i < n_torch:
             t_torch.append(torch_spawn4())
     a = c.median(t_aiomp) if t_aiomp else None
+    # output="prefix" (the default, above) against raw inherited fds
+    if missing is None:
+        rows.append(c.row("spawn 4 procs, output='prefix' (default)", a,
+                          c.median(t_inherit), "aiomp spawn 4, output='inherit'", None))
+        t_fwd: list[float] = []
+        t_pipe: list[float] = []
+        for _ in range(c.reps(7, 2)):
+            t_fwd.append(await aiomp_print_lines("prefix"))
+            t_pipe.append(await aiomp_print_lines("inherit"))
+        rows.append(c.row(f"child prints {LINES // 1000}k lines, forwarded as [rank 0]",
+                          c.median(t_fwd), c.median(t_pipe),
+                          "the same child writing to an inherited pipe", c.at_most(2.0)))
     rows.append(c.row("spawn 4 procs, until all have run", a, c.median(t_mp),
                       "multiprocessing spawn x4, one by one", c.at_most(1.15),
                       missing or ""))
@@ -151,7 +199,14 @@ async def main() -> None:
         f"spawn: unpinned, medians of {len(t_mp)} (aiomp/multiprocessing) and "
         f"{len(t_torch)} (torch) runs, alternating; children run a no-op and read bytecode "
         "from __pycache__ (as an installed package does; see _common.allow_bytecode); "
-        "torch children import torch."
+        "torch children import torch. aiomp's default output='prefix' forwards each "
+        "child's stdout/stderr through the parent's loop."
+    )
+    notes.append(
+        "output forwarding: spawn of one child to its exit, the child printing "
+        f"{LINES} short lines; 'prefix' forwards them through the parent's loop to its "
+        "sys.stdout (/dev/null), the baseline writes them to an inherited pipe drained "
+        "by a thread; target 'at least 50 % of the rate' = at most 2x the time."
     )
     notes.append(
         f"failure latency: {pinning}; medians of {len(f_aiomp)} (aiomp) and {len(f_torch)} "

@@ -76,14 +76,16 @@ def test_spawn_signature() -> None:
     """DESIGN.md pins spawn's signature; start_processes has the same one."""
     for fn in (aiomp.spawn, aiomp.start_processes):
         params = inspect.signature(fn).parameters
-        assert list(params) == ["fn", "nprocs", "args", "start_method", "daemon", "grace_period"]
+        assert list(params) == ["fn", "nprocs", "args", "start_method", "daemon", "grace_period",
+                                "output"]
+        assert params["output"].default == "prefix"  # DESIGN.md "Children's output"
         assert params["nprocs"].default == 1
         assert params["args"].default == ()
         assert params["start_method"].default == "spawn"
         assert params["daemon"].default is False
         assert params["grace_period"].default == 5.0
         assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY
-                   for p in ("args", "start_method", "daemon", "grace_period"))
+                   for p in ("args", "start_method", "daemon", "grace_period", "output"))
 
 
 @pytest.mark.parametrize("name", ["ProcessException", "ProcessRaisedException",

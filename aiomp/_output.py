@@ -1,0 +1,264 @@
+"""Children's output, forwarded to the parent line by line with a label: ``[rank N] line``.
+
+Each child's fd 1 and fd 2 become the write ends of two unix stream sockets whose read
+ends the parent holds in one :class:`Forwarder` per child. Output is caught at the fd
+level, so C extensions and subprocesses are caught too. The parent reads on its event
+loop with no thread and no polling: an ``add_reader`` callback on asyncio and uvloop,
+a system task under trio (which has no reader callbacks); a read waits
+:data:`COALESCE` after readiness, so many small writes cost one wake-up. Neither touches anyio: a
+callback of a plain ``asyncio.run`` loop cannot use it.
+
+Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
+parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirections and
+pytest's capture see it); a callable receives ``(rank, stream, line)``. Bytes that are
+not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated.
+
+Logging records travel as records: unless the child's code configures logging itself,
+a record at the parent's effective root level or above goes (pickled, its message
+already formatted, exception info as text) over a third socket (datagrams) and is re-emitted with
+``logging.getLogger(record.name).handle(record)``, so the parent's handlers, formatters
+and filters apply; ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` are
+set. See :func:`aiomp._child.forward_logging` for the child's side.
+
+Nothing is lost: when the child has exited, :meth:`Forwarder.close` reads what is left
+in the socket (what a child wrote just before a SIGSEGV or SIGKILL included) and flushes
+a last partial line. Buffering is bounded by the kernel's socket buffer: while the
+parent's loop is blocked, a child that writes more than that waits in ``write()`` until
+the loop runs again, and goes on then. The child's end asks for a 4 MiB buffer.
+
+The Pool reuses this with ``label="worker"``: a Forwarder per worker, its
+:meth:`child_ends` passed to ``_context.launch(..., output=...)``, and
+:func:`aiomp._child.redirect_output` called first thing in the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import _transport
+
+log = logging.getLogger("aiomp")
+
+#: ``(rank, stream, line)``: ``stream`` is ``"stdout"`` or ``"stderr"``, ``line`` has no
+#: newline.
+LineCallback = Callable[[int, str, str], object]
+Output = str | LineCallback
+
+STREAMS = ("stdout", "stderr")
+_CHUNK = 256 * 1024
+_RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr as text
+#: Once a child's output is readable, wait this long before reading it, so that a child
+#: writing many small pieces (unbuffered, PYTHONUNBUFFERED=1) costs the parent one
+#: wake-up per batch, not one per write. Only while output flows; the line is late by
+#: at most this much.
+COALESCE = 0.002
+
+
+def check_output(output: object) -> None:
+    if not (output in ("prefix", "inherit") or callable(output)):
+        raise ValueError(
+            f"output must be 'prefix', 'inherit' or a callable (rank, stream, line), "
+            f"not {output!r}"
+        )
+
+
+class Forwarder:
+    """The parent's side of one child's stdout and stderr.
+
+    Create it before the child starts, pass :meth:`child_ends` to the child, call
+    :meth:`start` once the child has started (on the loop's thread, in a task), and
+    :meth:`close` once it has exited. ``close`` never waits and is safe to repeat.
+    """
+
+    def __init__(self, rank: int, output: Output, label: str = "rank") -> None:
+        self.rank = rank
+        self._label = label
+        self._prefix = f"[{label} {rank}] "
+        self._output = output
+        self._parent: list[socket.socket | None] = []
+        self._child: list[socket.socket] = []
+        self._partial = [b"", b""]
+        self._loop: Any = None
+        self._timers: list[Any] = [None, None, None]  # asyncio: pending coalescing reads
+        self._trio_scopes: list[Any] = []
+        try:
+            # stdout, stderr (byte streams), then logging records (one datagram each;
+            # SOCK_DGRAM, not SEQPACKET: a child tells its control socket, the one
+            # seqpacket socket it shares with its parent, by its type)
+            for kind in (socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM):
+                ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
+                self._parent.append(ours)
+                self._child.append(theirs)
+                ours.setblocking(False)
+                ours.shutdown(socket.SHUT_WR)
+                theirs.shutdown(socket.SHUT_RD)
+                # Room for a few thousand small writes (each costs ~1 KiB of kernel
+                # accounting) while the parent is busy or coalescing.
+                _transport._grow_buffers(theirs)
+        except BaseException:
+            self.close()
+            raise
+
+    def child_ends(self) -> tuple[socket.socket, socket.socket, bool, socket.socket, int]:
+        """What the child passes to :func:`aiomp._child.redirect_output`: the stdout and
+        stderr write ends; whether to line-buffer its ``sys.stdout`` (as it would be on
+        the fd it would otherwise inherit: a terminal yes, a pipe or file no, the fast
+        way, flushed at exit); the logging records' end; and the parent's effective
+        root logging level, the least a record needs to be sent."""
+        try:
+            tty = sys.stdout.isatty()
+        except (AttributeError, ValueError, OSError):
+            tty = False
+        level = logging.getLogger().getEffectiveLevel()
+        return self._child[0], self._child[1], tty, self._child[2], level
+
+    def start(self) -> None:
+        """Close our copies of the child's ends and start reading on the running loop."""
+        for end in self._child:
+            end.close()
+        self._child = []
+        asyncio = sys.modules.get("asyncio")
+        try:
+            self._loop = asyncio.get_running_loop() if asyncio is not None else None
+        except RuntimeError:
+            self._loop = None
+        for i, ours in enumerate(self._parent):
+            assert ours is not None
+            if self._loop is not None:
+                self._loop.add_reader(ours.fileno(), self._on_readable, i)
+            else:
+                import trio
+
+                trio.lowlevel.spawn_system_task(self._trio_reader, i,
+                                                name=f"aiomp output {self._prefix}")
+
+    async def _trio_reader(self, i: int) -> None:
+        import trio
+
+        with trio.CancelScope() as scope:
+            self._trio_scopes.append(scope)
+            while self._read(i, drain=True):
+                s = self._parent[i]
+                if s is None:
+                    return
+                try:
+                    await trio.lowlevel.wait_readable(s)
+                except (trio.ClosedResourceError, OSError):
+                    return
+                await trio.sleep(COALESCE)
+
+    def _on_readable(self, i: int) -> None:
+        s = self._parent[i]
+        if s is not None and self._timers[i] is None:
+            self._loop.remove_reader(s.fileno())
+            self._timers[i] = self._loop.call_later(COALESCE, self._read_batch, i)
+
+    def _read_batch(self, i: int) -> None:
+        self._timers[i] = None
+        s = self._parent[i]
+        if s is None:
+            return
+        if self._read(i, drain=True):
+            self._loop.add_reader(s.fileno(), self._on_readable, i)
+        else:
+            self._detach(i)
+
+    def _read(self, i: int, drain: bool = False) -> bool:
+        """Forward what can be read now (one chunk, or all with ``drain``); False at EOF."""
+        s = self._parent[i]
+        while s is not None:
+            try:
+                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX)
+            except (BlockingIOError, InterruptedError):
+                return True
+            except OSError:
+                data = b""
+            if not data:
+                if i < 2:
+                    self._emit(i, b"", final=True)
+                return False
+            if i < 2:
+                self._emit(i, data)
+            else:
+                self._emit_record(data)
+            if not drain:
+                return True
+        return False
+
+    def _emit_record(self, data: bytes) -> None:
+        """Re-emit a child's logging record through this process's logger of its name."""
+        try:
+            record = logging.makeLogRecord(pickle.loads(data))
+            setattr(record, self._label, self.rank)
+            record.pid = record.process
+            logging.getLogger(record.name).handle(record)
+        except Exception:  # a loop callback must not raise: log it, keep forwarding
+            log.exception("aiomp: a logging record from %s was lost", self._prefix.strip())
+
+    def _emit(self, i: int, data: bytes, final: bool = False) -> None:
+        buf = self._partial[i] + data
+        *lines, rest = buf.split(b"\n")
+        if final and rest:
+            lines.append(rest)
+            rest = b""
+        self._partial[i] = rest
+        if not lines:
+            return
+        stream = STREAMS[i]
+        text = [line.decode("utf-8", "backslashreplace") for line in lines]
+        output = self._output
+        try:
+            if callable(output):
+                for line in text:
+                    output(self.rank, stream, line)
+            else:
+                out = sys.stdout if i == 0 else sys.stderr
+                out.write("".join(f"{self._prefix}{line}\n" for line in text))
+                out.flush()
+        except Exception:  # a loop callback must not raise: log it, keep forwarding
+            log.exception("aiomp: forwarding the output of %s failed", self._prefix.strip())
+
+    def _detach(self, i: int) -> None:
+        s = self._parent[i]
+        if s is None:
+            return
+        self._parent[i] = None
+        if self._loop is not None:
+            timer, self._timers[i] = self._timers[i], None
+            if timer is not None:
+                timer.cancel()
+            try:
+                self._loop.remove_reader(s.fileno())
+            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
+                pass
+        else:
+            trio = sys.modules.get("trio")
+            if trio is not None:
+                try:
+                    trio.lowlevel.notify_closing(s)
+                except RuntimeError:
+                    pass  # outside trio.run: nobody waits on it
+        s.close()
+
+    def close(self) -> None:
+        """Forward what is left (the child has exited), flush partial lines, release fds."""
+        for end in self._child:
+            end.close()
+        self._child = []
+        for i in range(len(self._parent)):
+            if self._parent[i] is not None:
+                self._read(i, drain=True)
+                if i < 2:
+                    self._emit(i, b"", final=True)
+                self._detach(i)
+        for scope in self._trio_scopes:
+            try:
+                scope.cancel()
+            except RuntimeError:  # trio.run has ended
+                pass
+        self._trio_scopes = []
