@@ -114,7 +114,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _calls, _context, _reduction, _transport, _worker
+from . import _calls, _context, _output, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
@@ -233,6 +233,10 @@ class Pool:
       has its worker to itself.
     - ``grace_period``: seconds between SIGTERM and SIGKILL whenever a worker is
       terminated, and the longest a cancelled async task may take to finish.
+    - ``output``: ``"prefix"`` (each line a worker writes to fd 1 or 2 appears on the
+      parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
+      records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
+      (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
 
     See the module docstring of ``aiomp._pool`` for how tasks are dispatched.
     """
@@ -253,6 +257,7 @@ class Pool:
         start_method: str = "spawn",
         concurrency: int = 1,
         grace_period: float = 5.0,
+        output: _output.Output = "prefix",
     ) -> None:
         if processes is None:
             processes = _cpu_count()
@@ -268,6 +273,7 @@ class Pool:
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
         _context.check_start_method(start_method)
+        _output.check_output(output)
         if initializer is not None:
             _context.check_function(initializer, start_method, "initializer")
         self._processes = processes
@@ -276,6 +282,7 @@ class Pool:
         self._start_method = start_method
         self._concurrency = concurrency
         self._grace = float(grace_period)
+        self._output = output
 
         self._state = _NEW
         self._tg: anyio.abc.TaskGroup | None = None
@@ -468,8 +475,11 @@ class Pool:
     def _spawn(self, slot: int) -> None:
         """Start a worker for ``slot`` and its watcher (from a task, never a callback)."""
         assert self._tg is not None and self._init is not None
+        fw = (None if self._output == "inherit"
+              else _output.Forwarder(slot, self._output, label="worker"))
         child = _context.launch(_worker.main, slot, self._start_method, True,
-                                name=f"aiomp-pool-{slot}", report=False, stream=True)
+                                name=f"aiomp-pool-{slot}", report=False, stream=True,
+                                output=fw)
         h = WorkerHandle(slot, child, self._loop, self._grace, self._on_message,
                          self._on_lost, self._on_failed, self._on_exit)
         self._handles[h] = None

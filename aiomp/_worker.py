@@ -88,6 +88,15 @@ class Worker:
         self.chan = chan
         self.runner: Any = None  # asyncio.Runner, made on first need
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
+        # The logging-records socket to the parent, until logging is imported here (by the
+        # initializer or a function's module) and its records can be forwarded.
+        self.records: tuple[socket.socket, int] | None = None
+
+    def forward_logging(self) -> None:
+        if self.records is not None and "logging" in sys.modules:
+            sock, level = self.records
+            self.records = None
+            _child.forward_logging(sock, level)
 
     # -- loop ----------------------------------------------------------------------
     def get_runner(self) -> Any:
@@ -125,6 +134,7 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - reported to the parent
             send(self.chan, P.OP_INIT_ERR, 0, error_payload(exc))
             return False
+        self.forward_logging()
         send(self.chan, P.OP_READY, 0, None)
         return True
 
@@ -152,6 +162,8 @@ class Worker:
     def define(self, fid: int, payload: bytes | memoryview, fds: list[int]) -> None:
         try:
             self.fns[fid] = _reduction.loads(payload, fds)
+            if self.records is not None:
+                self.forward_logging()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
@@ -328,12 +340,17 @@ class Worker:
         self.reply(tid, fn, result)
 
 
-def main(rank: int, stream: socket.socket, parent_pid: int) -> None:
+def main(rank: int, stream: socket.socket, parent_pid: int,
+         output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+         ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` is the stream socket ``_context.launch(..., stream=True)`` made: the pool
-    talks to its worker over it.
+    talks to its worker over it. ``output``: the ends of the parent's output forwarder
+    (``aiomp._output``), unless the pool inherits its fds.
     """
+    if output is not None:
+        _child.redirect_output(output)
     _child.reset_signals()
     _child.set_parent_death_signal()
     if not _child._parent_alive(parent_pid):
@@ -346,6 +363,8 @@ def main(rank: int, stream: socket.socket, parent_pid: int) -> None:
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
     worker = Worker(_transport.Stream(stream))
+    if output is not None:
+        worker.records = (output[3], output[4])
     try:
         if not worker.initialize():
             sys.exit(1)
@@ -356,3 +375,5 @@ def main(rank: int, stream: socket.socket, parent_pid: int) -> None:
         if worker.runner is not None:
             worker.runner.close()
         worker.chan.close()
+        if worker.records is not None:
+            worker.records[0].close()

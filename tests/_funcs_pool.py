@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -62,3 +63,14 @@ def deaf_and_report() -> None:
 
 def square_and_pid(x: int) -> tuple[int, int]:
     return x * x, os.getpid()
+
+
+def say(x: int) -> int:
+    """Print a line to stdout and to stderr, and log a record (this module imports
+    logging at its top: a worker forwards records once logging is imported)."""
+    import sys
+
+    print(f"out {x}")
+    print(f"err {x}", file=sys.stderr)
+    logging.getLogger("aiomp.test.worker").warning("log %d", x)
+    return x

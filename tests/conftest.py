@@ -147,6 +147,9 @@ def _warm_up() -> None:
 
     resource_tracker.ensure_running()
     forkserver.ensure_running()
+    # aiomp._shm keeps one fd in reserve for its fd-limit error path, for the process's
+    # life: opened here, before any test counts fds.
+    import aiomp._shm  # noqa: F401
     _PERSISTENT.update(child_pids())
     # The first uvloop loop of a process opens a pipe that lives as long as the process.
     import anyio

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import random
 import signal
@@ -358,3 +359,26 @@ def test_a_double_ctrl_c_kills_and_reaps_a_deaf_worker(loop: str) -> None:
             proc.stdout.close()
         if proc.stderr:
             proc.stderr.close()
+
+
+async def test_worker_output_reaches_the_parent_labelled(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 13, the Pool's side: each line a worker writes reaches the parent with its
+    slot, and its logging records go through the parent's logging with record.worker."""
+    lines: list[tuple[int, str, str]] = []
+    caplog.set_level(logging.WARNING, logger="aiomp.test.worker")
+    with anyio.fail_after(TIMEOUT):
+        async with pool(2, output=lambda slot, stream, line: lines.append((slot, stream, line))
+                        ) as p:
+            assert await p.map(funcs.say, range(4), chunksize=1) == [0, 1, 2, 3]
+    # the forwarders are drained when the workers exit: every line is there by now
+    assert sorted(line for _, s, line in lines if s == "stdout") == [f"out {i}" for i in range(4)]
+    assert sorted(line for _, s, line in lines if s == "stderr") == [f"err {i}" for i in range(4)]
+    assert {slot for slot, _, _ in lines} <= {0, 1}
+    records = [r for r in caplog.records if r.name == "aiomp.test.worker"]
+    assert sorted(r.getMessage() for r in records) == [f"log {i}" for i in range(4)]
+    assert all(getattr(r, "worker", None) in (0, 1) and r.pid != os.getpid() for r in records)
+
+
+async def test_a_bad_output_value_is_refused_before_any_worker_starts() -> None:
+    with pytest.raises((TypeError, ValueError)):
+        aiomp.Pool(1, output="loud")  # type: ignore[arg-type]
