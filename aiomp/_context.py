@@ -23,6 +23,7 @@ reaps the ones still running before multiprocessing's own exit hook would join t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import multiprocessing
@@ -35,7 +36,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -107,6 +108,28 @@ def _main_importable() -> bool:
         return True
     path = getattr(main, "__file__", None)
     return isinstance(path, str) and os.path.isfile(path)
+
+
+@contextlib.contextmanager
+def _unreadable_main_hidden() -> Iterator[None]:
+    """Hide a ``__main__.__file__`` that children cannot read while one is started.
+
+    multiprocessing's spawn and forkserver children (and the fork server itself) re-run
+    the parent's main script from its path. For ``python -`` that path is ``<stdin>``:
+    they die before running anything. Without the path they skip the main module, as
+    they do for ``python -c``; functions defined there are refused up front anyway
+    (:func:`check_function`)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (main is None or getattr(main, "__spec__", None) is not None
+            or not isinstance(path, str) or os.path.isfile(path)):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def check_not_bootstrapping() -> None:
@@ -606,7 +629,8 @@ async def prepare_forkserver() -> None:
     if getattr(server, "_forkserver_pid", None) is not None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:
-        await anyio.to_thread.run_sync(forkserver.ensure_running)
+        with _unreadable_main_hidden():
+            await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
 def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
@@ -635,7 +659,8 @@ def launch(target: Callable[..., object], rank: int, start_method: str, daemon: 
             daemon=daemon,
             name=name or f"aiomp-{rank}",
         )
-        proc.start()
+        with _unreadable_main_hidden():
+            proc.start()
         if output is not None:
             output.start()
     except BaseException:

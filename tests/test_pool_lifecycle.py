@@ -382,3 +382,29 @@ async def test_worker_output_reaches_the_parent_labelled(caplog: pytest.LogCaptu
 async def test_a_bad_output_value_is_refused_before_any_worker_starts() -> None:
     with pytest.raises((TypeError, ValueError)):
         aiomp.Pool(1, output="loud")  # type: ignore[arg-type]
+
+
+def test_a_program_read_from_stdin_can_use_a_pool(tmp_path: Path) -> None:
+    """Issue 11: under ``python -`` the main script is ``<stdin>``, which spawn and
+    forkserver children (and the fork server) tried to re-run and died: the pool broke
+    "during start-up". Now they skip it; a function typed into that script is refused at
+    the call with a clear message."""
+    program = (
+        "import asyncio, operator\n"
+        "import aiomp\n"
+        "def typed_here(x):\n"
+        "    return x\n"
+        "async def main():\n"
+        "    for method in ('spawn', 'forkserver'):\n"
+        "        async with aiomp.Pool(1, start_method=method) as p:\n"
+        "            print(await p.apply(operator.add, (1, 2)))\n"
+        "            try:\n"
+        "                await p.apply(typed_here, (1,))\n"
+        "            except Exception as exc:\n"
+        "                print(type(exc).__name__, 'interactive __main__' in str(exc))\n"
+        "asyncio.run(main())\n"
+    )
+    proc = subprocess.run([sys.executable, "-"], input=program, text=True, cwd=tmp_path,
+                          capture_output=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:4] == ["3", "PicklingError True"] * 2
