@@ -7,8 +7,28 @@ needs them.
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
+
 # Not `from typing import TYPE_CHECKING`: children must not pay for importing typing.
 TYPE_CHECKING = False
+
+
+def _check_platform() -> None:
+    """Fail at import, saying what is missing, rather than with an AttributeError later."""
+    if not _sys.platform.startswith("linux"):
+        raise ImportError(
+            f"aiomp runs on Linux only (it needs pidfd, memfd, eventfd, OFD locks and "
+            f"SCM_RIGHTS); this is {_sys.platform}")
+    try:
+        _os.close(_os.pidfd_open(_os.getpid()))
+    except (AttributeError, OSError) as exc:
+        raise ImportError(
+            f"aiomp needs pidfd_open (Linux 5.3 or newer; this kernel is "
+            f"{_os.uname().release}): {exc}") from exc
+
+
+_check_platform()
 
 __version__ = "0.1.0"
 

@@ -238,7 +238,15 @@ class Pool:
       records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
       (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
 
-    See the module docstring of ``aiomp._pool`` for how tasks are dispatched.
+    Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
+    (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
+    share one. A worker that dies fails only the tasks it held
+    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not received go to
+    another. Cancelling a call (or its ``timeout``) drops a task that has not started and
+    stops a running one, terminating its worker if need be. Leaving ``async with``
+    normally waits for the submitted tasks; leaving by an exception or cancellation
+    terminates the workers (a second cancellation: SIGKILL at once), and they are always
+    reaped first. The design notes: ``docs/architecture.md`` in the source repository.
     """
 
     #: Turns a call into a task's message (see ``_calls.make_task``); None: the process

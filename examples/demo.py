@@ -50,7 +50,8 @@ async def main() -> None:
                 assert aiomp.is_shared(frame)
     elapsed = time.perf_counter() - start
     print(f"4 async workers doubled 16 shared 4 MiB frames in place in {elapsed * 1e3:.0f} ms, "
-          f"start-up included (frames per rank: {ctx.results}); frame 3 now holds "
+          f"start-up included (frames per rank: {ctx.results}, uneven: whichever worker is "
+          f"free takes the next frame); frame 3 now holds "
           f"{frames[3][0, 0]:.0f}")
 
     start = time.perf_counter()

@@ -152,3 +152,18 @@ def test_the_readme_demo_runs() -> None:
     lines = proc.stdout.splitlines()
     assert "frame 3 now holds 6" in lines[0]
     assert "ValueError: rank 1 could not read its shard" in lines[1]
+
+
+def test_import_on_another_platform_says_what_is_missing() -> None:
+    """Issue 11: on another OS, or a kernel without pidfd, ``import aiomp`` raises one
+    clear ImportError instead of an AttributeError somewhere later."""
+    import subprocess
+
+    for setup, expected in (
+        ("import sys; sys.platform = 'darwin'", "Linux only"),
+        ("import os; del os.pidfd_open", "needs pidfd_open"),
+    ):
+        proc = subprocess.run([sys.executable, "-c", f"{setup}\nimport aiomp"], text=True,
+                              capture_output=True, timeout=60, check=False)
+        assert proc.returncode == 1
+        assert "ImportError" in proc.stderr and expected in proc.stderr
