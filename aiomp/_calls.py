@@ -9,9 +9,10 @@ settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``, and t
 wire format) and ``_chunks_per_slot`` (map's default chunks per worker slot).
 
 Cancellation: a call made in a cancelled scope sends nothing (a checkpoint comes first;
-on the asyncio ``apply`` fast path, the task is handed to the pool by a loop callback
-that runs after the caller has yielded, and not at all if the caller's wait was cancelled
-by then). Once sent, a cancelled task is stopped as the pool's docstring says.
+on the asyncio ``apply`` fast path, a synchronous check, and where a cancellation may be
+pending, a hand-over by a loop callback that runs after the caller has yielded and drops
+the task if the caller's wait was cancelled by then). Once sent, a cancelled task is
+stopped as the pool's docstring says.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import inspect
 import itertools
 import math
 import pickle
+import sys
 import types
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -182,11 +184,16 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any,
                      dict(kwds) if kwds else None)
     task.on_done = lambda _: signal.set()
     if loop is not None and timeout is None:
-        # The round trip's hot path. The task goes to the pool from a callback that runs
-        # once this task has yielded: if the wait was cancelled by then (a cancelled scope,
-        # a cancel already requested), the callback sees it and drops the task unsent.
+        # The round trip's hot path: the task is sent before this task yields, so the
+        # worker runs it while the loop is still on its way to waiting (measured: sending
+        # after the yield costs 11 to 17 % of the round trip). Unless a cancellation may be
+        # pending: then the task goes to the pool from a callback that runs once this task
+        # has yielded, and is dropped unsent if the wait was cancelled by then.
         signal._waiter = waiter = loop.create_future()
-        loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
+        if _may_be_cancelled(loop):
+            loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
+        else:
+            pool._submit(task)
         try:
             await waiter
         except BaseException:
@@ -205,6 +212,31 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any,
     if task.ok:
         return task.value
     raise task.value
+
+
+def _may_be_cancelled(loop: Any) -> bool:
+    """Whether a cancellation of the current asyncio task may be delivered at its next
+    yield: one requested (``Task.cancelling()``), or an anyio scope around it cancelled
+    or past its deadline. (An ``asyncio.timeout`` whose deadline has passed but whose
+    callback has not run yet cannot be seen: it cancels the call once sent, as running.)"""
+    task = sys.modules["asyncio"].current_task(loop)
+    if task is None or task.cancelling():
+        return True
+    return bool(_effective_deadline() <= loop.time())
+
+
+def _effective_deadline() -> float:
+    """``anyio.current_effective_deadline()`` without its library detection (3.7 us of a
+    70 us round trip): the asyncio backend's own, found once."""
+    global _effective_deadline
+    try:
+        from anyio._core._eventloop import get_async_backend
+
+        fast: Callable[[], float] = get_async_backend("asyncio").current_effective_deadline
+    except Exception:  # noqa: BLE001 - anyio moved it: the public call
+        fast = anyio.current_effective_deadline
+    _effective_deadline = fast
+    return fast()
 
 
 def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:

@@ -118,8 +118,7 @@ async def test_a_call_in_a_cancelled_scope_touches_no_worker(tmp_path: Path) -> 
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
                          ids=["asyncio", "uvloop"])
 async def test_a_call_after_a_native_cancel_touches_no_worker(tmp_path: Path) -> None:
-    """Issue 8 bug 2, asyncio's own ways: a task that has a cancel pending, and an
-    `asyncio.timeout` that has already expired."""
+    """Issue 8 bug 2, asyncio's own way: a task with a cancel already requested."""
     marker = tmp_path / "ran"
     async with pool(1) as p:
         pid = await p.apply(funcs.pid)
@@ -132,9 +131,9 @@ async def test_a_call_after_a_native_cancel_touches_no_worker(tmp_path: Path) ->
 
         with pytest.raises(asyncio.CancelledError):
             await asyncio.create_task(cancelled_first())
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0):
-                await p.apply(funcs.append, (str(marker), "timeout"))
+        # (An asyncio.timeout whose deadline has passed delivers its cancellation from a
+        # callback at the next loop iteration: a call made before that is sent, and then
+        # cancelled as a running task. aiomp cannot see such a timeout in advance.)
         assert await p.apply(funcs.pid) == pid
         assert p.statistics().replaced == 0
     assert not marker.exists()
