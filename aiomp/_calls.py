@@ -110,31 +110,34 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
     tid = next(_tids)
     weight = 1 if info.is_async else pool._concurrency
     fid = info.fid
-    size = 1 if flags & P.F_APPLY else len(items)
-
-    def task(message: Any) -> Task:
-        return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
-                    define=info.define, group=group, index=index, size=size, on_done=on_done)
-
     if pool._encode is not None:  # aiomp.ray: a message that Ray carries
-        return task(pool._encode(tid, fn, info, flags, items, kwds, group))
-    try:
-        if not kwds and type(items) is tuple:
-            # apply(f, (1, "a")): nothing in it can carry an fd or an array.
-            if fid and not items:
-                return task(P.task_frame(tid, flags | P.F_NOARGS, fid, b""))
-            if ((fid or type(fn) in _BUILTIN_FUNCTIONS)
-                    and all(type(x) in P.PLAIN for x in items)):
-                body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
-                if P.fits_inline(body):
-                    return task(P.task_frame(tid, flags, fid, body))
-        message = P.Message(P.OP_TASK, tid, flags, P.task_body(fid, b""),
-                            (items, kwds) if fid else (fn, items, kwds))
-    except Exception as exc:
-        _context.check_function(fn, method)  # a clearer error when fn is the problem
-        exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
-        raise
-    return task(message)
+        message: Any = pool._encode(tid, fn, info, flags, items, kwds, group)
+    else:
+        try:
+            message = _encode(tid, fn, fid, flags, items, kwds)
+        except Exception as exc:
+            _context.check_function(fn, method)  # a clearer error when fn is the problem
+            exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
+            raise
+    return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
+                define=info.define, group=group, index=index,
+                size=1 if flags & P.F_APPLY else len(items), on_done=on_done)
+
+
+def _encode(tid: int, fn: Callable[..., object], fid: int, flags: int, items: Any,
+            kwds: dict[str, object] | None) -> Any:
+    """A task's message: a small frame (bytes), or a :class:`_protocol.Message`."""
+    if not kwds and type(items) is tuple:
+        # apply(f, (1, "a")): nothing in it can carry an fd or an array.
+        if fid and not items:
+            return P.task_frame(tid, flags | P.F_NOARGS, fid, b"")
+        if ((fid or type(fn) in _BUILTIN_FUNCTIONS)
+                and all(type(x) in P.PLAIN for x in items)):
+            body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
+            if P.fits_inline(body):
+                return P.task_frame(tid, flags, fid, body)
+    return P.Message(P.OP_TASK, tid, flags, P.task_body(fid, b""),
+                     (items, kwds) if fid else (fn, items, kwds))
 
 
 async def wait_done(task: Task, loop: Any) -> None:
@@ -171,9 +174,21 @@ async def _wait(pool: Pool, tasks: list[Task], signal: Signal,
         raise TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
 
 
-async def apply(pool: Pool, fn: Callable[..., Any], args: Any,
-                kwds: dict[str, object] | None, timeout: float | None) -> Any:
-    """:meth:`Pool.apply`."""
+async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
+                kwds: dict[str, object] | None = None, *, timeout: float | None = None) -> Any:
+    """Run ``fn(*args, **kwds)`` in a worker and return its result.
+
+    ``fn`` may be sync or ``async def``. Its exception is raised here, as the same
+    type, with the worker's traceback as ``__cause__``. An argument that cannot be
+    pickled raises here before anything is sent. If the worker dies while it runs the
+    task: :class:`aiomp.BrokenWorkerError`.
+
+    ``timeout`` (seconds, counted from this call, queueing included) raises
+    ``TimeoutError``. A call made in a cancelled scope sends nothing. On timeout or
+    cancellation a task that has not started never starts; a running one is stopped
+    as :class:`aiomp.Pool` describes (its worker terminated and replaced if need be)
+    before the cancellation goes on.
+    """
     if pool._state != 1 or pool._sched.broken is not None:  # not _OPEN
         pool._check_open()
     info = fn_info(fn)
@@ -222,21 +237,41 @@ def _may_be_cancelled(loop: Any) -> bool:
     task = sys.modules["asyncio"].current_task(loop)
     if task is None or task.cancelling():
         return True
-    return bool(_effective_deadline() <= loop.time())
+    return _anyio_scope_cancelled(task, loop)
 
 
-def _effective_deadline() -> float:
-    """``anyio.current_effective_deadline()`` without its library detection (3.7 us of a
-    70 us round trip): the asyncio backend's own, found once."""
-    global _effective_deadline
+def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
+    """Whether an anyio cancel scope around ``task`` is cancelled or past its deadline.
+
+    ``anyio.current_effective_deadline()`` says so publicly, at 3.7 us of a 70 us round
+    trip, mostly detecting the library; anyio's record of the task's scopes says it in a
+    fraction of that, and the public call stands in if anyio ever moves it."""
+    global _anyio_scope_cancelled
     try:
-        from anyio._core._eventloop import get_async_backend
+        from anyio._backends._asyncio import _task_states
 
-        fast: Callable[[], float] = get_async_backend("asyncio").current_effective_deadline
-    except Exception:  # noqa: BLE001 - anyio moved it: the public call
-        fast = anyio.current_effective_deadline
-    _effective_deadline = fast
-    return fast()
+        def fast(task: Any, loop: Any) -> bool:
+            state = _task_states.get(task)
+            if state is None:
+                return False  # no anyio scope around it
+            scope = state.cancel_scope
+            now = loop.time()
+            while scope is not None:
+                if scope._cancel_called or scope.deadline <= now:
+                    return True
+                if scope.shield:
+                    return False
+                scope = scope._parent_scope
+            return False
+
+        fast(task, loop)
+    except Exception:  # noqa: BLE001 - anyio changed: its public call
+
+        def fast(task: Any, loop: Any) -> bool:
+            return bool(anyio.current_effective_deadline() <= loop.time())
+
+    _anyio_scope_cancelled = fast
+    return fast(task, loop)
 
 
 def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:

@@ -108,7 +108,7 @@ import os
 import pickle
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -515,24 +515,23 @@ class Pool:
     def _on_message(self, h: WorkerHandle, got: tuple[bytes, list[int]]) -> None:
         """One message from a worker (in the reader callback on asyncio)."""
         op, tid, _, payload, fds = P.unpack(*got)
-        if op == P.OP_OK or op == P.OP_ERR:
-            task = self._sched.task(h, tid)
-            if task is None:
+        if op == P.OP_OK:
+            try:
+                value: Any = _reduction.loads(payload, fds)
+            except Exception as exc:  # noqa: BLE001
+                task = self._sched.task(h, tid)
+                err = pickle.UnpicklingError(
+                    f"the result of {task.name if task else tid} from {h.name} could not be "
+                    f"unpickled in the parent: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+                self._sched.complete(h, tid, False, err)
+                return
+            self._sched.complete(h, tid, True, value)
+        elif op == P.OP_ERR:
+            if self._sched.task(h, tid) is None:
                 _transport.close_fds(fds)
                 return
-            if op == P.OP_OK:
-                try:
-                    value: Any = _reduction.loads(payload, fds)
-                except Exception as exc:  # noqa: BLE001
-                    err = pickle.UnpicklingError(
-                        f"the result of {task.name} from {h.name} could not be unpickled "
-                        f"in the parent: {type(exc).__name__}: {exc}")
-                    err.__cause__ = exc
-                    self._sched.complete(h, tid, False, err)
-                    return
-                self._sched.complete(h, tid, True, value)
-            else:
-                self._sched.complete(h, tid, False, self._remote_error(h, payload, fds))
+            self._sched.complete(h, tid, False, self._remote_error(h, payload, fds))
         elif op == P.OP_READY:
             _transport.close_fds(fds)
             self._sched.ready(h)
@@ -611,33 +610,24 @@ class Pool:
             raise interrupted
 
     # -- public calls ------------------------------------------------------------------
-    @overload
-    async def apply(self, fn: Callable[..., Awaitable[T]], args: Iterable[object] = (),
-                    kwds: dict[str, object] | None = None, *,
-                    timeout: float | None = None) -> T: ...
+    if TYPE_CHECKING:
+        @overload
+        async def apply(self, fn: Callable[..., Awaitable[T]], args: Iterable[object] = (),
+                        kwds: dict[str, object] | None = None, *,
+                        timeout: float | None = None) -> T: ...
 
-    @overload
-    async def apply(self, fn: Callable[..., T], args: Iterable[object] = (),
-                    kwds: dict[str, object] | None = None, *,
-                    timeout: float | None = None) -> T: ...
+        @overload
+        async def apply(self, fn: Callable[..., T], args: Iterable[object] = (),
+                        kwds: dict[str, object] | None = None, *,
+                        timeout: float | None = None) -> T: ...
 
-    async def apply(self, fn: Callable[..., Any], args: Iterable[object] = (),
-                    kwds: dict[str, object] | None = None, *,
-                    timeout: float | None = None) -> Any:
-        """Run ``fn(*args, **kwds)`` in a worker and return its result.
-
-        ``fn`` may be sync or ``async def``. Its exception is raised here, as the same
-        type, with the worker's traceback as ``__cause__``. An argument that cannot be
-        pickled raises here before anything is sent. If the worker dies while it runs the
-        task: :class:`aiomp.BrokenWorkerError`.
-
-        ``timeout`` (seconds, counted from this call, queueing included) raises
-        ``TimeoutError``. A call made in a cancelled scope sends nothing. On timeout or
-        cancellation a task that has not started never starts; a running one is stopped
-        as the module docstring describes (its worker terminated and replaced if need be)
-        before the cancellation goes on.
-        """
-        return await _calls.apply(self, fn, args, kwds, timeout)
+        async def apply(self, fn: Callable[..., Any], args: Iterable[object] = (),
+                        kwds: dict[str, object] | None = None, *,
+                        timeout: float | None = None) -> Any: ...
+    else:
+        # The implementation itself, not a wrapper around it: a coroutine frame less on
+        # the round trip's hot path. Its docstring is the one help(Pool.apply) shows.
+        apply = _calls.apply
 
     @overload
     async def map(self, fn: Callable[[S], Awaitable[T]],
@@ -737,3 +727,4 @@ class Pool:
 
 for _cls in (Pool, PoolStatistics):
     _cls.__module__ = "aiomp"
+_calls.apply.__module__, _calls.apply.__qualname__ = "aiomp", "Pool.apply"

@@ -55,9 +55,9 @@ def fresh(exc: BaseException) -> BaseException:
 class Task:
     """One message's worth of work: an ``apply`` call or a chunk of a map.
 
-    ``message`` is whatever the worker handle sends (the scheduler never looks inside);
-    ``release(message)`` is called once the message is no longer needed, sent or not,
-    and ``dropped(message)`` instead when it will never be sent.
+    ``message`` is whatever the worker handle sends (the scheduler never looks inside):
+    a small frame (``bytes``), or an object whose ``close()`` is called once it is no
+    longer needed, sent or not, and ``discard()`` instead when it will never be sent.
     """
 
     __slots__ = (
@@ -98,9 +98,9 @@ class Task:
         self.value: Any = None
 
     def finish(self, ok: bool, value: object) -> None:
-        release = getattr(self.message, "close", None)
-        if release is not None:
-            release()
+        message = self.message
+        if type(message) is not bytes:  # (a small frame needs nothing: the hot path)
+            message.close()
         self.state = DONE
         self.ok = ok
         self.value = value
@@ -108,9 +108,9 @@ class Task:
             self.on_done(self)
 
     def drop(self) -> None:
-        discard = getattr(self.message, "discard", None)
-        if discard is not None:
-            discard()
+        message = self.message
+        if type(message) is not bytes:
+            message.discard()
         self.state = DROPPED
 
 
@@ -308,18 +308,20 @@ class Scheduler:
         w = self.workers.get(handle)
         return None if w is None else w.running.get(tid)
 
-    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> None:
-        """A result (or an error) for task ``tid`` came from ``handle``'s worker."""
+    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
+        """A result (or an error) for task ``tid`` came from ``handle``'s worker; False if
+        no such task is running there (it failed or was given up already)."""
         w = self.workers.get(handle)
         task = None if w is None else w.running.pop(tid, None)
         if task is None:
-            return
+            return False
         assert w is not None
         w.load -= task.weight
         self._finish(task, ok, value)
         self._make_available(w)
         if not self.unfinished:
             self.on_drained()
+        return True
 
     def close(self) -> None:
         """No new calls; queued tasks still run (replacing workers as needed)."""
