@@ -194,21 +194,21 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
     info = fn_info(fn)
     flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
     loop = pool._loop
-    signal = Signal(loop)
     task = make_task(pool, fn, info, flags, args if type(args) is tuple else tuple(args),
                      dict(kwds) if kwds else None)
-    task.on_done = lambda _: signal.set()
     if loop is not None and timeout is None:
         # The round trip's hot path: the task is sent before this task yields, so the
         # worker runs it while the loop is still on its way to waiting (measured: sending
-        # after the yield costs 11 to 17 % of the round trip). Unless a cancellation may be
-        # pending: then the task goes to the pool from a callback that runs once this task
-        # has yielded, and is dropped unsent if the wait was cancelled by then.
-        signal._waiter = waiter = loop.create_future()
-        if _may_be_cancelled(loop):
+        # after the yield costs 11 to 17 % of the round trip), and the reader callback
+        # resolves the future awaited here directly. Unless a cancellation may be pending:
+        # then the task goes to the pool from a callback that runs once this task has
+        # yielded, and is dropped unsent if the wait was cancelled by then.
+        task.waiter = waiter = loop.create_future()
+        current = sys.modules["asyncio"].current_task(loop)
+        if current is None or current.cancelling() or _anyio_scope_cancelled(current, loop):
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:
-            pool._submit(task)
+            pool._sched.submit(task)
         try:
             await waiter
         except BaseException:
@@ -216,6 +216,8 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
                 await pool._abandon([task])
             raise
     else:
+        signal = Signal(loop)
+        task.on_done = lambda _: signal.set()
         await anyio.lowlevel.checkpoint()
         try:
             pool._check_open()
@@ -229,19 +231,11 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
     raise task.value
 
 
-def _may_be_cancelled(loop: Any) -> bool:
-    """Whether a cancellation of the current asyncio task may be delivered at its next
-    yield: one requested (``Task.cancelling()``), or an anyio scope around it cancelled
-    or past its deadline. (An ``asyncio.timeout`` whose deadline has passed but whose
-    callback has not run yet cannot be seen: it cancels the call once sent, as running.)"""
-    task = sys.modules["asyncio"].current_task(loop)
-    if task is None or task.cancelling():
-        return True
-    return _anyio_scope_cancelled(task, loop)
-
-
 def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
-    """Whether an anyio cancel scope around ``task`` is cancelled or past its deadline.
+    """Whether an anyio cancel scope around ``task`` is cancelled or past its deadline:
+    with ``Task.cancelling()``, what tells apply a cancellation may be pending. (An
+    ``asyncio.timeout`` whose deadline has passed but whose callback has not run yet
+    cannot be seen: it cancels the call once sent, as a running one.)
 
     ``anyio.current_effective_deadline()`` says so publicly, at 3.7 us of a 70 us round
     trip, mostly detecting the library; anyio's record of the task's scopes says it in a

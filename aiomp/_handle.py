@@ -231,7 +231,7 @@ class WorkerHandle:
         # re-registering the fd for every message (two epoll_ctl calls per round trip cost
         # more than they save). One read per call: the selector is level-triggered.
         eof = loop.create_future()
-        try_recv, take, handle = chan.try_recv, chan.take, self._handle
+        try_recv, take, on_message = chan.try_recv, chan.take, self._on_message
 
         def readable() -> None:
             try:
@@ -246,8 +246,11 @@ class WorkerHandle:
                 self._on_lost(self, exc)
                 return
             while got is not None:
-                if not handle(got):
+                try:
+                    on_message(self, got)
+                except Exception as exc:  # noqa: BLE001 - a bug or an unreadable message
                     loop.remove_reader(fd)
+                    self._on_lost(self, exc)
                     return
                 got = take()  # more that came in the same read
 

@@ -74,6 +74,7 @@ class Task:
         "state",
         "tid",
         "value",
+        "waiter",
         "weight",
         "worker",
     )
@@ -92,6 +93,9 @@ class Task:
         self.index = index
         self.size = size  # inputs it carries
         self.on_done = on_done
+        # An asyncio future the caller awaits (apply's hot path: resolved here, with no
+        # callback in between), or None.
+        self.waiter: Any = None
         self.state = QUEUED
         self.worker: Worker | None = None
         self.ok = False
@@ -104,6 +108,9 @@ class Task:
         self.state = DONE
         self.ok = ok
         self.value = value
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         if self.on_done is not None:
             self.on_done(self)
 
