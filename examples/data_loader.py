@@ -11,8 +11,9 @@ and an async consumer takes them in order, with back-pressure.
       k, images, labels = batches.get()  <-------  batches.sync.put((k, images, labels))
       reorder buffer: batch k, k+1, ... in order    (a handle: the batch is not copied again)
       each batch handed out: tasks.put(next k)
-      every k sent: tasks.close()   ------------>  QueueClosed: the worker returns
-      every worker returned: batches.close()  -->  the consumer's stream ends
+      every k sent: tasks.close()   ------------>  QueueClosed: the worker returns, and the
+                                                    last one out closes ``batches``:
+      async for ends  <------------------------    the consumer's stream ends
 
 Back-pressure: at most ``prefetch`` batches are requested and not yet handed out, so the
 queue of finished batches and the reorder buffer never hold more than ``prefetch``, however
@@ -20,8 +21,9 @@ fast the workers are (``batches`` is bounded too, as a second line). Workers tak
 batch number when they are free, so a slow batch does not stall the other worker as
 torch's round-robin does; the reorder buffer restores the order.
 
-The stream ends by closing, not by counting: the parent closes ``batches`` once every
-worker has returned, so ``async for`` ends after the last batch. A worker that raises or
+The stream ends by closing, not by counting: the last worker to return closes
+``batches`` (each takes one of ``num_workers`` tokens from a third queue; whoever leaves it
+empty is last), so ``async for`` ends after the last batch, with no task in the parent. A worker that raises or
 dies cancels the consumer and the failure (:class:`aiomp.ProcessRaisedException`) is
 raised from ``async with``. Leaving the block early closes both queues: the workers stop
 at their next get or put.
@@ -80,9 +82,20 @@ def batch_count(dataset: SyntheticImages, batch_size: int) -> int:
 
 
 def _worker(rank: int, dataset: SyntheticImages, batch_size: int, tasks: aiomp.Queue,
-            batches: aiomp.Queue, shared: bool) -> int:
+            batches: aiomp.Queue, alive: aiomp.Queue, shared: bool) -> int:
     """Build batch ``k`` for every ``k`` taken from ``tasks`` until it is closed; return
-    how many this worker built. A closed ``batches`` (the consumer left) ends it too."""
+    how many this worker built. A closed ``batches`` (the consumer left) ends it too.
+    The last worker to return closes ``batches``; one that raises leaves it open (the
+    parent's spawn block reports the failure instead of a short stream)."""
+    built = _build(dataset, batch_size, tasks, batches, shared)
+    alive.get_nowait()  # our token
+    if alive.empty():  # all have taken theirs: every batch is on the queue
+        batches.close()  # two closing at once is harmless: close is idempotent
+    return built
+
+
+def _build(dataset: SyntheticImages, batch_size: int, tasks: aiomp.Queue,
+           batches: aiomp.Queue, shared: bool) -> int:
     built = 0
     shape = dataset.shape
     while True:
@@ -132,13 +145,14 @@ class DataLoader:
         self.ctx: aiomp.ProcessContext | None = None
 
     async def __aenter__(self) -> DataLoader:
-        import anyio
-
         self._tasks = aiomp.Queue()
         self._batches = aiomp.Queue(maxsize=self.prefetch)
         self._sent = 0  # batch numbers requested so far
         self._next = 0  # the batch number to hand out next
         self._ready: dict[int, tuple[Any, Any]] = {}  # the reorder buffer
+        alive = aiomp.Queue()
+        for _ in range(self.num_workers):
+            alive.put_nowait(None)
         for _ in range(min(self.prefetch, self.nbatches)):
             self._request()
         if self._sent == self.nbatches:
@@ -146,26 +160,10 @@ class DataLoader:
         self._spawn = aiomp.spawn(
             _worker, self.num_workers, start_method=self.start_method,
             grace_period=self.grace_period,
-            args=(self.dataset, self.batch_size, self._tasks, self._batches, self.shared))
+            args=(self.dataset, self.batch_size, self._tasks, self._batches, alive,
+                  self.shared))
         self.ctx = await self._spawn.__aenter__()
-        try:
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-        except BaseException as exc:
-            await self._spawn.__aexit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._tg.start_soon(self._end_when_joined)
         return self
-
-    async def _end_when_joined(self) -> None:
-        # A failure is raised by the spawn block itself (it cancels the consumer first).
-        try:
-            assert self.ctx is not None
-            await self.ctx.join()
-        except Exception:
-            pass
-        finally:
-            self._batches.close()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: Any) -> bool:
@@ -173,11 +171,7 @@ class DataLoader:
         self._tasks.close()
         self._batches.close()
         self._ready.clear()
-        try:
-            await self._tg.__aexit__(exc_type, exc, tb)
-        finally:
-            swallowed = await self._spawn.__aexit__(exc_type, exc, tb)
-        return swallowed
+        return bool(await self._spawn.__aexit__(exc_type, exc, tb))
 
     def _request(self) -> None:
         self._tasks.put_nowait(self._sent)  # never full: unbounded, a few bytes each
