@@ -23,10 +23,10 @@ torch's round-robin does; the reorder buffer restores the order.
 
 The stream ends by closing, not by counting: the last worker to return closes
 ``batches`` (each takes one of ``num_workers`` tokens from a third queue; whoever leaves it
-empty is last), so ``async for`` ends after the last batch, with no task in the parent. A worker that raises or
-dies cancels the consumer and the failure (:class:`aiomp.ProcessRaisedException`) is
-raised from ``async with``. Leaving the block early closes both queues: the workers stop
-at their next get or put.
+empty is last), so ``async for`` ends after the last batch, with no task in the parent.
+A worker that raises or dies cancels the consumer and the failure
+(:class:`aiomp.ProcessRaisedException`) is raised from ``async with``. Leaving the block
+early closes both queues: the workers stop at their next get or put.
 
 ``shared=False`` makes the workers collate into plain numpy arrays, which ``put`` copies
 into shared memory; see the README's "Data loading" for when each is the better choice.
