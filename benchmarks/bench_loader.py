@@ -1,0 +1,146 @@
+"""Data loading: examples/data_loader.py against ``torch.utils.data.DataLoader``.
+
+Run as ``python -m benchmarks.bench_loader``. The same dataset (examples/data_loader.py's
+``SyntheticImages``: a seeded 3 x 64 x 64 float32 image and a label per index, a few
+arithmetic passes), the same batch size (64), 2 workers each, one pass of
+:data:`BATCHES` batches, the consumer touching every batch lightly:
+
+- torch: ``DataLoader(dataset, batch_size=64, num_workers=2)``, its default collate
+  (``torch.stack`` into a fresh shared storage in the worker) and its default start
+  method here (fork);
+- aiomp: the example's loader with ``start_method="fork"`` (like for like with torch),
+  batches collated into ``aiomp.empty`` arrays, and again into plain numpy arrays that
+  ``put`` copies into shared memory.
+
+Each pass is timed from creating the loader's iterator (workers start) to the last batch,
+and to the first. Unpinned: this is throughput of three processes on the machine's cores,
+for both libraries alike. The three loaders alternate within each of :data:`RUNS` runs;
+every ratio is taken within one run, and the rows show the median run (the notes give
+the spread and the load average).
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks import _common as c
+
+BATCH = 64
+WORKERS = 2
+RUNS = 3
+
+
+def batches() -> int:
+    return c.reps(120, 20)
+
+
+def _touch(images: object) -> float:
+    # what a training step reads first: a strided sample of the batch (cheap, same for all)
+    return float(images[:, 0, ::16, ::16].sum())  # type: ignore[index]
+
+
+def torch_pass(dataset: object, n: int) -> tuple[float, float]:
+    """(seconds to the first batch, seconds for the pass) with torch's DataLoader."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
+    t0 = c.now()
+    first = None
+    seen = 0
+    for images, _labels in loader:
+        if first is None:
+            first = c.now() - t0
+        _touch(images.numpy())
+        seen += 1
+    total = c.now() - t0
+    assert seen == n and first is not None
+    return first, total
+
+
+async def aiomp_pass(dataset: object, n: int, shared: bool) -> tuple[float, float]:
+    from examples.data_loader import DataLoader
+
+    t0 = c.now()
+    first = None
+    seen = 0
+    async with DataLoader(dataset, BATCH, num_workers=WORKERS, shared=shared,  # type: ignore[arg-type]
+                          start_method="fork", grace_period=1.0) as loader:
+        async for images, _labels in loader:
+            if first is None:
+                first = c.now() - t0
+            _touch(images)
+            seen += 1
+            del images, _labels  # as torch's loop: hold one batch at a time
+    total = c.now() - t0
+    assert seen == n and first is not None
+    return first, total
+
+
+async def main() -> None:
+    from examples.data_loader import SyntheticImages
+
+    n = batches()
+    dataset = SyntheticImages(n * BATCH)
+    has_torch = c.have("torch")
+    variants = ["aiomp.empty", "aiomp numpy"] + (["torch"] if has_torch else [])
+    runs: list[dict[str, tuple[float, float]]] = []
+    loads: list[float] = []
+    for r in range(c.reps(RUNS, 1)):
+        loads.append(os.getloadavg()[0])
+        got: dict[str, tuple[float, float]] = {}
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            if v == "torch":
+                got[v] = torch_pass(dataset, n)
+            else:
+                got[v] = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
+        runs.append(got)
+        print(f"run {r + 1}: " + ", ".join(
+            f"{v} {n / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms" for v, t in got.items()),
+            flush=True)
+    loads.append(os.getloadavg()[0])
+
+    def median_run(key: str, base: str, which: int) -> tuple[float, float, list[float]]:
+        """(aiomp, baseline) of the run with the median ratio, and all runs' ratios."""
+        ratios = sorted((run[key][which] / run[base][which], i) for i, run in enumerate(runs))
+        _, i = ratios[len(ratios) // 2]
+        return runs[i][key][which], runs[i][base][which], [x for x, _ in ratios]
+
+    def spread(ratios: list[float]) -> str:
+        return f"runs {', '.join(f'{x:.2f}x' for x in ratios)}"
+
+    rows: list[dict[str, object]] = []
+    per = f"{n} batches of {BATCH}, {WORKERS} workers"
+    if has_torch:
+        for key in ("aiomp.empty", "aiomp numpy"):
+            a, b, ratios = median_run(key, "torch", 1)
+            rows.append(c.row(f"time per batch, {key} batches ({per})", a / n, b / n,
+                              "torch DataLoader, fork", c.faster(2), spread(ratios)))
+        for key in ("aiomp.empty", "aiomp numpy"):
+            a, b, ratios = median_run(key, "torch", 0)
+            rows.append(c.row(f"time to the first batch, {key} batches", a, b,
+                              "torch DataLoader, fork", c.at_most(1.0), spread(ratios)))
+    else:
+        rows.append(c.row("time per batch vs torch", None, None, "torch", c.faster(2),
+                          "torch not installed"))
+    a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 1)
+    rows.append(c.row("time per batch, aiomp.empty batches", a / n, b / n,
+                      "aiomp, numpy batches copied at put", None, spread(ratios)))
+    notes = [
+        f"loader: {per}, {c.reps(RUNS, 1)} runs, loaders alternating within each run; each "
+        "row is the run with the median ratio; time per batch is a whole pass (workers "
+        "started, every batch taken) over the batch count; unpinned.",
+        f"1-min load average at the start of each run and at the end: "
+        f"{', '.join(f'{x:.2f}' for x in loads)}",
+    ]
+    for i, run in enumerate(runs):
+        notes.append(f"run {i + 1}: " + "; ".join(
+            f"{v} {n / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms"
+            for v, t in run.items()))
+    c.emit("loader", rows, notes)
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)
