@@ -75,3 +75,35 @@ def test_bad_arguments_raise_before_anything_starts() -> None:
         DataLoader(SyntheticImages(4), 0)
     with pytest.raises(IndexError):
         SyntheticImages(4)[4]
+
+
+async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
+    """Regression (issue 17 item 5, "aiomp.empty batches measured slower"): a receiver
+    kept only the last 4 segments it had dropped mapped, so a loader whose 2 workers cycle
+    3 batch segments each (the one being filled, the one in flight, the one the consumer
+    holds) had the consumer mmap a segment again, and fault its pages in, for about half
+    the batches. Now received segments stay mapped up to a byte budget."""
+    import gc
+    import weakref
+
+    from aiomp import _numpy, _shm
+    from tests._funcs_loader import send_each_twice
+
+    count = 6
+    q, acks = aiomp.Queue(), aiomp.Queue()
+    seen: list[weakref.ref[_shm.Segment]] = []
+    with anyio.fail_after(60):
+        async with aiomp.spawn(send_each_twice, 1, args=(q, acks, count, 2 << 20),
+                               start_method="forkserver", grace_period=1.0):
+            for i in range(2 * count):
+                arr = await q.get()
+                shared = _numpy._shared_block(arr)
+                assert shared is not None
+                segment = shared[0].segment
+                if i < count:
+                    seen.append(weakref.ref(segment))
+                else:
+                    assert segment is seen[i - count](), f"segment {i - count} was mapped again"
+                del arr, shared, segment
+                gc.collect()
+                await acks.put(None)
