@@ -1,6 +1,6 @@
 """Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
 
-    python -m benchmarks.run [spawn queue arrays pool cuda] [--quick] [--no-write]
+    python -m benchmarks.run [spawn queue arrays pool loader cuda] [--quick] [--no-write]
     python benchmarks/run.py ...
 
 Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
@@ -25,12 +25,13 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
-NAMES = ("spawn", "queue", "arrays", "pool", "cuda")
+NAMES = ("spawn", "queue", "arrays", "pool", "loader", "cuda")
 TITLES = {
     "spawn": "Spawn and failure propagation",
     "queue": "Small-message round trip",
     "arrays": "Arrays through a queue",
     "pool": "Pool",
+    "loader": "Data loading",
     "cuda": "CuPy arrays as CUDA IPC handles (needs a GPU)",
 }
 RESULTS = os.path.join(HERE, "RESULTS.md")
