@@ -202,11 +202,13 @@ _blocks: weakref.WeakValueDictionary[tuple[tuple[int, int], int], ctypes.Array[c
     weakref.WeakValueDictionary()
 )
 _info: dict[int, tuple[Segment, int]] = {}  # id(exporter) -> (segment, block index)
-# Received segments stay mapped after their last block here is dropped, most recent last,
-# while they total at most RECENT_BYTES (and the last 4 whatever their size): a segment
-# that comes back (a producer's pool cycles a few) is then not mapped and faulted in again.
-# A count of 4 alone thrashed as soon as the producers cycled more than 4 (issue 17).
+# Received segments stay mapped after their last block here is dropped, least recently
+# dropped first out, while they total at most RECENT_BYTES and RECENT_SEGMENTS (an fd
+# each), and the last 4 whatever their size: a segment that comes back (a producer's pool
+# cycles a few) is then not mapped and faulted in again. A count of 4 alone thrashed as
+# soon as the producers cycled more than 4 (issue 17: a data loader's batches).
 RECENT_BYTES = 256 << 20
+RECENT_SEGMENTS = 64
 _recent: deque[Segment] = deque()
 
 
@@ -215,7 +217,7 @@ def _keep_recent(segment: Segment) -> None:
         _recent.remove(segment)
     _recent.append(segment)
     total = sum(s.size for s in _recent)
-    while len(_recent) > 4 and total > RECENT_BYTES:
+    while len(_recent) > 4 and (total > RECENT_BYTES or len(_recent) > RECENT_SEGMENTS):
         total -= _recent.popleft().size
 
 

@@ -12,11 +12,13 @@ arithmetic passes), the same batch size (64), 2 workers each, one pass of
   batches collated into ``aiomp.empty`` arrays, and again into plain numpy arrays that
   ``put`` copies into shared memory.
 
-Each pass is timed from creating the loader's iterator (workers start) to the last batch,
-and to the first. Unpinned: this is throughput of three processes on the machine's cores,
-for both libraries alike. The three loaders alternate within each of :data:`RUNS` runs;
-every ratio is taken within one run, and the rows show the median run (the notes give
-the spread and the load average).
+Each pass is timed from creating the loader's iterator (workers start) to the last batch.
+The time to the first batch is measured apart, from :data:`STARTS` short starts per
+loader and run (start, take one batch, leave), alternating, median per run. Unpinned:
+this is throughput of three processes on the machine's cores, for both libraries alike.
+The three loaders alternate within each of :data:`RUNS` runs; every ratio is taken
+within one run, and the rows show the median run (the notes give the spread and the
+load average).
 
 Wall time on a shared machine measures the other users as much as the loaders, so each
 pass also records the CPU time it cost, parent and workers together (``getrusage`` of
@@ -34,10 +36,11 @@ from benchmarks import _common as c
 BATCH = 64
 WORKERS = 2
 RUNS = 3
+STARTS = 5
 
 
 def batches() -> int:
-    return c.reps(120, 20)
+    return c.reps(200, 20)
 
 
 def _touch(images: object) -> float:
@@ -54,9 +57,6 @@ def cpu_seconds() -> float:
 def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
     """(seconds to the first batch, seconds for the pass, CPU seconds) with torch's
     DataLoader."""
-    import gc
-    import threading
-
     from torch.utils.data import DataLoader
 
     loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
@@ -74,10 +74,7 @@ def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
     # The exhausted iterator has joined its workers; its queues' feeder threads end when
     # the queues are collected. Wait for them: the next fork must not inherit them.
     del loader, images, _labels
-    gc.collect()
-    for t in threading.enumerate():
-        if t is not threading.main_thread():
-            t.join(10)
+    _join_threads()
     return first, total, cpu_seconds() - cpu0
 
 
@@ -101,6 +98,44 @@ async def aiomp_pass(dataset: object, n: int, shared: bool) -> tuple[float, floa
     return first, total, cpu_seconds() - cpu0
 
 
+def _join_threads() -> None:
+    import gc
+    import threading
+
+    gc.collect()
+    for t in threading.enumerate():
+        if t is not threading.main_thread():
+            t.join(10)
+
+
+def torch_first(dataset: object) -> float:
+    """Seconds from creating torch's iterator to its first batch (then it shuts down)."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
+    t0 = c.now()
+    it = iter(loader)
+    images, _labels = next(it)
+    first = c.now() - t0
+    _touch(images.numpy())
+    del it, loader, images, _labels  # shuts the workers down, joins them
+    _join_threads()
+    return first
+
+
+async def aiomp_first(dataset: object, shared: bool) -> float:
+    from examples.data_loader import DataLoader
+
+    t0 = c.now()
+    async with DataLoader(dataset, BATCH, num_workers=WORKERS, shared=shared,  # type: ignore[arg-type]
+                          start_method="fork", grace_period=1.0) as loader:
+        async for images, _labels in loader:
+            first = c.now() - t0
+            _touch(images)
+            break
+    return first
+
+
 async def main() -> None:
     from examples.data_loader import SyntheticImages
 
@@ -113,11 +148,19 @@ async def main() -> None:
     for r in range(c.reps(RUNS, 1)):
         loads.append(os.getloadavg()[0])
         got: dict[str, tuple[float, float, float]] = {}
-        for v in variants if r % 2 == 0 else variants[::-1]:
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
             if v == "torch":
                 got[v] = torch_pass(dataset, n)
             else:
                 got[v] = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
+        firsts: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(c.reps(STARTS, 1)):
+            for v in order:
+                firsts[v].append(torch_first(dataset) if v == "torch" else
+                                 await aiomp_first(dataset, shared=v == "aiomp.empty"))
+        # the pass's own first batch is replaced by the median of the short starts
+        got = {v: (c.median(firsts[v]), t[1], t[2]) for v, t in got.items()}
         runs.append(got)
         print(f"run {r + 1}: " + ", ".join(
             f"{v} {n / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
@@ -161,7 +204,9 @@ async def main() -> None:
     notes = [
         f"loader: {per}, {c.reps(RUNS, 1)} runs, loaders alternating within each run; each "
         "row is the run with the median ratio; time per batch is a whole pass (workers "
-        "started, every batch taken) over the batch count; unpinned.",
+        "started, every batch taken) over the batch count; CPU time is the parent's and "
+        "the workers' together; time to the first batch is the median of "
+        f"{c.reps(STARTS, 1)} short starts per loader and run; unpinned.",
         f"1-min load average at the start of each run and at the end: "
         f"{', '.join(f'{x:.2f}' for x in loads)}",
     ]
