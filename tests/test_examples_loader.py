@@ -39,8 +39,8 @@ async def test_batches_come_in_order_and_the_stream_ends(shared: bool) -> None:
             async for images, labels in loader:
                 assert aiomp.is_shared(images) == shared  # numpy: small, so inline
                 # back-pressure: requested and not yet handed out <= prefetch, so built
-                # and waiting (on the queue or in the reorder buffer) < prefetch
-                assert loader._batches.qsize() + len(loader._ready) < loader.prefetch
+                # and waiting (on the queue or in the reorder buffer) <= prefetch
+                assert loader._batches.qsize() + len(loader._ready) <= loader.prefetch
                 assert loader._sent - loader._next <= loader.prefetch
                 got.append((images.copy(), labels.copy()))
     assert [len(b[0]) for b in got] == [5] * 7 + [3]
