@@ -33,6 +33,10 @@ import resource
 
 from benchmarks import _common as c
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 BATCH = 64
 WORKERS = 2
 RUNS = 3
@@ -59,7 +63,7 @@ def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
     DataLoader."""
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
+    loader: Any = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
     cpu0 = cpu_seconds()
     t0 = c.now()
     first = None
@@ -112,7 +116,7 @@ def torch_first(dataset: object) -> float:
     """Seconds from creating torch's iterator to its first batch (then it shuts down)."""
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
+    loader: Any = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
     t0 = c.now()
     it = iter(loader)
     images, _labels = next(it)

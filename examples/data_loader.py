@@ -219,7 +219,7 @@ async def main(workers: int, nbatches: int, batch_size: int, shared: bool,
             assert np.array_equal(images[-1], img) and labels[-1] == label, f"batch {k}"
             seen += 1
     elapsed = time.perf_counter() - start
-    assert seen == expected, (seen, expected)
+    assert seen == expected and first is not None, (seen, expected)
     assert loader.ctx is not None and sum(loader.ctx.results) == expected  # type: ignore[arg-type]
     print(f"{seen} batches of {batch_size} from {workers} workers "
           f"({'aiomp.empty' if shared else 'numpy'} batches, {start_method}): "
