@@ -2,8 +2,8 @@
 
 Run as ``python -m benchmarks.bench_loader``. The same dataset (examples/data_loader.py's
 ``SyntheticImages``: a seeded 3 x 64 x 64 float32 image and a label per index, a few
-arithmetic passes), the same batch size (64), 2 workers each, one pass of
-:data:`BATCHES` batches, the consumer touching every batch lightly:
+arithmetic passes), the same batch size (64), 2 workers each, passes of 80 batches, the
+consumer reading every batch whole (a sum):
 
 - torch: ``DataLoader(dataset, batch_size=64, num_workers=2)``, its default collate
   (``torch.stack`` into a fresh shared storage in the worker) and its default start
@@ -12,13 +12,14 @@ arithmetic passes), the same batch size (64), 2 workers each, one pass of
   batches collated into ``aiomp.empty`` arrays, and again into plain numpy arrays that
   ``put`` copies into shared memory.
 
-Each pass is timed from creating the loader's iterator (workers start) to the last batch.
-The time to the first batch is measured apart, from :data:`STARTS` short starts per
-loader and run (start, take one batch, leave), alternating, median per run. Unpinned:
-this is throughput of three processes on the machine's cores, for both libraries alike.
-The three loaders alternate within each of :data:`RUNS` runs; every ratio is taken
-within one run, and the rows show the median run (the notes give the spread and the
-load average).
+Time per batch is a pass's steady state, from its first batch to its last. A run is
+:data:`ROUNDS` short passes per loader, alternating, so that a burst of load from the
+machine's other users lands on every loader alike; each loader's figure is the median of
+its passes. The time to the first batch is measured apart, from :data:`STARTS` short
+starts per loader and run (start, take one batch, leave), alternating, median per run.
+Unpinned: this is throughput of three processes on the machine's cores, for both
+libraries alike. Every ratio is taken within one run; the rows show the run with the
+median ratio, and the notes give all :data:`RUNS` runs and the load average.
 
 Wall time on a shared machine measures the other users as much as the loaders, so each
 pass also records the CPU time it cost, parent and workers together (``getrusage`` of
@@ -40,11 +41,12 @@ if TYPE_CHECKING:
 BATCH = 64
 WORKERS = 2
 RUNS = 3
+ROUNDS = 4
 STARTS = 5
 
 
 def batches() -> int:
-    return c.reps(200, 20)
+    return c.reps(80, 20)
 
 
 def _touch(images: object) -> float:
@@ -59,8 +61,8 @@ def cpu_seconds() -> float:
 
 
 def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
-    """(seconds to the first batch, seconds for the pass, CPU seconds) with torch's
-    DataLoader."""
+    """(seconds to the first batch, seconds from it to the last, CPU seconds of the whole
+    pass) with torch's DataLoader."""
     from torch.utils.data import DataLoader
 
     loader: Any = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
@@ -73,8 +75,8 @@ def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
             first = c.now() - t0
         _touch(images.numpy())
         seen += 1
-    total = c.now() - t0
     assert seen == n and first is not None
+    total = c.now() - t0 - first  # steady state: the first batch to the last
     # The exhausted iterator has joined its workers; its queues' feeder threads end when
     # the queues are collected. Wait for them: the next fork must not inherit them.
     del loader, images, _labels
@@ -97,8 +99,8 @@ async def aiomp_pass(dataset: object, n: int, shared: bool) -> tuple[float, floa
             _touch(images)
             seen += 1
             del images, _labels  # as torch's loop: hold one batch at a time
-    total = c.now() - t0
     assert seen == n and first is not None
+    total = c.now() - t0 - first  # steady state: the first batch to the last
     return first, total, cpu_seconds() - cpu0
 
 
@@ -151,24 +153,31 @@ async def main() -> None:
     loads: list[float] = []
     for r in range(c.reps(RUNS, 1)):
         loads.append(os.getloadavg()[0])
-        got: dict[str, tuple[float, float, float]] = {}
-        order = variants if r % 2 == 0 else variants[::-1]
-        for v in order:
-            if v == "torch":
-                got[v] = torch_pass(dataset, n)
-            else:
-                got[v] = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
+        steady: dict[str, list[float]] = {v: [] for v in variants}
+        cpu = dict.fromkeys(variants, 0.0)
         firsts: dict[str, list[float]] = {v: [] for v in variants}
-        for _ in range(c.reps(STARTS, 1)):
-            for v in order:
+        for i in range(c.reps(ROUNDS, 1)):
+            # short passes, alternating, so a burst of load lands on every loader alike
+            for v in variants if i % 2 == 0 else variants[::-1]:
+                if v == "torch":
+                    _, total, used = torch_pass(dataset, n)
+                else:
+                    _, total, used = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
+                steady[v].append(total / (n - 1))
+                cpu[v] += used / n
+            print(f"  round {i + 1}: " + ", ".join(
+                f"{v} {1 / steady[v][-1]:.1f} batches/s" for v in variants), flush=True)
+        for i in range(c.reps(STARTS, 1)):
+            for v in variants if i % 2 == 0 else variants[::-1]:
                 firsts[v].append(torch_first(dataset) if v == "torch" else
                                  await aiomp_first(dataset, shared=v == "aiomp.empty"))
-        # the pass's own first batch is replaced by the median of the short starts
-        got = {v: (c.median(firsts[v]), t[1], t[2]) for v, t in got.items()}
+        # per loader: (first batch, time per batch, CPU per batch), medians over the run
+        got = {v: (c.median(firsts[v]), c.median(steady[v]), cpu[v] / c.reps(ROUNDS, 1))
+               for v in variants}
         runs.append(got)
         print(f"run {r + 1}: " + ", ".join(
-            f"{v} {n / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
-            f"CPU {t[2] / n * 1e3:.2f} ms/batch" for v, t in got.items()),
+            f"{v} {1 / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
+            f"CPU {t[2] * 1e3:.2f} ms/batch" for v, t in got.items()),
             flush=True)
     loads.append(os.getloadavg()[0])
 
@@ -186,12 +195,12 @@ async def main() -> None:
     if has_torch:
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 1)
-            rows.append(c.row(f"time per batch, {key} batches ({per})", a / n, b / n,
+            rows.append(c.row(f"time per batch, {key} batches ({per})", a, b,
                               "torch DataLoader, fork", c.faster(2), spread(ratios)))
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 2)
-            rows.append(c.row(f"CPU time per batch, all processes, {key} batches", a / n,
-                              b / n, "torch DataLoader, fork", None, spread(ratios)))
+            rows.append(c.row(f"CPU time per batch, all processes, {key} batches", a, b,
+                              "torch DataLoader, fork", None, spread(ratios)))
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 0)
             rows.append(c.row(f"time to the first batch, {key} batches", a, b,
@@ -200,24 +209,25 @@ async def main() -> None:
         rows.append(c.row("time per batch vs torch", None, None, "torch", c.faster(2),
                           "torch not installed"))
     a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 1)
-    rows.append(c.row("time per batch, aiomp.empty batches", a / n, b / n,
+    rows.append(c.row("time per batch, aiomp.empty batches", a, b,
                       "aiomp, numpy batches copied at put", None, spread(ratios)))
     a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 2)
-    rows.append(c.row("CPU time per batch, aiomp.empty batches", a / n, b / n,
+    rows.append(c.row("CPU time per batch, aiomp.empty batches", a, b,
                       "aiomp, numpy batches copied at put", None, spread(ratios)))
     notes = [
-        f"loader: {per}, {c.reps(RUNS, 1)} runs, loaders alternating within each run; each "
-        "row is the run with the median ratio; time per batch is a whole pass (workers "
-        "started, every batch taken) over the batch count; CPU time is the parent's and "
-        "the workers' together; time to the first batch is the median of "
-        f"{c.reps(STARTS, 1)} short starts per loader and run; unpinned.",
+        f"loader: {c.reps(RUNS, 1)} runs; in each, {c.reps(ROUNDS, 1)} passes of {n} "
+        f"batches of {BATCH} per loader, alternating; time per batch: the first batch to "
+        "the last (steady state), median of the run's passes; CPU time: parent and workers "
+        "together over whole passes (start included) per batch; time to the first batch: "
+        f"median of {c.reps(STARTS, 1)} short starts per loader and run; each row is the "
+        "run with the median ratio; unpinned.",
         f"1-min load average at the start of each run and at the end: "
         f"{', '.join(f'{x:.2f}' for x in loads)}",
     ]
     for i, run in enumerate(runs):
         notes.append(f"run {i + 1}: " + "; ".join(
-            f"{v} {n / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms, "
-            f"CPU {t[2] / n * 1e3:.2f} ms/batch" for v, t in run.items()))
+            f"{v} {1 / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms, "
+            f"CPU {t[2] * 1e3:.2f} ms/batch" for v, t in run.items()))
     c.emit("loader", rows, notes)
 
 
