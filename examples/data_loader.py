@@ -130,6 +130,11 @@ class DataLoader:
     torch's ``prefetch_factor=2``) bounds the batches in flight. On cancellation, or any
     other way out of the block before the end, the queues are closed and the workers are
     stopped (joined, or terminated after ``grace_period`` seconds) before it propagates.
+
+    ``start_method="fork"`` by default, as torch's loader on Linux: the workers start
+    without importing anything (spawn or forkserver workers import numpy first, which
+    made the first batch about 1 s later here). Use ``"forkserver"`` when the parent
+    runs threads or has CUDA initialised (aiomp warns, or refuses, for fork then).
     """
 
     def __init__(self, dataset: SyntheticImages, batch_size: int, *, num_workers: int = 2,
