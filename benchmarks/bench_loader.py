@@ -10,7 +10,10 @@ consumer reading every batch whole (a sum):
   method here (fork);
 - aiomp: the example's loader with ``start_method="fork"`` (like for like with torch),
   batches collated into ``aiomp.empty`` arrays, and again into plain numpy arrays that
-  ``put`` copies into shared memory.
+  ``put`` copies into shared memory. Each loader has its own default number of batches
+  in flight: 4 for torch (``prefetch_factor=2`` per worker), 8 for the example, whose
+  in-order stream runs dry with 4 (torch's gains nothing from more: its CPU per batch
+  bounds it).
 
 Time per batch is a pass's steady state, from its first batch to its last. A run is
 :data:`ROUNDS` short passes per loader, alternating, so that a burst of load from the

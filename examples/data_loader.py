@@ -126,8 +126,12 @@ class DataLoader:
 
     Batches come in order, ``images`` a ``(B, *sample_shape)`` float32 array in shared
     memory and ``labels`` int64. One pass over the dataset per ``async with`` (the workers
-    start on entry and are joined on exit). ``prefetch`` (default ``2 * num_workers``, as
-    torch's ``prefetch_factor=2``) bounds the batches in flight. On cancellation, or any
+    start on entry and are joined on exit). ``prefetch`` (default ``4 * num_workers``)
+    bounds the batches in flight. It is twice torch's default (``prefetch_factor=2``)
+    because batches come out in order: a worker that falls behind holds back the credits,
+    and with 4 in flight the other worker ran dry (on 2 quiet cores, 167 batches/s with 4
+    in flight, 220 with 8, 298 with 16; torch's loader gained nothing from a larger
+    prefetch_factor, being bound by its own CPU per batch). On cancellation, or any
     other way out of the block before the end, the queues are closed and the workers are
     stopped (joined, or terminated after ``grace_period`` seconds) before it propagates.
 
@@ -144,7 +148,7 @@ class DataLoader:
             raise ValueError("batch_size and num_workers must be at least 1")
         self.dataset, self.batch_size = dataset, batch_size
         self.num_workers = num_workers
-        self.prefetch = max(1, prefetch if prefetch is not None else 2 * num_workers)
+        self.prefetch = max(1, prefetch if prefetch is not None else 4 * num_workers)
         self.shared, self.start_method, self.grace_period = shared, start_method, grace_period
         self.nbatches = batch_count(dataset, batch_size)
         self.ctx: aiomp.ProcessContext | None = None
