@@ -269,7 +269,23 @@ _blocks: weakref.WeakValueDictionary[tuple[tuple[int, int], int], ctypes.Array[c
     weakref.WeakValueDictionary()
 )
 _info: dict[int, tuple[Segment, int]] = {}  # id(exporter) -> (segment, block index)
-_recent: deque[Segment] = deque(maxlen=4)  # received segments kept mapped a while
+# Received segments stay mapped after their last block here is dropped, least recently
+# dropped first out, while they total at most RECENT_BYTES and RECENT_SEGMENTS (an fd
+# each), and the last 4 whatever their size: a segment that comes back (a producer's pool
+# cycles a few) is then not mapped and faulted in again. A count of 4 alone thrashed as
+# soon as the producers cycled more than 4 (issue 17: a data loader's batches).
+RECENT_BYTES = 256 << 20
+RECENT_SEGMENTS = 32  # as IDLE_SEGMENTS: the fd bound holds on the receiving side too
+_recent: deque[Segment] = deque()
+
+
+def _keep_recent(segment: Segment) -> None:
+    if segment in _recent:
+        _recent.remove(segment)
+    _recent.append(segment)
+    total = sum(s.size for s in _recent)
+    while len(_recent) > 4 and (total > RECENT_BYTES or len(_recent) > RECENT_SEGMENTS):
+        total -= _recent.popleft().size
 
 
 def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
@@ -300,8 +316,7 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
                 (segment.key, i) in _blocks for i in range(segment.nblocks)
             ):  # our description now holds no lease: it can test for everyone else's
                 _remove_if_orphan(segment.name, fd=segment.fd)
-            if segment not in _recent:
-                _recent.append(segment)
+            _keep_recent(segment)
 
 
 def block_of(exporter: object) -> BlockRef | None:
