@@ -64,6 +64,19 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+@pytest.fixture(params=["file_descriptor", "file_system"])
+def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
+    """This process's sharing strategy for one test (each of them); the default after."""
+    import aiomp
+
+    before = aiomp.get_sharing_strategy()
+    aiomp.set_sharing_strategy(request.param)
+    try:
+        yield request.param
+    finally:
+        aiomp.set_sharing_strategy(before)
+
+
 @pytest.fixture
 def file_system() -> Iterator[None]:
     """The ``file_system`` sharing strategy in this process, for one test."""

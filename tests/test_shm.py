@@ -46,27 +46,6 @@ BOTH_STRATEGIES = pytest.mark.parametrize(
 )
 
 
-@pytest.fixture(params=STRATEGIES)
-def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Set this process's sharing strategy for one test; restore the default after."""
-    before = aiomp.get_sharing_strategy()
-    aiomp.set_sharing_strategy(request.param)
-    try:
-        yield request.param
-    finally:
-        aiomp.set_sharing_strategy(before)
-
-
-@pytest.fixture
-def file_system() -> Iterator[None]:
-    before = aiomp.get_sharing_strategy()
-    aiomp.set_sharing_strategy("file_system")
-    try:
-        yield
-    finally:
-        aiomp.set_sharing_strategy(before)
-
-
 def shm_names() -> set[str]:
     return {n for n in os.listdir(_shm.SHM_DIR) if n.startswith("aiomp")}
 

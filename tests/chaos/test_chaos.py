@@ -24,7 +24,6 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +46,6 @@ SEEDS = pytest.mark.parametrize("seed", _chaos.SEEDS,
 
 print(f"\naiomp chaos: random seed {_chaos.RANDOM_SEED} (AIOMP_CHAOS_SEED={_chaos.RANDOM_SEED} "
       "replays it)", file=sys.stderr)
-
-
-@pytest.fixture(params=STRATEGIES)
-def strategy(request: pytest.FixtureRequest) -> Iterator[str]:
-    before = aiomp.get_sharing_strategy()
-    aiomp.set_sharing_strategy(request.param)
-    try:
-        yield request.param
-    finally:
-        aiomp.set_sharing_strategy(before)
 
 
 def exactly_once(expected: list[Any], got: list[Any]) -> tuple[int, int]:
