@@ -1333,7 +1333,7 @@ def test_large_arrays_hold_bounded_fds(strategy: str) -> None:
     gc.collect()
     # (arrays that came back after their segment was given away were received as
     # another process's: a few such segments stay mapped a while, see _shm._recent)
-    assert fd_count() - before <= _shm.IDLE_SEGMENTS + (_shm._recent.maxlen or 0) + 2
+    assert fd_count() - before <= _shm.IDLE_SEGMENTS + _shm.RECENT_SEGMENTS + 2
 
 
 def test_names_of_unread_messages_go_with_the_root() -> None:
