@@ -244,8 +244,11 @@ def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
     try:
         from anyio._backends._asyncio import _task_states
 
+        states = _task_states.data  # type: ignore[attr-defined]  # its dict: no Python frame
+        ref = weakref.ref
+
         def fast(task: Any, loop: Any) -> bool:
-            state = _task_states.get(task)
+            state = states.get(ref(task))
             if state is None:
                 return False  # no anyio scope around it
             scope = state.cancel_scope

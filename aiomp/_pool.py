@@ -297,12 +297,10 @@ class Pool:
         self._loop: Any = None  # the asyncio loop we run on; None on trio
         self._init: P.Message | None = None
         self._init_sends = 0
-        self._sched = Scheduler(processes, concurrency, maxtasksperchild, self._spawn_soon,
-                                 self._on_drained)
+        self._sched = Scheduler(processes, concurrency, maxtasksperchild, self._spawn_soon)
         self._handles: dict[WorkerHandle, None] = {}
         self._wake: Wakeup | None = None  # the supervisor's: workers to start
         self._supervisor: anyio.CancelScope | None = None
-        self._drained: anyio.Event | None = None  # made by _join, set when nothing is left
         self._iterators: dict[_calls.ResultIterator[Any], None] = {}
 
     def __repr__(self) -> str:
@@ -407,7 +405,8 @@ class Pool:
         for it in list(self._iterators):
             it._close(RuntimeError("the pool was closed before this iterator was consumed"))
         while self._sched.unfinished:
-            self._drained = done = anyio.Event()
+            done = anyio.Event()
+            self._sched.on_drained = done.set  # made here, in a task; set from anywhere
             await done.wait()
 
     async def _shutdown(self, graceful: bool) -> BaseException | None:
@@ -461,10 +460,6 @@ class Pool:
         """From the scheduler (maybe in a loop callback): workers to start."""
         if self._wake is not None:
             self._wake.set()
-
-    def _on_drained(self) -> None:
-        if self._drained is not None:
-            self._drained.set()
 
     async def _supervise(self) -> None:
         """Start the workers the scheduler asks for: a task, so anyio may be used."""

@@ -180,12 +180,13 @@ class Scheduler:
 
     def __init__(self, processes: int, concurrency: int, maxtasks: int | None,
                  on_spawn: Callable[[], None] = lambda: None,
-                 on_drained: Callable[[], None] = lambda: None) -> None:
+                 on_drained: Callable[[], None] | None = None) -> None:
         self.processes = processes
         self.concurrency = concurrency
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew
-        self.on_drained = on_drained  # no task is queued or running any more
+        # No task is queued or running any more (None: nobody is waiting for that).
+        self.on_drained = on_drained
         self.to_spawn: collections.deque[int] = collections.deque()
         self.workers: dict[Handle, Worker] = {}
         self.idle: dict[Worker, None] = {}  # insertion order: popitem() is LIFO
@@ -324,9 +325,11 @@ class Scheduler:
             return False
         assert w is not None
         w.load -= task.weight
-        self._finish(task, ok, value)
+        self.unfinished -= 1
+        self.completed += 1
+        task.finish(ok, value)
         self._make_available(w)
-        if not self.unfinished:
+        if not self.unfinished and self.on_drained is not None:
             self.on_drained()
         return True
 
@@ -346,7 +349,7 @@ class Scheduler:
         task.finish(ok, value)
 
     def _check_drained(self) -> None:
-        if self.unfinished == 0:
+        if self.unfinished == 0 and self.on_drained is not None:
             self.on_drained()
 
     def _replace(self, w: Worker) -> None:
