@@ -41,6 +41,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.abc
 
 from . import _child, _output, _reduction, _transport
 from ._errors import (
@@ -716,15 +717,7 @@ class SpawnHandle:
         assert ctx is not None and tg is not None
         swallowed = clean = False
         try:
-            try:
-                swallowed = bool(await tg.__aexit__(exc_type, exc, tb))
-            except BaseExceptionGroup as group:
-                # trio's nursery wraps what the body raised in a group of its own (another
-                # layer when the body raised a group itself, e.g. a KeyboardInterrupt in
-                # the user's nursery): when it holds nothing else, the body's exception
-                # leaves the block as it was raised.
-                if exc is None or list(_leaves(group)) != list(_leaves(exc)):
-                    raise
+            swallowed = await exit_task_group(tg, exc)
             if exc is None:
                 await ctx.join()
             clean = exc is None
@@ -735,6 +728,23 @@ class SpawnHandle:
                 await ctx.terminate()
         if ctx._failure is not None and (exc is None or swallowed):
             raise ctx._failure
+        return False
+
+
+async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:
+    """Leave ``tg`` with ``exc``, what the body of an ``async with`` raised (or None).
+
+    trio's nursery wraps what the body raised in a group of its own (another layer when
+    the body raised a group itself, e.g. a KeyboardInterrupt in the user's nursery): when
+    it holds nothing else, the body's exception leaves the block as it was raised, and
+    this returns False. A group that adds other errors (our own tasks': bugs) is raised.
+    """
+    try:
+        return bool(await tg.__aexit__(type(exc) if exc else None, exc,
+                                       exc.__traceback__ if exc else None))
+    except BaseExceptionGroup as group:
+        if exc is None or list(_leaves(group)) != list(_leaves(exc)):
+            raise
         return False
 
 

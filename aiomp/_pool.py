@@ -76,7 +76,7 @@ one ready-to-send message, then placed by a synchronous scheduler that never awa
 Failure handling
 ----------------
 * A task's exception is raised in the caller as the same type, its ``__cause__`` a
-  ``_RemoteTraceback`` carrying the worker's formatted traceback (as concurrent.futures
+  ``_protocol.RemoteTraceback`` carrying the worker's formatted traceback (as concurrent.futures
   does). An exception that cannot travel arrives as :class:`aiomp.ProcessRaisedException`
   naming its type and text; so does a ``BaseException`` that is not an ``Exception``
   (a task that cancelled itself must not look like a cancellation of the caller).
@@ -154,48 +154,11 @@ class PoolStatistics:
     replaced: int
 
 
-class _RemoteTraceback(Exception):
-    """The ``__cause__`` of an exception re-raised from a worker: its traceback there."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         return os.cpu_count() or 1
-
-
-async def _exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:
-    """Leave the pool's task group with ``exc`` (the body's exception, if any).
-
-    The body's own exception comes out as itself, not wrapped in an exception group: the
-    group may only add errors of the pool's tasks, which would be bugs.
-    """
-    try:
-        return bool(await tg.__aexit__(type(exc) if exc else None, exc,
-                                       exc.__traceback__ if exc else None))
-    except BaseExceptionGroup as group:
-        if exc is None or _leaves(group) != _leaves_of(exc):
-            raise
-        return False
-
-
-def _leaves_of(exc: BaseException) -> list[BaseException]:
-    return _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
 
 
 async def _reap(handles: list[WorkerHandle],
@@ -361,7 +324,7 @@ class Pool:
             tg.start_soon(self._supervise)
         except BaseException as exc:
             await self._shutdown(graceful=False)
-            await _exit_task_group(tg, exc)
+            await _context.exit_task_group(tg, exc)
             raise
         return self
 
@@ -392,8 +355,8 @@ class Pool:
         interrupted = await self._shutdown(graceful=error is None)
         error = error or interrupted
         if error is None:
-            return await _exit_task_group(tg, None)
-        if await _exit_task_group(tg, error) and error is exc:
+            return await _context.exit_task_group(tg, None)
+        if await _context.exit_task_group(tg, error) and error is exc:
             return True
         if error is exc:
             return False  # the body's exception goes on as it was
@@ -531,13 +494,7 @@ class Pool:
             _transport.close_fds(fds)
             self._sched.ready(h)
         elif op == P.OP_INIT_ERR:
-            cause = self._remote_error(h, payload, fds)
-            init_err = BrokenWorkerError(
-                f"{h.name}: the pool's initializer raised {type(cause).__name__}: {cause}",
-                h.slot, h.pid, 1, None)
-            init_err.__cause__ = cause
-            self._sched.init_failed(h, init_err)
-            log.error("aiomp: the pool is broken: %s", init_err)
+            self._initializer_failed(h, self._remote_error(h, payload, fds))
         else:
             _transport.close_fds(fds)
             log.error("aiomp: %s sent an unknown message (op %d)", h.name, op)
@@ -546,18 +503,20 @@ class Pool:
                       fds: list[int]) -> BaseException:
         try:
             error: P.ErrorPayload = _reduction.loads(payload, fds)  # type: ignore[assignment]
-            exc, why = error.rebuild()
         except Exception as err:  # noqa: BLE001
             return ProcessRaisedException(
                 f"{h.name} raised an exception that could not be unpickled: {err!r}",
                 h.slot, h.pid)
-        if exc is None:
-            exc = ProcessRaisedException(
-                f"{h.name} raised {error.type_name}: {error.message}\n"
-                f"(the exception itself could not be sent to the parent: {why})",
-                h.slot, h.pid)
-        exc.__cause__ = _RemoteTraceback(f'\n"""\n{h.name}:\n{error.text}"""')
-        return exc
+        return error.exception(h.name, h.slot, h.pid)
+
+    def _initializer_failed(self, h: Any, cause: BaseException) -> None:
+        """``h``'s initializer raised ``cause``: deterministic, so the pool breaks."""
+        init_err = BrokenWorkerError(
+            f"{h.name}: the pool's initializer raised {type(cause).__name__}: {cause}",
+            h.slot, h.pid, 1, None)
+        init_err.__cause__ = cause
+        self._sched.init_failed(h, init_err)
+        log.error("aiomp: the pool is broken: %s", init_err)
 
     # -- what the calls use (see _calls) -----------------------------------------------
     def _submit(self, task: Task) -> None:

@@ -169,6 +169,17 @@ class Message:
             out.close()
 
 
+class RemoteTraceback(Exception):
+    """The ``__cause__`` of an exception re-raised from a worker: its traceback there."""
+
+    def __init__(self, tb: str) -> None:
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
 class ErrorPayload:
     """A worker's exception as it travels to the parent (the body of ERR and INIT_ERR).
 
@@ -211,6 +222,20 @@ class ErrorPayload:
         except BaseException:  # noqa: BLE001
             message = "<str() failed>"
         return cls(text, data, name, message, why)
+
+    def exception(self, name: str, slot: int, pid: int | None) -> BaseException:
+        """The exception to raise in the parent for worker ``name``: the worker's own
+        (or a ProcessRaisedException naming its type and text when it cannot travel),
+        with the worker's traceback as its ``__cause__``, as concurrent.futures does."""
+        exc, why = self.rebuild()
+        if exc is None:
+            from ._errors import ProcessRaisedException
+
+            exc = ProcessRaisedException(
+                f"{name} raised {self.type_name}: {self.message}\n"
+                f"(the exception itself could not be sent to the parent: {why})", slot, pid)
+        exc.__cause__ = RemoteTraceback(f'\n"""\n{name}:\n{self.text}"""')
+        return exc
 
     def rebuild(self) -> tuple[BaseException | None, str]:
         """``(the exception, or None with why not)``, in the parent."""

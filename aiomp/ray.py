@@ -73,7 +73,6 @@ import anyio
 
 from . import _pool
 from . import _protocol as P
-from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._ray_handle import ActorHandle
 from ._wakeup import running_asyncio_loop
 
@@ -350,13 +349,7 @@ class Pool(_pool.Pool):
         if answer[0]:
             self._sched.ready(h)
             return
-        cause = self._rebuild(h, answer[1])
-        init_err = BrokenWorkerError(
-            f"{h.name}: the pool's initializer raised {type(cause).__name__}: {cause}",
-            h.slot, h.pid, 1, None)
-        init_err.__cause__ = cause
-        self._sched.init_failed(h, init_err)
-        log.error("aiomp: the pool is broken: %s", init_err)
+        self._initializer_failed(h, self._rebuild(h, answer[1]))
         self._sched.kill(h, " (its initializer raised)")
 
     def _on_result(self, h: ActorHandle, tid: int, ok: bool, value: Any) -> None:
@@ -383,14 +376,7 @@ class Pool(_pool.Pool):
         super()._on_exit(h, exitcode, unsent)
 
     def _rebuild(self, h: ActorHandle, error: P.ErrorPayload) -> BaseException:
-        exc, why = error.rebuild()
-        if exc is None:
-            exc = ProcessRaisedException(
-                f"{h.name} raised {error.type_name}: {error.message}\n"
-                f"(the exception itself could not be sent to the caller: {why})",
-                h.slot, h.pid)
-        exc.__cause__ = _pool._RemoteTraceback(f'\n"""\n{h.name}:\n{error.text}"""')
-        return exc
+        return error.exception(h.name, h.slot, h.pid)
 
     # -- tasks (see _calls.make_task) ----------------------------------------------------
     def _fn_key(self, fn: object) -> bytes:
