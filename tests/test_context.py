@@ -718,7 +718,7 @@ async def test_second_cancel_cannot_break_termination(
                 await started.wait()
                 start = time.monotonic()
                 tg.cancel_scope.cancel()
-                await anyio.sleep(0.3)
+                await anyio.sleep(0.3)  # handshake-free: the interval between two Ctrl-Cs
                 tg.cancel_scope.cancel()
         else:
             import asyncio
@@ -727,7 +727,7 @@ async def test_second_cancel_cannot_break_termination(
             await started.wait()
             start = time.monotonic()
             task.cancel()
-            await anyio.sleep(0.3)
+            await anyio.sleep(0.3)  # handshake-free: the interval between two Ctrl-Cs
             task.cancel()
             await asyncio.wait([task])
             assert task.cancelled()
@@ -753,7 +753,7 @@ async def test_cancelled_terminate_still_kills_and_reaps(
                                 grace_period=30)
         await gate.ready(2)
         task = asyncio.get_running_loop().create_task(ctx.terminate())
-        await anyio.sleep(0.1)
+        await anyio.wait_all_tasks_blocked()  # terminate() sent SIGTERM and now waits
         task.cancel()
         await asyncio.wait([task])
     assert task.cancelled()
@@ -813,7 +813,7 @@ def test_double_sigint_kills_children_and_exits(loop: str, gate: Gate) -> None:
         pidfds = [os.pidfd_open(pid) for pid in pids.values()]
         start = time.monotonic()
         os.kill(parent.pid, signal.SIGINT)
-        time.sleep(0.3)  # the user's second Ctrl-C comes a moment later (not a child wait)
+        time.sleep(0.3)  # handshake-free: the user's second Ctrl-C comes a moment later
         os.kill(parent.pid, signal.SIGINT)
         poller = select.poll()
         for fd in pidfds:

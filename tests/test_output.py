@@ -87,7 +87,7 @@ async def test_a_busy_parent_loses_nothing_of_a_loud_child() -> None:
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(funcs.write_a_lot, 1, args=(10,), grace_period=GRACE,
                                output=sink) as ctx:
-            time.sleep(0.5)  # noqa: ASYNC251 - a busy parent blocks its loop (not a child wait)
+            time.sleep(0.5)  # noqa: ASYNC251 - handshake-free: a busy parent blocks its loop
     assert ctx.results == [0]
     assert count == 10 * 1024
 

@@ -278,7 +278,7 @@ async def test_a_second_cancel_during_shutdown_kills_at_once(gate: Gate) -> None
     (pid,) = (await gate.ready(1)).values()
     start = time.monotonic()
     task.cancel()
-    await asyncio.sleep(0.3)  # the interval between two Ctrl-Cs, not a wait for a child
+    await asyncio.sleep(0.3)  # handshake-free: the interval between two Ctrl-Cs
     assert not dead(pid)  # in its grace period: it ignores SIGTERM
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -344,7 +344,7 @@ def test_a_double_ctrl_c_kills_and_reaps_a_deaf_worker(loop: str) -> None:
         worker = int(line.split()[-1])
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # the interval between two Ctrl-Cs, not a wait for a child
+        time.sleep(0.3)  # handshake-free: the interval between two Ctrl-Cs
         assert proc.poll() is None  # the first one waits out the grace period
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=8)

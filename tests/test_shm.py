@@ -1207,7 +1207,7 @@ def _wait_gone(pid: int, timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while _shm._alive(pid):
         assert time.monotonic() < deadline, f"process {pid} outlived its parent"
-        time.sleep(0.01)
+        time.sleep(0.01)  # handshake-free: polling the kernel's view of a non-child
 
 
 def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:

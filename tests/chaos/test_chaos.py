@@ -76,7 +76,7 @@ def wait_gone(pids: list[int], timeout: float = TIMEOUT) -> None:
     deadline = time.monotonic() + timeout
     while any(_shm._alive(p) for p in pids):
         assert time.monotonic() < deadline, f"orphans left: {[p for p in pids if _shm._alive(p)]}"
-        time.sleep(0.01)
+        time.sleep(0.01)  # handshake-free: polling the kernel's view of a non-child
 
 
 # -- many producers and consumers, both strategies, all three loops -------------------------
