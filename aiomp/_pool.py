@@ -260,7 +260,7 @@ class Pool:
         self._loop: Any = None  # the asyncio loop we run on; None on trio
         self._init: P.Message | None = None
         self._init_sends = 0
-        self._sched = Scheduler(processes, concurrency, maxtasksperchild, self._spawn_soon)
+        self._sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)
         self._handles: dict[WorkerHandle, None] = {}
         self._wake: Wakeup | None = None  # the supervisor's: workers to start
         self._supervisor: anyio.CancelScope | None = None

@@ -63,7 +63,6 @@ _FRAMED_HEAD = struct.Struct("<IBBBQB")
 #: A framed TASK header with its function id.
 _FRAMED_TASK = struct.Struct("<IBBBQBI")
 _FID = struct.Struct("<I")
-_FRAME_OVERHEAD = _FRAMED_HEAD.size - HEADER_SIZE
 #: Below this a received payload is copied out of its datagram (cheaper than a view).
 _COPY_BELOW = 2048
 

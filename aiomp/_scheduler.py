@@ -178,10 +178,9 @@ _OPEN, _CLOSING, _CLOSED = range(3)
 class Scheduler:
     """Tasks, workers and the decisions between them. See the module docstring."""
 
-    def __init__(self, processes: int, concurrency: int, maxtasks: int | None,
+    def __init__(self, concurrency: int, maxtasks: int | None,
                  on_spawn: Callable[[], None] = lambda: None,
                  on_drained: Callable[[], None] | None = None) -> None:
-        self.processes = processes
         self.concurrency = concurrency
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew

@@ -312,7 +312,7 @@ class Pool(_pool.Pool):
                 n = total.get("CPU", 1) // self._num_cpus
             else:
                 n = total.get("CPU", 1)
-            self._processes = self._sched.processes = max(1, int(n))
+            self._processes = max(1, int(n))
 
     def _connect(self) -> None:
         ray = self._ray

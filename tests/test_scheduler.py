@@ -58,7 +58,7 @@ class Rig:
                  maxtasks: int | None = None) -> None:
         self.spawns = 0
         self.drained = 0
-        self.sched = Scheduler(processes, concurrency, maxtasks, self._spawn, self._drained)
+        self.sched = Scheduler(concurrency, maxtasks, self._spawn, self._drained)
         self.handles: list[FakeHandle] = []
         self.done: list[Task] = []
         self._tid = 0
