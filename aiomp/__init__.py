@@ -19,13 +19,15 @@ def _check_platform() -> None:
     if not _sys.platform.startswith("linux"):
         raise ImportError(
             f"aiomp runs on Linux only (it needs pidfd, memfd, eventfd, OFD locks and "
-            f"SCM_RIGHTS); this is {_sys.platform}")
+            f"SCM_RIGHTS); this is {_sys.platform}"
+        )
     try:
         _os.close(_os.pidfd_open(_os.getpid()))
     except (AttributeError, OSError) as exc:
         raise ImportError(
             f"aiomp needs pidfd_open (Linux 5.3 or newer; this kernel is "
-            f"{_os.uname().release}): {exc}") from exc
+            f"{_os.uname().release}): {exc}"
+        ) from exc
 
 
 _check_platform()

@@ -97,9 +97,18 @@ def fn_info(fn: object) -> _Fn:
     return info
 
 
-def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, items: Any,
-              kwds: dict[str, object] | None, *, group: object = None, index: int = 0,
-              on_done: Callable[[Task], None] | None = None) -> Task:
+def make_task(
+    pool: Pool,
+    fn: Callable[..., object],
+    info: _Fn,
+    flags: int,
+    items: Any,
+    kwds: dict[str, object] | None,
+    *,
+    group: object = None,
+    index: int = 0,
+    on_done: Callable[[Task], None] | None = None,
+) -> Task:
     """Pickle a task; raises here, in the caller, if it cannot be pickled or if the
     pool's workers could not import ``fn`` (a lambda, a function of an interactive
     ``__main__``): the same check as ``spawn``'s, once per function and start method."""
@@ -119,25 +128,41 @@ def make_task(pool: Pool, fn: Callable[..., object], info: _Fn, flags: int, item
             _context.check_function(fn, method)  # a clearer error when fn is the problem
             exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
             raise
-    return Task(tid, info.name, weight, info.is_async, message, fn_id=fid,
-                define=info.define, group=group, index=index,
-                size=1 if flags & P.F_APPLY else len(items), on_done=on_done)
+    return Task(
+        tid,
+        info.name,
+        weight,
+        info.is_async,
+        message,
+        fn_id=fid,
+        define=info.define,
+        group=group,
+        index=index,
+        size=1 if flags & P.F_APPLY else len(items),
+        on_done=on_done,
+    )
 
 
-def _encode(tid: int, fn: Callable[..., object], fid: int, flags: int, items: Any,
-            kwds: dict[str, object] | None) -> Any:
+def _encode(
+    tid: int,
+    fn: Callable[..., object],
+    fid: int,
+    flags: int,
+    items: Any,
+    kwds: dict[str, object] | None,
+) -> Any:
     """A task's message: a small frame (bytes), or a :class:`_protocol.Message`."""
     if not kwds and type(items) is tuple:
         # apply(f, (1, "a")): nothing in it can carry an fd or an array.
         if fid and not items:
             return P.task_frame(tid, flags | P.F_NOARGS, fid, b"")
-        if ((fid or type(fn) in _BUILTIN_FUNCTIONS)
-                and all(type(x) in P.PLAIN for x in items)):
+        if (fid or type(fn) in _BUILTIN_FUNCTIONS) and all(type(x) in P.PLAIN for x in items):
             body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
             if P.fits_inline(body):
                 return P.task_frame(tid, flags, fid, body)
-    return P.Message(P.OP_TASK, tid, flags, P.task_body(fid, b""),
-                     (items, kwds) if fid else (fn, items, kwds))
+    return P.Message(
+        P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
+    )
 
 
 async def wait_done(task: Task, loop: Any) -> None:
@@ -155,8 +180,9 @@ async def wait_done(task: Task, loop: Any) -> None:
         await signal.wait()
 
 
-async def _wait(pool: Pool, tasks: list[Task], signal: Signal,
-                timeout: float | None = None) -> None:
+async def _wait(
+    pool: Pool, tasks: list[Task], signal: Signal, timeout: float | None = None
+) -> None:
     """Wait for ``signal``; abandon ``tasks`` on cancellation or timeout."""
     try:
         if timeout is None:
@@ -174,8 +200,14 @@ async def _wait(pool: Pool, tasks: list[Task], signal: Signal,
         raise TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
 
 
-async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
-                kwds: dict[str, object] | None = None, *, timeout: float | None = None) -> Any:
+async def apply(
+    pool: Pool,
+    fn: Callable[..., Any],
+    args: Any = (),
+    kwds: dict[str, object] | None = None,
+    *,
+    timeout: float | None = None,
+) -> Any:
     """Run ``fn(*args, **kwds)`` in a worker and return its result.
 
     ``fn`` may be sync or ``async def``. Its exception is raised here, as the same
@@ -194,8 +226,14 @@ async def apply(pool: Pool, fn: Callable[..., Any], args: Any = (),
     info = fn_info(fn)
     flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
     loop = pool._loop
-    task = make_task(pool, fn, info, flags, args if type(args) is tuple else tuple(args),
-                     dict(kwds) if kwds else None)
+    task = make_task(
+        pool,
+        fn,
+        info,
+        flags,
+        args if type(args) is tuple else tuple(args),
+        dict(kwds) if kwds else None,
+    )
     if loop is not None and timeout is None:
         # The round trip's hot path: the task is sent before this task yields, so the
         # worker runs it while the loop is still on its way to waiting (measured: sending
@@ -286,9 +324,14 @@ def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:
     pool._submit(task)
 
 
-async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int | None,
-               star: bool, on_progress: Callable[[int, int], object] | None = None
-               ) -> list[Any]:
+async def map_(
+    pool: Pool,
+    fn: Callable[..., Any],
+    iterable: Any,
+    chunksize: int | None,
+    star: bool,
+    on_progress: Callable[[int, int], object] | None = None,
+) -> list[Any]:
     """:meth:`Pool.map` and :meth:`Pool.starmap`."""
     if on_progress is not None and not callable(on_progress):
         raise TypeError(f"on_progress must be callable, not {type(on_progress).__name__}")
@@ -315,8 +358,19 @@ async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int
     tasks = gather.tasks
     try:
         for i, start in enumerate(range(0, n, chunksize)):
-            tasks.append(make_task(pool, fn, info, flags, list(items[start:start + chunksize]),
-                                   None, group=gather, index=i, on_done=gather))
+            tasks.append(
+                make_task(
+                    pool,
+                    fn,
+                    info,
+                    flags,
+                    list(items[start : start + chunksize]),
+                    None,
+                    group=gather,
+                    index=i,
+                    on_done=gather,
+                )
+            )
     except BaseException:
         for task in tasks:
             task.drop()
@@ -332,8 +386,9 @@ async def map_(pool: Pool, fn: Callable[..., Any], iterable: Any, chunksize: int
     return list(itertools.chain.from_iterable(gather.results))
 
 
-async def _wait_reporting(pool: Pool, gather: _Gather, total: int,
-                          on_progress: Callable[[int, int], object]) -> None:
+async def _wait_reporting(
+    pool: Pool, gather: _Gather, total: int, on_progress: Callable[[int, int], object]
+) -> None:
     """Wait for a map, calling ``on_progress(done, total)`` from this task (never from a
     loop callback) each time chunks have finished; abandon the map on cancellation."""
     progress = gather.progress = Wakeup(pool._loop)
@@ -355,8 +410,7 @@ async def _wait_reporting(pool: Pool, gather: _Gather, total: int,
 class _Gather:
     """Collects a map's chunks; its signal fires when all are done or one has failed."""
 
-    __slots__ = ("done", "error", "pool", "progress", "remaining", "results", "signal",
-                 "tasks")
+    __slots__ = ("done", "error", "pool", "progress", "remaining", "results", "signal", "tasks")
 
     def __init__(self, pool: Pool, n: int) -> None:
         self.pool = pool
@@ -387,8 +441,16 @@ class _Gather:
 class ResultIterator(Generic[T]):
     """What :meth:`Pool.imap` and :meth:`Pool.imap_unordered` return."""
 
-    def __init__(self, pool: Pool, fn: Callable[..., T], iterable: Any, chunksize: int,
-                 star: bool, ordered: bool, buffersize: int | None) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        fn: Callable[..., T],
+        iterable: Any,
+        chunksize: int,
+        star: bool,
+        ordered: bool,
+        buffersize: int | None,
+    ) -> None:
         pool._check_open()
         self._fn_info = info = fn_info(fn)
         if not isinstance(chunksize, int) or chunksize < 1:
@@ -481,8 +543,10 @@ class ResultIterator(Generic[T]):
         """The pool broke: no more results will come. Count what was not run."""
         lost = task.size + sum(t.size for t in self._tasks.values() if not t.ok)
         more = "" if self._exhausted else " (the rest of the input was not read)"
-        err = BrokenPoolError(f"the pool broke with {lost} input(s) of this iterator not "
-                              f"run{more}: {task.value}", lost)
+        err = BrokenPoolError(
+            f"the pool broke with {lost} input(s) of this iterator not run{more}: {task.value}",
+            lost,
+        )
         err.__cause__ = task.value.__cause__
         self._close(None)
         self._broken = err
@@ -516,8 +580,17 @@ class ResultIterator(Generic[T]):
 
     def _submit(self, chunk: list[Any]) -> None:
         pool = self._pool
-        task = make_task(pool, self._fn, self._fn_info, self._flags, chunk, None,
-                         group=self, index=self._count, on_done=self._on_done)
+        task = make_task(
+            pool,
+            self._fn,
+            self._fn_info,
+            self._flags,
+            chunk,
+            None,
+            group=self,
+            index=self._count,
+            on_done=self._on_done,
+        )
         self._tasks[self._count] = task
         self._count += 1
         pool._submit(task)

@@ -116,8 +116,9 @@ def reset_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def redirect_output(ends: tuple[socket.socket, socket.socket, bool, socket.socket, int],
-                    ) -> None:
+def redirect_output(
+    ends: tuple[socket.socket, socket.socket, bool, socket.socket, int],
+) -> None:
     """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``).
 
     ``sys.stdout`` is line-buffered when the third item says so (the parent's stdout is
@@ -140,8 +141,9 @@ def redirect_output(ends: tuple[socket.socket, socket.socket, bool, socket.socke
         else:
             # A fork child inherits whatever the parent had put there (pytest's capture,
             # an app's redirection), which would not reach the fd.
-            setattr(sys, name, open(fd, "w", buffering=1 if lines else -1,  # noqa: SIM115
-                                    errors="backslashreplace", closefd=False))
+            mode = 1 if lines else -1
+            text = open(fd, "w", buffering=mode, errors="backslashreplace", closefd=False)  # noqa: SIM115
+            setattr(sys, name, text)
 
 
 def forward_logging(sock: socket.socket, level: int) -> None:
@@ -181,14 +183,35 @@ def forward_logging(sock: socket.socket, level: int) -> None:
         root.setLevel(level)
 
 
-_RECORD_BASICS = ("name", "msg", "levelname", "levelno", "pathname", "filename", "module",
-                  "lineno", "funcName", "created", "msecs", "relativeCreated", "thread",
-                  "threadName", "processName", "process", "exc_text", "stack_info")
+_RECORD_BASICS = (
+    "name",
+    "msg",
+    "levelname",
+    "levelno",
+    "pathname",
+    "filename",
+    "module",
+    "lineno",
+    "funcName",
+    "created",
+    "msecs",
+    "relativeCreated",
+    "thread",
+    "threadName",
+    "processName",
+    "process",
+    "exc_text",
+    "stack_info",
+)
 
 
-def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
-         output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
-         ) -> None:
+def main(
+    rank: int,
+    sock: socket.socket,
+    parent_pid: int,
+    fn: object = None,
+    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+) -> None:
     """Entry point of a spawned child (``multiprocessing.Process`` target)."""
     if output is not None:
         redirect_output(output)
@@ -227,7 +250,7 @@ def main(rank: int, sock: socket.socket, parent_pid: int, fn: object = None,
 UNGUARDED_MAIN = (
     "this child re-ran the parent's main module while starting, and that module starts "
     "aiomp processes when imported: protect the entry point with "
-    "`if __name__ == \"__main__\":` (spawn and forkserver children import the main "
+    '`if __name__ == "__main__":` (spawn and forkserver children import the main '
     "module; only the guard keeps them from running the program again)"
 )
 
@@ -263,8 +286,11 @@ def _inherited_report_socket() -> socket.socket | None:
             continue
         try:
             cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            if (sock.family == socket.AF_UNIX and sock.type == socket.SOCK_SEQPACKET
-                    and struct.unpack("3i", cred)[0] == ppid):
+            if (
+                sock.family == socket.AF_UNIX
+                and sock.type == socket.SOCK_SEQPACKET
+                and struct.unpack("3i", cred)[0] == ppid
+            ):
                 return sock
         except OSError:
             pass
@@ -296,8 +322,9 @@ def format_error(exc: BaseException, context: str = "", traceback: bool = True) 
     return f"{context}:\n{text}" if context else text
 
 
-def report_error(sock: socket.socket, exc: BaseException, context: str = "",
-                 traceback: bool = True) -> None:
+def report_error(
+    sock: socket.socket, exc: BaseException, context: str = "", traceback: bool = True
+) -> None:
     """Send ``("err", traceback text, exc or None)``; the text always arrives.
 
     ``traceback=False`` sends only the exception's one-line summary as the text.

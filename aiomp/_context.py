@@ -122,8 +122,12 @@ def _unreadable_main_hidden() -> Iterator[None]:
     (:func:`check_function`)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if (main is None or getattr(main, "__spec__", None) is not None
-            or not isinstance(path, str) or os.path.isfile(path)):
+    if (
+        main is None
+        or getattr(main, "__spec__", None) is not None
+        or not isinstance(path, str)
+        or os.path.isfile(path)
+    ):
         yield
         return
     del main.__file__
@@ -171,9 +175,15 @@ def check_fork_safe() -> None:
 class _Child:
     """One child process and the fds aiomp holds for it. Owned by a ProcessContext."""
 
-    def __init__(self, rank: int, process: multiprocessing.process.BaseProcess,
-                 sock: socket.socket, start_method: str, report: bool = True,
-                 output: _output.Forwarder | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        process: multiprocessing.process.BaseProcess,
+        sock: socket.socket,
+        start_method: str,
+        report: bool = True,
+        output: _output.Forwarder | None = None,
+    ) -> None:
         self.rank = rank
         self.output = output  # its stdout/stderr, forwarded; closed once it has exited
         # report: the socket carries one final report that poll_message reads. A Pool
@@ -284,9 +294,15 @@ class _Child:
                 self.sock = None
                 return
         except OSError as exc:
-            self.outcome = ("err", ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) sent a report that could not be "
-                f"received: {exc}", self.rank, self.pid))
+            self.outcome = (
+                "err",
+                ProcessRaisedException(
+                    f"process {self.rank} (pid {self.pid}) sent a report that could not be "
+                    f"received: {exc}",
+                    self.rank,
+                    self.pid,
+                ),
+            )
             return
         if got is None:
             return
@@ -294,16 +310,27 @@ class _Child:
             _, body, fds = _transport.decode(*got)
             msg: Any = _reduction.loads(body, fds)
         except Exception as exc:  # noqa: BLE001 - reported as the child's failure
-            self.outcome = ("err", ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) returned a value that could not be "
-                f"unpickled in the parent: {exc!r}", self.rank, self.pid))
+            self.outcome = (
+                "err",
+                ProcessRaisedException(
+                    f"process {self.rank} (pid {self.pid}) returned a value that could not be "
+                    f"unpickled in the parent: {exc!r}",
+                    self.rank,
+                    self.pid,
+                ),
+            )
             return
         if msg[0] == "ok":
             self.outcome = ("ok", msg[1])
         else:
-            self.outcome = ("err", ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1].rstrip()}", self.rank,
-                self.pid))
+            self.outcome = (
+                "err",
+                ProcessRaisedException(
+                    f"process {self.rank} (pid {self.pid}) raised:\n\n{msg[1].rstrip()}",
+                    self.rank,
+                    self.pid,
+                ),
+            )
 
     async def wait_message(self) -> None:
         """Wait until the child's report has arrived or its socket has closed."""
@@ -338,6 +365,7 @@ class _Child:
 
     async def watch(self, on_failure: Callable[[], None]) -> None:
         """Return once the child has exited; call ``on_failure`` as soon as it fails."""
+
         async def messages() -> None:
             await self.wait_message()
             if self.failure() is not None:
@@ -398,14 +426,18 @@ class ProcessContext:
         return self._failure
 
     def _finish(self) -> bool:
-        if (self._results is None and all(c.exited for c in self._children)
-                and self._first_failure() is None):
-                self._results = [c.outcome[1] if c.outcome else None for c in self._children]
+        if (
+            self._results is None
+            and all(c.exited for c in self._children)
+            and self._first_failure() is None
+        ):
+            self._results = [c.outcome[1] if c.outcome else None for c in self._children]
         return self._results is not None
 
     async def _watch_all(self) -> None:
         """Return once every child has exited, or as soon as one has failed."""
         async with anyio.create_task_group() as tg:
+
             def failed() -> None:
                 self._first_failure()
                 tg.cancel_scope.cancel()
@@ -492,8 +524,11 @@ async def terminate_all(children: Sequence[_Child], grace: float) -> None:
                     for c in survivors:
                         c.kill(why)
                 elif killing and now >= deadline:
-                    log.error("aiomp: pids %s survived SIGKILL for %s s (uninterruptible "
-                              "sleep?)", [c.pid for c in survivors], KILL_TIMEOUT)
+                    log.error(
+                        "aiomp: pids %s survived SIGKILL for %s s (uninterruptible sleep?)",
+                        [c.pid for c in survivors],
+                        KILL_TIMEOUT,
+                    )
                     break
                 try:
                     await _wait_all(survivors, deadline - now)
@@ -533,8 +568,14 @@ def _protect_from_trio_ki() -> None:
     trio = sys.modules.get("trio")
     if trio is not None and not _ki_protected:
         _ki_protected = True
-        for fn in (terminate_all, _wait_all, _Child.wait_exit, _Child.poll_exit, _Child.kill,
-                   _Child.terminate):
+        for fn in (
+            terminate_all,
+            _wait_all,
+            _Child.wait_exit,
+            _Child.poll_exit,
+            _Child.kill,
+            _Child.terminate,
+        ):
             trio.lowlevel.enable_ki_protection(fn)
 
 
@@ -554,8 +595,11 @@ def _kill_at_exit() -> None:
     live = [c for c in list(_running) if c.exitcode is None and c.process.exitcode is None]
     if not live:
         return
-    log.warning("aiomp: %d child process(es) still running at interpreter exit: killing "
-                "pids %s", len(live), [c.pid for c in live])
+    log.warning(
+        "aiomp: %d child process(es) still running at interpreter exit: killing pids %s",
+        len(live),
+        [c.pid for c in live],
+    )
     for c in live:
         c.kill(" (interpreter exit)")
     deadline = time.monotonic() + KILL_TIMEOUT
@@ -603,8 +647,9 @@ async def start_children(
         for rank in range(nprocs):
             target_fn = fn if start_method == "fork" else None
             fw = None if output == "inherit" else _output.Forwarder(rank, output)
-            children.append(launch(_child.main, rank, start_method, daemon, extra=(target_fn,),
-                                   output=fw))
+            children.append(
+                launch(_child.main, rank, start_method, daemon, extra=(target_fn,), output=fw)
+            )
         payload.copies(len(children))  # one message, sent to every child
         for c in children:
             assert c.sock is not None
@@ -634,10 +679,17 @@ async def prepare_forkserver() -> None:
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
-def launch(target: Callable[..., object], rank: int, start_method: str, daemon: bool,
-           extra: tuple[object, ...] = (), name: str | None = None,
-           report: bool = True, stream: bool = False,
-           output: _output.Forwarder | None = None) -> _Child:
+def launch(
+    target: Callable[..., object],
+    rank: int,
+    start_method: str,
+    daemon: bool,
+    extra: tuple[object, ...] = (),
+    name: str | None = None,
+    report: bool = True,
+    stream: bool = False,
+    output: _output.Forwarder | None = None,
+) -> _Child:
     """Start one process running ``target(rank, control_socket, parent_pid, *extra)``.
 
     The control socket is a datagram socket pair, or a stream pair with ``stream`` (a
@@ -683,8 +735,16 @@ class SpawnHandle:
     terminates them (SIGTERM, the grace period, SIGKILL), reaps them and re-raises.
     """
 
-    def __init__(self, fn: object, nprocs: int, args: tuple[object, ...], start_method: str,
-                 daemon: bool, grace_period: float, output: _output.Output) -> None:
+    def __init__(
+        self,
+        fn: object,
+        nprocs: int,
+        args: tuple[object, ...],
+        start_method: str,
+        daemon: bool,
+        grace_period: float,
+        output: _output.Output,
+    ) -> None:
         self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -711,8 +771,12 @@ class SpawnHandle:
             await ctx.terminate()
             body.cancel()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
         ctx, tg = self._ctx, self._tg
         assert ctx is not None and tg is not None
         swallowed = clean = False
@@ -740,8 +804,9 @@ async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) ->
     this returns False. A group that adds other errors (our own tasks': bugs) is raised.
     """
     try:
-        return bool(await tg.__aexit__(type(exc) if exc else None, exc,
-                                       exc.__traceback__ if exc else None))
+        return bool(
+            await tg.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        )
     except BaseExceptionGroup as group:
         if exc is None or list(_leaves(group)) != list(_leaves(exc)):
             raise

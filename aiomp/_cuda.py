@@ -406,9 +406,16 @@ class _CupyBackend:
         memptr = arr.data  # attributes only: no CUDA call
         dtype = arr.dtype
         mem = memptr.mem
-        return Described(int(memptr.device_id), int(memptr.ptr),
-                         tuple(int(n) for n in arr.shape), tuple(int(s) for s in arr.strides),
-                         dtype.str, int(dtype.itemsize), mem, getattr(mem, "_owner", None))
+        return Described(
+            int(memptr.device_id),
+            int(memptr.ptr),
+            tuple(int(n) for n in arr.shape),
+            tuple(int(s) for s in arr.strides),
+            dtype.str,
+            int(dtype.itemsize),
+            mem,
+            getattr(mem, "_owner", None),
+        )
 
     def address_range(self, dev: int, ptr: int) -> tuple[int, int]:
         with self._on(dev, "a CuPy array is being sent"):
@@ -461,8 +468,10 @@ class _CupyBackend:
     def is_oom(self, exc: BaseException) -> bool:
         if isinstance(exc, self.cp.cuda.memory.OutOfMemoryError):
             return True  # CuPy's pool, or malloc above
-        return (isinstance(exc, self.rt.CUDARuntimeError)  # cudaEventCreate, ...
-                and getattr(exc, "status", None) == _CUDA_ERROR_MEMORY_ALLOCATION)
+        return (
+            isinstance(exc, self.rt.CUDARuntimeError)  # cudaEventCreate, ...
+            and getattr(exc, "status", None) == _CUDA_ERROR_MEMORY_ALLOCATION
+        )
 
     def free_cached(self, dev: int) -> None:
         with self._on(dev):
@@ -471,8 +480,9 @@ class _CupyBackend:
     def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None:
         cp = self.cp
         with self._on(dev, "a CuPy array is being sent"):
-            self.rt.memcpyAsync(dst, src, nbytes, self.rt.memcpyDeviceToDevice,
-                                cp.cuda.get_current_stream().ptr)
+            self.rt.memcpyAsync(
+                dst, src, nbytes, self.rt.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr
+            )
 
     def memset(self, dev: int, ptr: int, nbytes: int) -> None:
         cp = self.cp
@@ -508,8 +518,11 @@ class _CupyBackend:
 
     def local_device(self, bus_id: str, device: int) -> int:
         rt = self.rt
-        what = (f"the GPU at PCI bus id {bus_id} (device {device} in the sending process)"
-                if bus_id else f"device {device}")
+        what = (
+            f"the GPU at PCI bus id {bus_id} (device {device} in the sending process)"
+            if bus_id
+            else f"device {device}"
+        )
         try:
             count = int(rt.getDeviceCount())
         except rt.CUDARuntimeError as exc:
@@ -558,13 +571,23 @@ class _CupyBackend:
         with self._on(dev):
             self.rt.ipcCloseMemHandle(ptr)
 
-    def wrap(self, ptr: int, size: int, owner: object, dev: int, offset: int,
-             shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> Any:
+    def wrap(
+        self,
+        ptr: int,
+        size: int,
+        owner: object,
+        dev: int,
+        offset: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: str,
+    ) -> Any:
         cp = self.cp
         mem = cp.cuda.UnownedMemory(ptr, size, owner, dev)
         with self._on(dev):
-            return cp.ndarray(shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset),
-                              strides=strides)
+            return cp.ndarray(
+                shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset), strides=strides
+            )
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any:
         with self._on(dev):
@@ -624,7 +647,6 @@ class IpcBlock:
     @property
     def size(self) -> int:
         return self.alloc.size
-
 
 
 class _BlockPool:
@@ -717,8 +739,9 @@ def empty(shape: Any, dtype: Any = float, *, zero: bool = False) -> Any:
     for n in reversed(dims):
         strides.append(acc)
         acc *= n
-    return backend.wrap(block.ptr, block.size, block, dev, 0, dims, tuple(reversed(strides)),
-                        dt.str)
+    return backend.wrap(
+        block.ptr, block.size, block, dev, 0, dims, tuple(reversed(strides)), dt.str
+    )
 
 
 # -- producer -------------------------------------------------------------------------------
@@ -733,8 +756,9 @@ class _Sent:
 
     __slots__ = ("base", "device", "event", "event_handle", "keep", "size")
 
-    def __init__(self, event: object, event_handle: bytes | None, device: int,
-                 base: int, size: int) -> None:
+    def __init__(
+        self, event: object, event_handle: bytes | None, device: int, base: int, size: int
+    ) -> None:
         self.keep: list[object] = []
         self.event = event
         self.event_handle = event_handle
@@ -832,8 +856,20 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
     dev = desc.device
     lo, hi = extent(desc.shape, desc.strides, desc.itemsize)
     if hi == lo:
-        meta = IpcArrayMeta(None, 0, 0, desc.shape, desc.strides, desc.dtype, dev,
-                            backend.bus_id(dev), None, os.getpid(), -1, -1)
+        meta = IpcArrayMeta(
+            None,
+            0,
+            0,
+            desc.shape,
+            desc.strides,
+            desc.dtype,
+            dev,
+            backend.bus_id(dev),
+            None,
+            os.getpid(),
+            -1,
+            -1,
+        )
         return _rebuild, (meta,)
     with _lock:
         prod = _get_producer(backend)
@@ -875,8 +911,20 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
                 backend.sync(dev)
         slot, event_handle = entry
         cast("_Sent", prod.table.records[slot]).hold(keep)
-    meta = IpcArrayMeta(handle, size, offset, desc.shape, desc.strides, desc.dtype, dev,
-                        backend.bus_id(dev), event_handle, os.getpid(), slot, handoff[1])
+    meta = IpcArrayMeta(
+        handle,
+        size,
+        offset,
+        desc.shape,
+        desc.strides,
+        desc.dtype,
+        dev,
+        backend.bus_id(dev),
+        event_handle,
+        os.getpid(),
+        slot,
+        handoff[1],
+    )
     return _rebuild, (meta,)
 
 
@@ -902,8 +950,9 @@ def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
     return handoff
 
 
-def _stage(backend: Any, memo: dict[object, object], desc: Described, lo: int,
-           hi: int) -> tuple[IpcBlock, int]:
+def _stage(
+    backend: Any, memo: dict[object, object], desc: Described, lo: int, hi: int
+) -> tuple[IpcBlock, int]:
     """Copy the bytes ``[lo, hi)`` of a small array into this message's IPC-safe staging
     block, on the producer's current stream; returns the block and element 0's offset.
 
@@ -921,8 +970,9 @@ def _stage(backend: Any, memo: dict[object, object], desc: Described, lo: int,
     return block, pos - lo
 
 
-def _send_block(prod: _Producer, dev: int, base: int, size: int,
-                handoff_fd: int) -> tuple[int, bytes | None]:
+def _send_block(
+    prod: _Producer, dev: int, base: int, size: int, handoff_fd: int
+) -> tuple[int, bytes | None]:
     backend = prod.backend
     prod.table.check_room()
     if prod.events_live < MAX_IPC_EVENTS:
@@ -1005,16 +1055,14 @@ def _consumer_maps(device: int, ptr: int) -> bool:
         return False
     with _lock:
         return any(
-            m.device == device and m.ptr <= ptr < m.ptr + m.size
-            for m in cons.mappings.values()
+            m.device == device and m.ptr <= ptr < m.ptr + m.size for m in cons.mappings.values()
         )
 
 
 def _rebuild(meta: IpcArrayMeta) -> Any:
     backend = get_backend()
     if meta.handle is None:
-        return backend.empty(meta.shape, meta.dtype,
-                             backend.local_device(meta.bus_id, meta.device))
+        return backend.empty(meta.shape, meta.dtype, backend.local_device(meta.bus_id, meta.device))
     fd = _reduction.peek_fd(meta.fd_index)
     ident = _lease.identity(fd)
     key = (ident, meta.slot)
@@ -1024,10 +1072,10 @@ def _rebuild(meta: IpcArrayMeta) -> Any:
         ref = wr() if wr is not None else None
         if ref is None:
             ref = _import(cons, backend, meta, fd, ident, key)
-    check_extent(meta.offset, ref.size, meta.shape, meta.strides,
-                 _itemsize(meta.dtype))
-    return backend.wrap(ref.ptr, ref.size, ref, ref.device, meta.offset, meta.shape,
-                        meta.strides, meta.dtype)
+    check_extent(meta.offset, ref.size, meta.shape, meta.strides, _itemsize(meta.dtype))
+    return backend.wrap(
+        ref.ptr, ref.size, ref, ref.device, meta.offset, meta.shape, meta.strides, meta.dtype
+    )
 
 
 def _itemsize(dtype: str) -> int:
@@ -1036,8 +1084,14 @@ def _itemsize(dtype: str) -> int:
     return int(numpy.dtype(dtype).itemsize)
 
 
-def _import(cons: _Consumer, backend: Any, meta: IpcArrayMeta, fd: int,
-            ident: tuple[int, int], key: tuple[tuple[int, int], int]) -> _SlotRef:
+def _import(
+    cons: _Consumer,
+    backend: Any,
+    meta: IpcArrayMeta,
+    fd: int,
+    ident: tuple[int, int],
+    key: tuple[tuple[int, int], int],
+) -> _SlotRef:
     holder = cons.holders.get(ident)
     if holder is None:
         holder = cons.holders[ident] = _Holder(_lease.reopen(fd))
@@ -1046,8 +1100,12 @@ def _import(cons: _Consumer, backend: Any, meta: IpcArrayMeta, fd: int,
     try:
         _lease.hold(holder.fd, meta.slot, 1)
         prod = _producer_state
-        if (meta.pid == os.getpid() and prod is not None and prod.table.ident == ident
-                and meta.slot in prod.table.records):
+        if (
+            meta.pid == os.getpid()
+            and prod is not None
+            and prod.table.ident == ident
+            and meta.slot in prod.table.records
+        ):
             # Sent to ourselves: the memory is ours already (a handle cannot be opened in
             # the process that exported it).
             rec: _Sent = prod.table.records[meta.slot]  # type: ignore[assignment]
@@ -1094,15 +1152,16 @@ def _open_failed(meta: IpcArrayMeta, exc: BaseException) -> str:
         if alive == "has exited"
         else "the sender and receiver must share the GPU and IPC namespace"
     )
-    return (
-        f"could not open a CUDA array sent by process {meta.pid}, which {alive}: "
-        f"{exc}; {hint}"
-    )
+    return f"could not open a CUDA array sent by process {meta.pid}, which {alive}: {exc}; {hint}"
 
 
-def _release(cons: _Consumer, key: tuple[tuple[int, int], int],
-             mapping_key: tuple[bytes, int] | None, device: int,
-             wr: weakref.ref[_SlotRef]) -> None:
+def _release(
+    cons: _Consumer,
+    key: tuple[tuple[int, int], int],
+    mapping_key: tuple[bytes, int] | None,
+    device: int,
+    wr: weakref.ref[_SlotRef],
+) -> None:
     """Finalizer of a received slot: its last view died."""
     if cons is not _consumer_state or sys.is_finalizing():
         return  # a forked copy, state reset, or shutdown: leases die with the process
@@ -1120,8 +1179,13 @@ def _release(cons: _Consumer, key: tuple[tuple[int, int], int],
             _drop(cons, backend, key[0], key[1], mapping_key)
 
 
-def _drop(cons: _Consumer, backend: Any, ident: tuple[int, int], slot: int,
-          mapping_key: tuple[bytes, int] | None) -> None:
+def _drop(
+    cons: _Consumer,
+    backend: Any,
+    ident: tuple[int, int],
+    slot: int,
+    mapping_key: tuple[bytes, int] | None,
+) -> None:
     """Close the slot's mapping if no other slot uses it, then release its lease.
 
     In that order: the producer may free the memory as soon as the lease goes, and
@@ -1255,8 +1319,7 @@ IpcStatistics.__module__ = "aiomp.cuda"
 
 def statistics() -> IpcStatistics:
     with _lock:
-        prod = _producer_state if (_producer_state and
-                                   _producer_state.pid == os.getpid()) else None
+        prod = _producer_state if (_producer_state and _producer_state.pid == os.getpid()) else None
         cons = _consumer_state
         held = sum(1 for r in cons.slots.values() if r() is not None) if cons else 0
         return IpcStatistics(

@@ -139,9 +139,17 @@ class TransportError(OSError):
     """A message could not be sent or received whole (the file-descriptor limit, mostly)."""
 
 
-for _cls in (BrokenPoolError, BrokenWorkerError, ProcessException, ProcessExitedException,
-             ProcessRaisedException, QueueClosed, QueueItemError, SharedMemoryError,
-             TransportError):
+for _cls in (
+    BrokenPoolError,
+    BrokenWorkerError,
+    ProcessException,
+    ProcessExitedException,
+    ProcessRaisedException,
+    QueueClosed,
+    QueueItemError,
+    SharedMemoryError,
+    TransportError,
+):
     _cls.__module__ = "aiomp"  # printed and pickled under the public name
 
 

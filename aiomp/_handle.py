@@ -42,11 +42,17 @@ _EXIT = P.control(P.OP_EXIT)
 class WorkerHandle:
     """See the module docstring."""
 
-    def __init__(self, slot: int, child: _context._Child, loop: Any, grace: float,
-                 on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
-                 on_lost: Callable[[WorkerHandle, BaseException], None],
-                 on_failed: Callable[[WorkerHandle, int, BaseException], None],
-                 on_exit: Callable[[WorkerHandle, int | None, list[int]], None]) -> None:
+    def __init__(
+        self,
+        slot: int,
+        child: _context._Child,
+        loop: Any,
+        grace: float,
+        on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
+        on_lost: Callable[[WorkerHandle, BaseException], None],
+        on_failed: Callable[[WorkerHandle, int, BaseException], None],
+        on_exit: Callable[[WorkerHandle, int | None, list[int]], None],
+    ) -> None:
         self.slot = slot
         self.child = child
         sock, child.sock = child.sock, None  # the channel is ours to own from here
@@ -97,8 +103,9 @@ class WorkerHandle:
             self._outbox.append(task)
             return True
         msg = task.message
-        sent = (self._try_send(msg, None) if type(msg) is bytes
-                else self._try_send(msg.frame, msg.fds))
+        sent = (
+            self._try_send(msg, None) if type(msg) is bytes else self._try_send(msg.frame, msg.fds)
+        )
         if sent is None:
             return False
         if sent == 0:

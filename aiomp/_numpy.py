@@ -62,8 +62,9 @@ def is_shared(arr: np.ndarray[Any, Any]) -> bool:
     return isinstance(arr, np.ndarray) and _shared_block(arr) is not None
 
 
-def _new_like(shape: tuple[int, ...], dtype: np.dtype[Any], order: Literal["C", "F"],
-              zero: bool) -> np.ndarray[Any, Any]:
+def _new_like(
+    shape: tuple[int, ...], dtype: np.dtype[Any], order: Literal["C", "F"], zero: bool
+) -> np.ndarray[Any, Any]:
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
@@ -102,10 +103,20 @@ def share_memory(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return out
 
 
-def _rebuild(exporter: ctypes.Array[ctypes.c_char], offset: int, shape: tuple[int, ...],
-             dtype: np.dtype[Any] | str, strides: tuple[int, ...]) -> np.ndarray[Any, Any]:
-    return np.ndarray(shape, dtype, buffer=exporter,  # type: ignore[arg-type]
-                      offset=offset, strides=strides)
+def _rebuild(
+    exporter: ctypes.Array[ctypes.c_char],
+    offset: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any] | str,
+    strides: tuple[int, ...],
+) -> np.ndarray[Any, Any]:
+    return np.ndarray(
+        shape,
+        dtype,
+        buffer=exporter,  # type: ignore[arg-type]
+        offset=offset,
+        strides=strides,
+    )
 
 
 _dtype_tokens: dict[np.dtype[Any], np.dtype[Any] | str] = {}

@@ -62,8 +62,7 @@ COALESCE = 0.002
 def check_output(output: object) -> None:
     if not (output in ("prefix", "inherit") or callable(output)):
         raise ValueError(
-            f"output must be 'prefix', 'inherit' or a callable (rank, stream, line), "
-            f"not {output!r}"
+            f"output must be 'prefix', 'inherit' or a callable (rank, stream, line), not {output!r}"
         )
 
 
@@ -134,8 +133,9 @@ class Forwarder:
             else:
                 import trio
 
-                trio.lowlevel.spawn_system_task(self._trio_reader, i,
-                                                name=f"aiomp output {self._prefix}")
+                trio.lowlevel.spawn_system_task(
+                    self._trio_reader, i, name=f"aiomp output {self._prefix}"
+                )
 
     async def _trio_reader(self, i: int) -> None:
         import trio

@@ -328,9 +328,11 @@ class Overflow:
         if flags & _TRUNCATED:
             _transport.close_fds(fds)
             raise TransportError(
-                24, "an item in the queue's overflow could not be received with its file "
-                    f"descriptors: this process is at its fd limit (RLIMIT_NOFILE="
-                    f"{_transport._nofile()}). The item stays in the queue.")
+                24,
+                "an item in the queue's overflow could not be received with its file "
+                f"descriptors: this process is at its fd limit (RLIMIT_NOFILE="
+                f"{_transport._nofile()}). The item stays in the queue.",
+            )
         return data, fds
 
     def _drop_vault_head(self) -> None:
@@ -348,8 +350,11 @@ class Overflow:
         while True:
             got = self._peek_vault()
             if got is None:  # cannot happen: see the module docstring
-                raise TransportError(0, "the file descriptors of an item in the queue's "
-                                        "overflow are missing; the item is lost")
+                raise TransportError(
+                    0,
+                    "the file descriptors of an item in the queue's "
+                    "overflow are missing; the item is lost",
+                )
             data, fds = got
             if data == nonce and len(fds) == nfds:
                 return fds
@@ -357,9 +362,15 @@ class Overflow:
             self._drop_vault_head()
 
     # -- operations -------------------------------------------------------------------
-    def append(self, body: bytes | memoryview, fds: list[int],
-               try_socket: Callable[[], bool] | None, used_socket: bool = True,
-               limit: int = 0, token_fd: int = -1) -> bool:
+    def append(
+        self,
+        body: bytes | memoryview,
+        fds: list[int],
+        try_socket: Callable[[], bool] | None,
+        used_socket: bool = True,
+        limit: int = 0,
+        token_fd: int = -1,
+    ) -> bool:
         """Append an item (its pickle and fds), or send it on the socket if the log is empty.
 
         ``try_socket()`` sends the item on the socket: True if sent. ``used_socket``: this
@@ -396,7 +407,7 @@ class Overflow:
                 self._step("producer: fds parked")
             _RECORD.pack_into(data, tail, length, len(fds), nonce)
             start = tail + _RECORD.size
-            data[start:start + length] = body
+            data[start : start + length] = body
             if fault is not None:
                 fault("producer: record written")
             header[_HINT] = 1
@@ -410,8 +421,9 @@ class Overflow:
         finally:
             mutex.release()
 
-    def pop(self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1,
-            room_fd: int = -1) -> Popped | None:
+    def pop(
+        self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1, room_fd: int = -1
+    ) -> Popped | None:
         """The oldest item: ``try_socket()``'s result if not None, else the log's head
         record as ``(pickle, fds, False)``, else None when the log is empty.
 
@@ -439,7 +451,7 @@ class Overflow:
                 data = self._mapped(tail, grow=False)
             length, nfds, nonce = _RECORD.unpack_from(data, head)
             start = head + _RECORD.size
-            body = data[start:start + length]
+            body = data[start : start + length]
             fds = self._claim_fds(nonce, nfds) if nfds else []
             if fault is not None:
                 fault("consumer: record read")

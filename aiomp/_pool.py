@@ -161,8 +161,9 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-async def _reap(handles: list[WorkerHandle],
-                interrupted: BaseException | None = None) -> BaseException | None:
+async def _reap(
+    handles: list[WorkerHandle], interrupted: BaseException | None = None
+) -> BaseException | None:
     """Wait until every watcher of ``handles`` has finished (bounded: each one's
     termination is). A cancellation or KeyboardInterrupt meanwhile cannot cut this short,
     as native asyncio cancellations pass anyio's shields: it means "now", SIGKILL for all,
@@ -239,8 +240,9 @@ class Pool:
         if maxtasksperchild is not None and (
             not isinstance(maxtasksperchild, int) or maxtasksperchild < 1
         ):
-            raise ValueError(f"maxtasksperchild must be None or an int >= 1, "
-                             f"not {maxtasksperchild!r}")
+            raise ValueError(
+                f"maxtasksperchild must be None or an int >= 1, not {maxtasksperchild!r}"
+            )
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
         _context.check_start_method(start_method)
@@ -268,8 +270,10 @@ class Pool:
 
     def __repr__(self) -> str:
         state = ("new", "open", "closing", "closed")[self._state]
-        return (f"<aiomp.Pool {state} processes={self._processes} "
-                f"concurrency={self._concurrency} start_method={self._start_method!r}>")
+        return (
+            f"<aiomp.Pool {state} processes={self._processes} "
+            f"concurrency={self._concurrency} start_method={self._start_method!r}>"
+        )
 
     @property
     def processes(self) -> int:
@@ -336,8 +340,12 @@ class Pool:
         elif self._start_method == "forkserver":
             await _context.prepare_forkserver()
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         """Leaving normally waits for every submitted task, then lets the workers exit.
 
         Leaving by an exception, or being cancelled while waiting, terminates the
@@ -441,13 +449,31 @@ class Pool:
     def _spawn(self, slot: int) -> None:
         """Start a worker for ``slot`` and its watcher (from a task, never a callback)."""
         assert self._tg is not None and self._init is not None
-        fw = (None if self._output == "inherit"
-              else _output.Forwarder(slot, self._output, label="worker"))
-        child = _context.launch(_worker.main, slot, self._start_method, True,
-                                name=f"aiomp-pool-{slot}", report=False, stream=True,
-                                output=fw)
-        h = WorkerHandle(slot, child, self._loop, self._grace, self._on_message,
-                         self._on_lost, self._on_failed, self._on_exit)
+        fw = (
+            None
+            if self._output == "inherit"
+            else _output.Forwarder(slot, self._output, label="worker")
+        )
+        child = _context.launch(
+            _worker.main,
+            slot,
+            self._start_method,
+            True,
+            name=f"aiomp-pool-{slot}",
+            report=False,
+            stream=True,
+            output=fw,
+        )
+        h = WorkerHandle(
+            slot,
+            child,
+            self._loop,
+            self._grace,
+            self._on_message,
+            self._on_lost,
+            self._on_failed,
+            self._on_exit,
+        )
         self._handles[h] = None
         self._sched.add(h)
         if self._init_sends:
@@ -463,8 +489,13 @@ class Pool:
     def _on_lost(self, h: WorkerHandle, exc: BaseException) -> None:
         """A message from ``h`` could not be received or handled: its task would wait
         forever, so terminate the worker instead (its tasks fail with BrokenWorkerError)."""
-        log.error("aiomp: a message from %s was lost (%s: %s); terminating it",
-                  h.name, type(exc).__name__, exc, exc_info=not isinstance(exc, OSError))
+        log.error(
+            "aiomp: a message from %s was lost (%s: %s); terminating it",
+            h.name,
+            type(exc).__name__,
+            exc,
+            exc_info=not isinstance(exc, OSError),
+        )
         self._sched.kill(h, f" (a message from it was lost: {type(exc).__name__}: {exc})")
 
     def _on_failed(self, h: WorkerHandle, tid: int, exc: BaseException) -> None:
@@ -480,7 +511,8 @@ class Pool:
                 task = self._sched.task(h, tid)
                 err = pickle.UnpicklingError(
                     f"the result of {task.name if task else tid} from {h.name} could not be "
-                    f"unpickled in the parent: {type(exc).__name__}: {exc}")
+                    f"unpickled in the parent: {type(exc).__name__}: {exc}"
+                )
                 err.__cause__ = exc
                 self._sched.complete(h, tid, False, err)
                 return
@@ -499,21 +531,26 @@ class Pool:
             _transport.close_fds(fds)
             log.error("aiomp: %s sent an unknown message (op %d)", h.name, op)
 
-    def _remote_error(self, h: WorkerHandle, payload: bytes | memoryview,
-                      fds: list[int]) -> BaseException:
+    def _remote_error(
+        self, h: WorkerHandle, payload: bytes | memoryview, fds: list[int]
+    ) -> BaseException:
         try:
             error: P.ErrorPayload = _reduction.loads(payload, fds)  # type: ignore[assignment]
         except Exception as err:  # noqa: BLE001
             return ProcessRaisedException(
-                f"{h.name} raised an exception that could not be unpickled: {err!r}",
-                h.slot, h.pid)
+                f"{h.name} raised an exception that could not be unpickled: {err!r}", h.slot, h.pid
+            )
         return error.exception(h.name, h.slot, h.pid)
 
     def _initializer_failed(self, h: Any, cause: BaseException) -> None:
         """``h``'s initializer raised ``cause``: deterministic, so the pool breaks."""
         init_err = BrokenWorkerError(
             f"{h.name}: the pool's initializer raised {type(cause).__name__}: {cause}",
-            h.slot, h.pid, 1, None)
+            h.slot,
+            h.pid,
+            1,
+            None,
+        )
         init_err.__cause__ = cause
         self._sched.init_failed(h, init_err)
         log.error("aiomp: the pool is broken: %s", init_err)
@@ -565,37 +602,68 @@ class Pool:
 
     # -- public calls ------------------------------------------------------------------
     if TYPE_CHECKING:
-        @overload
-        async def apply(self, fn: Callable[..., Awaitable[T]], args: Iterable[object] = (),
-                        kwds: dict[str, object] | None = None, *,
-                        timeout: float | None = None) -> T: ...
 
         @overload
-        async def apply(self, fn: Callable[..., T], args: Iterable[object] = (),
-                        kwds: dict[str, object] | None = None, *,
-                        timeout: float | None = None) -> T: ...
+        async def apply(
+            self,
+            fn: Callable[..., Awaitable[T]],
+            args: Iterable[object] = (),
+            kwds: dict[str, object] | None = None,
+            *,
+            timeout: float | None = None,
+        ) -> T: ...
 
-        async def apply(self, fn: Callable[..., Any], args: Iterable[object] = (),
-                        kwds: dict[str, object] | None = None, *,
-                        timeout: float | None = None) -> Any: ...
+        @overload
+        async def apply(
+            self,
+            fn: Callable[..., T],
+            args: Iterable[object] = (),
+            kwds: dict[str, object] | None = None,
+            *,
+            timeout: float | None = None,
+        ) -> T: ...
+
+        async def apply(
+            self,
+            fn: Callable[..., Any],
+            args: Iterable[object] = (),
+            kwds: dict[str, object] | None = None,
+            *,
+            timeout: float | None = None,
+        ) -> Any: ...
     else:
         # The implementation itself, not a wrapper around it: a coroutine frame less on
         # the round trip's hot path. Its docstring is the one help(Pool.apply) shows.
         apply = _calls.apply
 
     @overload
-    async def map(self, fn: Callable[[S], Awaitable[T]],
-                  iterable: Iterable[S] | AsyncIterable[S], chunksize: int | None = None, *,
-                  on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
+    async def map(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
 
     @overload
-    async def map(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
-                  chunksize: int | None = None, *,
-                  on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
+    async def map(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
 
-    async def map(self, fn: Callable[[Any], Any], iterable: Iterable[Any] | AsyncIterable[Any],
-                  chunksize: int | None = None, *,
-                  on_progress: Callable[[int, int], object] | None = None) -> list[Any]:
+    async def map(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[Any]:
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
 
         ``iterable`` may be sync or async; it is read whole first (use :meth:`imap` for
@@ -613,37 +681,64 @@ class Pool:
         return await _calls.map_(self, fn, iterable, chunksize, False, on_progress)
 
     @overload
-    async def starmap(self, fn: Callable[..., Awaitable[T]],
-                      iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None, *,
-                      on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
+    async def starmap(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
 
     @overload
-    async def starmap(self, fn: Callable[..., T],
-                      iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None, *,
-                      on_progress: Callable[[int, int], object] | None = None) -> list[T]: ...
+    async def starmap(
+        self,
+        fn: Callable[..., T],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
 
-    async def starmap(self, fn: Callable[..., Any],
-                      iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-                      chunksize: int | None = None, *,
-                      on_progress: Callable[[int, int], object] | None = None) -> list[Any]:
+    async def starmap(
+        self,
+        fn: Callable[..., Any],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[Any]:
         """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
         return await _calls.map_(self, fn, iterable, chunksize, True, on_progress)
 
     @overload
-    def imap(self, fn: Callable[[S], Awaitable[T]], iterable: Iterable[S] | AsyncIterable[S],
-             chunksize: int = 1, *, buffersize: int | None = None
-             ) -> _calls.ResultIterator[T]: ...
+    def imap(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[T]: ...
 
     @overload
-    def imap(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
-             chunksize: int = 1, *, buffersize: int | None = None
-             ) -> _calls.ResultIterator[T]: ...
+    def imap(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[T]: ...
 
-    def imap(self, fn: Callable[[Any], Any], iterable: Iterable[Any] | AsyncIterable[Any],
-             chunksize: int = 1, *, buffersize: int | None = None
-             ) -> _calls.ResultIterator[Any]:
+    def imap(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[Any]:
         """An async iterator of ``fn(x)`` for each ``x`` of ``iterable``, in order.
 
         ``iterable`` may be sync or async, and endless: at most ``buffersize`` chunks
@@ -663,18 +758,33 @@ class Pool:
         return _calls.ResultIterator(self, fn, iterable, chunksize, False, True, buffersize)
 
     @overload
-    def imap_unordered(self, fn: Callable[[S], Awaitable[T]],
-                       iterable: Iterable[S] | AsyncIterable[S], chunksize: int = 1, *,
-                       buffersize: int | None = None) -> _calls.ResultIterator[T]: ...
+    def imap_unordered(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[T]: ...
 
     @overload
-    def imap_unordered(self, fn: Callable[[S], T], iterable: Iterable[S] | AsyncIterable[S],
-                       chunksize: int = 1, *,
-                       buffersize: int | None = None) -> _calls.ResultIterator[T]: ...
+    def imap_unordered(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[T]: ...
 
-    def imap_unordered(self, fn: Callable[[Any], Any],
-                       iterable: Iterable[Any] | AsyncIterable[Any], chunksize: int = 1, *,
-                       buffersize: int | None = None) -> _calls.ResultIterator[Any]:
+    def imap_unordered(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> _calls.ResultIterator[Any]:
         """As :meth:`imap`, but each chunk's results come as soon as the chunk is done."""
         return _calls.ResultIterator(self, fn, iterable, chunksize, False, False, buffersize)
 

@@ -81,14 +81,17 @@ def control(op: int, tid: int = 0) -> bytes:
 
 def framed(op: int, tid: int, flags: int, pickled: bytes) -> bytes:
     """A framed message whose small pickle stays inline (no fds)."""
-    return _FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(pickled), 0, _KIND_DATA, op, tid,
-                             flags) + pickled
+    return (
+        _FRAMED_HEAD.pack(HEADER_SIZE + 1 + len(pickled), 0, _KIND_DATA, op, tid, flags) + pickled
+    )
 
 
 def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
     """A small framed TASK without fds."""
-    return _FRAMED_TASK.pack(HEADER_SIZE + 5 + len(pickled), 0, _KIND_DATA, OP_TASK, tid,
-                             flags, fid) + pickled
+    return (
+        _FRAMED_TASK.pack(HEADER_SIZE + 5 + len(pickled), 0, _KIND_DATA, OP_TASK, tid, flags, fid)
+        + pickled
+    )
 
 
 def task_body(fid: int, pickled: bytes) -> bytes:
@@ -131,8 +134,9 @@ class Message:
 
         out = _reduction.dumps(obj)
         try:
-            datagram, fds, extra = _transport.encode(header(op, tid, flags) + prefix + out.body,
-                                                     out.fds)
+            datagram, fds, extra = _transport.encode(
+                header(op, tid, flags) + prefix + out.body, out.fds
+            )
         except BaseException:
             out.close()
             raise
@@ -189,8 +193,9 @@ class ErrorPayload:
 
     __slots__ = ("data", "message", "text", "type_name", "why")
 
-    def __init__(self, text: str, data: bytes | None, type_name: str, message: str,
-                 why: str) -> None:
+    def __init__(
+        self, text: str, data: bytes | None, type_name: str, message: str, why: str
+    ) -> None:
         self.text = text  # the formatted traceback in the worker
         self.data = data  # the pickled exception, or None
         self.type_name = type_name
@@ -206,8 +211,11 @@ class ErrorPayload:
 
         text = _child.format_error(exc, context)
         kind = type(exc)
-        name = (kind.__qualname__ if kind.__module__ == "builtins"
-                else f"{kind.__module__}.{kind.__qualname__}")
+        name = (
+            kind.__qualname__
+            if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}"
+        )
         data: bytes | None = None
         why = ""
         try:
@@ -232,7 +240,10 @@ class ErrorPayload:
 
             exc = ProcessRaisedException(
                 f"{name} raised {self.type_name}: {self.message}\n"
-                f"(the exception itself could not be sent to the parent: {why})", slot, pid)
+                f"(the exception itself could not be sent to the parent: {why})",
+                slot,
+                pid,
+            )
         exc.__cause__ = RemoteTraceback(f'\n"""\n{name}:\n{self.text}"""')
         return exc
 

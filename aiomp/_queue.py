@@ -176,8 +176,16 @@ class Queue:
             raise
         self._setup(os.urandom(16), maxsize, send, recv, *fds)
 
-    def _setup(self, token: bytes, maxsize: int, send: socket.socket, recv: socket.socket,
-               items: int, room: int, log: int) -> None:
+    def _setup(
+        self,
+        token: bytes,
+        maxsize: int,
+        send: socket.socket,
+        recv: socket.socket,
+        items: int,
+        room: int,
+        log: int,
+    ) -> None:
         self._token = token
         self._maxsize = maxsize
         self._send = send
@@ -196,14 +204,18 @@ class Queue:
         self._used_socket = True  # sent on the socket since this process last overflowed
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
-        self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items,
-                                           room)
+        self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
         _live[token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
         add = _reduction.add_fd
-        fds = (add(self._send.fileno()), add(self._recv.fileno()), add(self._items),
-               add(self._room), add(self._ovf.fd))
+        fds = (
+            add(self._send.fileno()),
+            add(self._recv.fileno()),
+            add(self._items),
+            add(self._room),
+            add(self._ovf.fd),
+        )
         return _rebuild_queue, (self._token, self._maxsize, *fds)
 
     def __repr__(self) -> str:
@@ -266,8 +278,9 @@ class Queue:
         wait on ``_room``. Raises QueueClosed (or TransportError); nothing is put then.
         """
         if self._maxsize:  # every item through the log: the bound is its committed count
-            return self._ovf.append(item.body, item.body_fds, None, False,
-                                    self._maxsize, self._items)
+            return self._ovf.append(
+                item.body, item.body_fds, None, False, self._maxsize, self._items
+            )
         # The socket while the overflow is empty; else the overflow, behind the items
         # already there (it tries the socket again once it finds itself empty).
         if not self._hint[_HINT] and self._send_now(item):
@@ -554,8 +567,11 @@ class _Item:
 
     def __init__(self, obj: object) -> None:
         cls = type(obj)
-        if cls in _PLAIN or (cls is tuple and len(obj) <= 8  # type: ignore[arg-type]
-                             and all(type(x) in _PLAIN for x in obj)):  # type: ignore[attr-defined]
+        if cls in _PLAIN or (
+            cls is tuple
+            and len(obj) <= 8  # type: ignore[arg-type]
+            and all(type(x) in _PLAIN for x in obj)  # type: ignore[attr-defined]
+        ):
             # The common small item: ten times cheaper than the reducing pickler.
             self._out = None
             self.body = pickle.dumps(obj, 5)
@@ -590,23 +606,32 @@ class _Item:
             self._out.discard()
 
 
-def _close_all(send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow,
-               *fds: int) -> None:
+def _close_all(
+    send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow, *fds: int
+) -> None:
     send.close()
     recv.close()
     ovf.close()
     _transport.close_fds([fd for fd in fds if fd >= 0])
 
 
-def _rebuild_queue(token: bytes, maxsize: int, send: int, recv: int, items: int, room: int,
-                   log: int) -> Queue:
+def _rebuild_queue(
+    token: bytes, maxsize: int, send: int, recv: int, items: int, room: int, log: int
+) -> Queue:
     existing = _live.get(token)
     if isinstance(existing, Queue):
         return existing  # the message's fds are closed by loads
     take = _reduction.take_fd
     q = Queue.__new__(Queue)
-    q._setup(token, maxsize, socket.socket(fileno=take(send)), socket.socket(fileno=take(recv)),
-             take(items), take(room), take(log))
+    q._setup(
+        token,
+        maxsize,
+        socket.socket(fileno=take(send)),
+        socket.socket(fileno=take(recv)),
+        take(items),
+        take(room),
+        take(log),
+    )
     return q
 
 

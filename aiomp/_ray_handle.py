@@ -50,10 +50,16 @@ CONFIRM = 10.0
 class ActorHandle:
     """See the module docstring."""
 
-    def __init__(self, slot: int, actor: Any, loop: Any, grace: float,
-                 on_result: Callable[[ActorHandle, int, bool, Any], None],
-                 on_ready: Callable[[ActorHandle, tuple[Any, ...]], None],
-                 on_exit: Callable[[ActorHandle, int | None, list[int]], None]) -> None:
+    def __init__(
+        self,
+        slot: int,
+        actor: Any,
+        loop: Any,
+        grace: float,
+        on_result: Callable[[ActorHandle, int, bool, Any], None],
+        on_ready: Callable[[ActorHandle, tuple[Any, ...]], None],
+        on_exit: Callable[[ActorHandle, int | None, list[int]], None],
+    ) -> None:
         import ray
 
         self._ray = ray
@@ -125,8 +131,11 @@ class ActorHandle:
         self._on_ready(self, answer)
 
     def _alive_done(self, outcome: Any) -> None:
-        self._died(outcome if isinstance(outcome, BaseException)
-                   else RuntimeError("the actor's alive() returned"))
+        self._died(
+            outcome
+            if isinstance(outcome, BaseException)
+            else RuntimeError("the actor's alive() returned")
+        )
         self._gone.set()
 
     def _died(self, exc: BaseException) -> None:

@@ -46,9 +46,14 @@ class Outgoing:
 
     __slots__ = ("_cleanups", "_copies", "_unsent", "body", "fds")
 
-    def __init__(self, body: bytes, fds: list[int], cleanups: list[object],
-                 unsent: list[object] | None = None,
-                 copies: list[object] | None = None) -> None:
+    def __init__(
+        self,
+        body: bytes,
+        fds: list[int],
+        cleanups: list[object],
+        unsent: list[object] | None = None,
+        copies: list[object] | None = None,
+    ) -> None:
         self.body = body
         self.fds = fds
         self._cleanups = cleanups

@@ -79,9 +79,21 @@ class Task:
         "worker",
     )
 
-    def __init__(self, tid: int, name: str, weight: int, is_async: bool, message: Any,
-                 *, fn_id: int = 0, define: bytes = b"", group: object = None, index: int = 0,
-                 size: int = 1, on_done: Callable[[Task], None] | None = None) -> None:
+    def __init__(
+        self,
+        tid: int,
+        name: str,
+        weight: int,
+        is_async: bool,
+        message: Any,
+        *,
+        fn_id: int = 0,
+        define: bytes = b"",
+        group: object = None,
+        index: int = 0,
+        size: int = 1,
+        on_done: Callable[[Task], None] | None = None,
+    ) -> None:
         self.tid = tid
         self.name = name  # of the function, for error messages
         self.weight = weight
@@ -150,8 +162,20 @@ class Handle(Protocol):
 class Worker:
     """The scheduler's record of one worker."""
 
-    __slots__ = ("dispatched", "exit_sent", "gone", "handle", "killed", "load", "ready",
-                 "reason", "replaced", "retiring", "running", "slot")
+    __slots__ = (
+        "dispatched",
+        "exit_sent",
+        "gone",
+        "handle",
+        "killed",
+        "load",
+        "ready",
+        "reason",
+        "replaced",
+        "retiring",
+        "running",
+        "slot",
+    )
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
@@ -178,9 +202,13 @@ _OPEN, _CLOSING, _CLOSED = range(3)
 class Scheduler:
     """Tasks, workers and the decisions between them. See the module docstring."""
 
-    def __init__(self, concurrency: int, maxtasks: int | None,
-                 on_spawn: Callable[[], None] = lambda: None,
-                 on_drained: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        concurrency: int,
+        maxtasks: int | None,
+        on_spawn: Callable[[], None] = lambda: None,
+        on_drained: Callable[[], None] | None = None,
+    ) -> None:
         self.concurrency = concurrency
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew
@@ -227,8 +255,7 @@ class Scheduler:
             self._replace(w)
         handle.kill()
 
-    def exited(self, handle: Handle, exitcode: int | None,
-               unsent: Iterable[int] = ()) -> None:
+    def exited(self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = ()) -> None:
         """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL).
 
         ``unsent``: ids of tasks that never left the pool (its outbox): they go back to the
@@ -250,23 +277,39 @@ class Scheduler:
         if exitcode is None:
             # It survived SIGKILL (uninterruptible sleep): the pool gives up on it.
             for task in tasks.values():
-                self._finish(task, False, RuntimeError(
-                    f"{handle.name} could not be terminated while it ran {task.name}"))
+                self._finish(
+                    task,
+                    False,
+                    RuntimeError(f"{handle.name} could not be terminated while it ran {task.name}"),
+                )
         else:
             what, sig = exit_description(exitcode)
             for task in tasks.values():
-                self._finish(task, False, BrokenWorkerError(
-                    f"{handle.name} {what} while it ran {task.name}{w.reason}",
-                    w.slot, handle.pid, exitcode, sig))
+                self._finish(
+                    task,
+                    False,
+                    BrokenWorkerError(
+                        f"{handle.name} {what} while it ran {task.name}{w.reason}",
+                        w.slot,
+                        handle.pid,
+                        exitcode,
+                        sig,
+                    ),
+                )
             if not (w.ready or w.killed or w.retiring) and self.broken is None:
                 failures = self.start_failures.get(w.slot, 0) + 1
                 self.start_failures[w.slot] = failures
                 if failures >= MAX_START_FAILURES:
-                    err = BrokenWorkerError(f"{handle.name} {what} during start-up",
-                                            w.slot, handle.pid, exitcode, sig)
-                    self._break(BrokenPoolError(
-                        f"the pool's worker {w.slot} died during start-up {failures} times "
-                        f"in a row, the last time: {err}"), cause=err)
+                    err = BrokenWorkerError(
+                        f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
+                    )
+                    self._break(
+                        BrokenPoolError(
+                            f"the pool's worker {w.slot} died during start-up {failures} times "
+                            f"in a row, the last time: {err}"
+                        ),
+                        cause=err,
+                    )
         self._replace(w)
         self._dispatch()
         self._check_drained()
@@ -407,8 +450,11 @@ class Scheduler:
         if task.weight < self.concurrency:  # async: the least loaded with a free slot
             best: Worker | None = None
             for w in self.workers.values():
-                if (w.usable and w.load + task.weight <= self.concurrency
-                        and (best is None or w.load < best.load)):
+                if (
+                    w.usable
+                    and w.load + task.weight <= self.concurrency
+                    and (best is None or w.load < best.load)
+                ):
                     best = w
             return best
         if task.group is None or task.is_async:

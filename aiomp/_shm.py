@@ -134,8 +134,14 @@ def block_size_for(nbytes: int) -> int:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long)
+_libc.mmap.argtypes = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+)
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -167,8 +173,9 @@ class Segment:
     ``owned``: this process created it and its pool hands out its blocks.
     """
 
-    def __init__(self, fd: int, size: int, block_size: int, name: str | None, owned: bool,
-                 populate: bool) -> None:
+    def __init__(
+        self, fd: int, size: int, block_size: int, name: str | None, owned: bool, populate: bool
+    ) -> None:
         self.mapping: _Mapping | None = _Mapping(fd, size, populate)
         self.address = self.mapping.address
         self.fd = fd
@@ -209,8 +216,7 @@ class Segment:
             raw = ctypes.string_at(at, 8)
             s = int.from_bytes(raw[:4], "little") + sends
             o = int.from_bytes(raw[4:], "little") + opens
-            ctypes.memmove(at, max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little"),
-                           8)
+            ctypes.memmove(at, max(s, 0).to_bytes(4, "little") + max(o, 0).to_bytes(4, "little"), 8)
         if sends > 0:
             os.utime(self.fd)  # the janitor's clock for messages that are never read
 
@@ -290,7 +296,8 @@ def _keep_recent(segment: Segment) -> None:
 
 def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     exporter = (ctypes.c_char * segment.block_size).from_address(
-        segment.address + segment.offset(index))
+        segment.address + segment.offset(index)
+    )
     exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]  # outlives views
     _info[id(exporter)] = (segment, index)
     _blocks[(segment.key, index)] = exporter
@@ -327,8 +334,14 @@ def block_of(exporter: object) -> BlockRef | None:
     return BlockRef(*info)
 
 
-def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
-                   index: int, key: tuple[int, int] | None) -> ctypes.Array[ctypes.c_char]:
+def _rebuild_block(
+    name: str | None,
+    fd_index: int,
+    size: int,
+    block_size: int,
+    index: int,
+    key: tuple[int, int] | None,
+) -> ctypes.Array[ctypes.c_char]:
     with _lock:
         if name is None:
             # The key (device, inode) names the segment; the fd travelled with it in the
@@ -358,8 +371,9 @@ def _rebuild_block(name: str | None, fd_index: int, size: int, block_size: int,
             else:
                 path = os.path.join(SHM_DIR, name)
                 try:
-                    own = _open_fd(lambda: os.open(path, os.O_RDWR | os.O_CLOEXEC),
-                                   "a shared segment received")
+                    own = _open_fd(
+                        lambda: os.open(path, os.O_RDWR | os.O_CLOEXEC), "a shared segment received"
+                    )
                 except FileNotFoundError:
                     raise SharedMemoryError(
                         errno.ENOENT, f"shared segment {name!r} vanished before it was opened"
@@ -483,12 +497,15 @@ class _Pool:
         if named:
             name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
             path = os.path.join(SHM_DIR, name)
-            fd = _open_fd(lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                                          0o600), "a new shared segment")
+            fd = _open_fd(
+                lambda: os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600),
+                "a new shared segment",
+            )
         else:
             _check_memory(size)
-            fd = _open_fd(lambda: os.memfd_create("aiomp-shm", os.MFD_CLOEXEC),
-                          "a new shared segment")
+            fd = _open_fd(
+                lambda: os.memfd_create("aiomp-shm", os.MFD_CLOEXEC), "a new shared segment"
+            )
         try:
             try:
                 os.posix_fallocate(fd, 0, size)
@@ -525,8 +542,11 @@ class _Pool:
         with _lock:
             self.busy += 1
             try:
-                idle = [seg for seg in self.idle if all(
-                    seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks))]
+                idle = [
+                    seg
+                    for seg in self.idle
+                    if all(seg.state[i] == 0 or self._reusable(seg, i) for i in range(seg.nblocks))
+                ]
                 total = sum(s.size for s in idle)
                 for seg in idle:
                     if total <= limit:
@@ -615,7 +635,7 @@ def _unlink(name: str) -> None:
 
 def _creator(name: str) -> int:
     try:
-        return int(name[len(PREFIX):].split("-", 1)[0])
+        return int(name[len(PREFIX) :].split("-", 1)[0])
     except ValueError:
         return -1
 
@@ -678,8 +698,14 @@ def _header_identity() -> bytes:
     me = os.getpid()
     if _me[0] != me:  # a forked child
         _me[:] = [me, _start_time(me) or 0]
-    return (me.to_bytes(4, "little") + bytes(4) + _me[1].to_bytes(8, "little")
-            + _tree[0].to_bytes(4, "little") + bytes(4) + _tree[1].to_bytes(8, "little"))
+    return (
+        me.to_bytes(4, "little")
+        + bytes(4)
+        + _me[1].to_bytes(8, "little")
+        + _tree[0].to_bytes(4, "little")
+        + bytes(4)
+        + _tree[1].to_bytes(8, "little")
+    )
 
 
 def _field(header: bytes, at: int, size: int) -> int:
@@ -703,9 +729,14 @@ def _unreadable(header: bytes, fd: int, ending: tuple[int, int] | None) -> bool:
     return time.time() - os.fstat(fd).st_mtime > STALE_IN_FLIGHT
 
 
-def _remove_if_orphan(name: str, *, abandon: bool = False,
-                      ending: tuple[int, int] | None = None, wait: bool = True,
-                      fd: int = -1) -> bool:
+def _remove_if_orphan(
+    name: str,
+    *,
+    abandon: bool = False,
+    ending: tuple[int, int] | None = None,
+    wait: bool = True,
+    fd: int = -1,
+) -> bool:
     """Unlink ``name`` if nothing can need it any more; True if it was removed.
 
     With ``abandon``, the caller is its creator letting go of it first. The test and
@@ -781,8 +812,10 @@ def _tree_is_ending() -> bool:
         return False
     from multiprocessing import forkserver, resource_tracker
 
-    helpers = {forkserver._forkserver._forkserver_pid,  # type: ignore[attr-defined]
-               resource_tracker._resource_tracker._pid}  # type: ignore[attr-defined]
+    helpers = {
+        forkserver._forkserver._forkserver_pid,  # type: ignore[attr-defined]
+        resource_tracker._resource_tracker._pid,  # type: ignore[attr-defined]
+    }
     others = set()
     try:
         others = _children() - helpers
@@ -828,6 +861,7 @@ def at_exit() -> None:
 
 
 # -- running out of file descriptors ---------------------------------------------------
+
 
 def _open_reserve() -> int:
     try:

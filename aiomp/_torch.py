@@ -85,21 +85,46 @@ def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     torch.utils.hooks.warn_if_has_hooks(t)
     dtype = _DTYPE_CODES.get(t.dtype, t.dtype)
     return _rebuild_tensor, (
-        _storage(t.untyped_storage()), dtype, t.storage_offset(), tuple(t.size()),
-        t.stride(), t.requires_grad, type(t) is torch.nn.Parameter,
+        _storage(t.untyped_storage()),
+        dtype,
+        t.storage_offset(),
+        tuple(t.size()),
+        t.stride(),
+        t.requires_grad,
+        type(t) is torch.nn.Parameter,
     )
 
 
 #: Common dtypes travel as a small int: unpickling ``torch.float32`` costs a global lookup.
-_DTYPES = tuple(getattr(torch, name) for name in (
-    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool", "complex64", "complex128"))
+_DTYPES = tuple(
+    getattr(torch, name)
+    for name in (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+    )
+)
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
 
-def _rebuild_tensor(storage: Any, dtype: Any, offset: int,
-                    size: tuple[int, ...], stride: tuple[int, ...], requires_grad: bool,
-                    parameter: bool) -> torch.Tensor:
+def _rebuild_tensor(
+    storage: Any,
+    dtype: Any,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool,
+    parameter: bool,
+) -> torch.Tensor:
     if type(dtype) is int:
         dtype = _DTYPES[dtype]
     t = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)

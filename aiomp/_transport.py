@@ -154,8 +154,7 @@ def try_send(sock: socket.socket, datagram: bytes, fds: list[int], blocking: boo
     flags = _MSG_NOSIGNAL if blocking else _SEND_FLAGS
     try:
         if fds:
-            sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))],
-                         flags)
+            sock.sendmsg((datagram,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], flags)
         else:
             sock.send(datagram, flags)  # no iovec or cmsg to build: cheaper
     except BlockingIOError:
@@ -348,8 +347,11 @@ class Stream:
             return data, []
         fds = self._fds
         if len(fds) < nfds:  # cannot happen unless the sender is broken
-            raise TransportError(0, "a message arrived without its file descriptors "
-                                    "(corrupt sender?); the channel is unusable")
+            raise TransportError(
+                0,
+                "a message arrived without its file descriptors "
+                "(corrupt sender?); the channel is unusable",
+            )
         taken = fds[:nfds]
         del fds[:nfds]
         return data, taken
@@ -389,7 +391,8 @@ class Stream:
             for level, kind, payload in anc:
                 if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
                     self._fds.extend(
-                        array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
+                        array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE])
+                    )
         if mflags & _TRUNCATED:
             # Fds were dropped (this process is at its fd limit): frames and fds are out of
             # step from here on, so nothing more can be trusted on this channel.
@@ -406,7 +409,7 @@ class Stream:
         if self._pos == len(self._buf):
             self._buf, self._pos = data, 0
         else:
-            self._buf, self._pos = self._buf[self._pos:] + data, 0
+            self._buf, self._pos = self._buf[self._pos :] + data, 0
 
     def try_recv(self) -> tuple[bytes, list[int]] | None:
         """One frame's ``(datagram, fds)`` without waiting, or None.
@@ -435,8 +438,9 @@ class Stream:
         while (got := self.take()) is None:
             if deadline is None and self._fill(_RECV_BLOCKING):
                 continue
-            if not self._fill(_RECV_FLAGS) and not wait_fd_sync(self.sock.fileno(),
-                                                                deadline=deadline):
+            if not self._fill(_RECV_FLAGS) and not wait_fd_sync(
+                self.sock.fileno(), deadline=deadline
+            ):
                 return None
         return got
 
@@ -458,7 +462,8 @@ class Stream:
         try:
             if fds:
                 return self.sock.sendmsg(
-                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _SEND_FLAGS)
+                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _SEND_FLAGS
+                )
             return self.sock.send(data, _SEND_FLAGS)
         except BlockingIOError:
             return 0
@@ -482,7 +487,8 @@ class Stream:
             # by an event loop in this process (uvloop does): then poll for room.
             if fds:
                 n = sock.sendmsg(
-                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _MSG_NOSIGNAL)
+                    (data,), [(_SOL_SOCKET, _SCM_RIGHTS, array.array("i", fds))], _MSG_NOSIGNAL
+                )
             else:
                 n = sock.send(data, _MSG_NOSIGNAL)
         except BlockingIOError:

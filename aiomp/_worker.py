@@ -169,10 +169,12 @@ class Worker:
             raise
         except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
             self.fns[fid] = _BadDef(
-                error_payload(exc, "the task's function could not be unpickled in the worker"))
+                error_payload(exc, "the task's function could not be unpickled in the worker")
+            )
 
-    def load(self, tid: int, flags: int, payload: bytes | memoryview,
-             fds: list[int]) -> tuple[Any, Any, Any] | None:
+    def load(
+        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
+    ) -> tuple[Any, Any, Any] | None:
         """``(fn, items, kwds)`` of a task; None once a failure to unpickle is answered."""
         try:
             fid = P.function_id(payload)
@@ -190,8 +192,12 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
-            send(self.chan, P.OP_ERR, tid,
-                 error_payload(exc, "the task could not be unpickled in the worker"))
+            send(
+                self.chan,
+                P.OP_ERR,
+                tid,
+                error_payload(exc, "the task could not be unpickled in the worker"),
+            )
             return None
 
     def run_sync(self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]) -> None:
@@ -257,8 +263,9 @@ class Worker:
             if not finished.done():
                 finished.set_result(None)
 
-        def handle(tid: int, op: int, flags: int, payload: bytes | memoryview,
-                   fds: list[int]) -> None:
+        def handle(
+            tid: int, op: int, flags: int, payload: bytes | memoryview, fds: list[int]
+        ) -> None:
             if op == P.OP_TASK:
                 task = loop.create_task(self.run_async(tid, flags, payload, fds))
                 tasks[tid] = task
@@ -305,15 +312,17 @@ class Worker:
         for task in list(tasks.values()):
             task.cancel()
 
-    async def run_async(self, tid: int, flags: int, payload: bytes | memoryview,
-                        fds: list[int]) -> None:
+    async def run_async(
+        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
+    ) -> None:
         try:
             await self._run_async(tid, flags, payload, fds)
         except _transport.Closed:
             pass  # the parent has gone; serve_async is ending too
 
-    async def _run_async(self, tid: int, flags: int, payload: bytes | memoryview,
-                         fds: list[int]) -> None:
+    async def _run_async(
+        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
+    ) -> None:
         msg = self.load(tid, flags, payload, fds)
         if msg is None:
             return
@@ -341,9 +350,12 @@ class Worker:
         self.reply(tid, fn, result)
 
 
-def main(rank: int, stream: socket.socket, parent_pid: int,
-         output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
-         ) -> None:
+def main(
+    rank: int,
+    stream: socket.socket,
+    parent_pid: int,
+    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` is the stream socket ``_context.launch(..., stream=True)`` made: the pool

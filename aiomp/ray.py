@@ -118,8 +118,9 @@ class _Call:
 
     __slots__ = ("_done", "blob", "refs")
 
-    def __init__(self, blob: bytes, refs: list[Any],
-                 done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, blob: bytes, refs: list[Any], done: Callable[[], None] | None = None
+    ) -> None:
         self.blob = blob
         self.refs = refs
         self._done = done
@@ -217,9 +218,12 @@ class Pool(_pool.Pool):
         resources: Mapping[str, float] | None = None,
         runtime_env: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(1 if processes is None else processes,
-                         maxtasksperchild=maxtasksperchild, concurrency=concurrency,
-                         grace_period=grace_period)
+        super().__init__(
+            1 if processes is None else processes,
+            maxtasksperchild=maxtasksperchild,
+            concurrency=concurrency,
+            grace_period=grace_period,
+        )
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
         for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
@@ -253,9 +257,11 @@ class Pool(_pool.Pool):
 
     def __repr__(self) -> str:
         state = ("new", "open", "closing", "closed")[self._state]
-        return (f"<aiomp.ray.Pool {state} processes={self._processes} "
-                f"concurrency={self._concurrency} num_cpus={self._num_cpus} "
-                f"num_gpus={self._num_gpus}>")
+        return (
+            f"<aiomp.ray.Pool {state} processes={self._processes} "
+            f"concurrency={self._concurrency} num_cpus={self._num_cpus} "
+            f"num_gpus={self._num_gpus}>"
+        )
 
     def pids(self) -> list[int]:
         """Process ids of the live, ready actors (each on its own node: see :meth:`actors`)."""
@@ -280,8 +286,12 @@ class Pool(_pool.Pool):
             await self._disconnect()
             raise
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         """As :meth:`aiomp.Pool.__aexit__`, then shut down a Ray instance this pool started."""
         try:
             return await super().__aexit__(exc_type, exc, tb)
@@ -293,7 +303,8 @@ class Pool(_pool.Pool):
             raise RuntimeError(
                 "aiomp.ray.Pool runs on asyncio and uvloop only (Ray's async API is "
                 "asyncio's); under trio use aiomp.Pool, or run the Ray pool in an asyncio "
-                "thread")
+                "thread"
+            )
         ray = self._ray = _import_ray()
         try:
             self._init_blob = _cloudpickle((self._initializer, self._initargs))
@@ -337,8 +348,9 @@ class Pool(_pool.Pool):
         """Start an actor for ``slot`` and its watcher (from a task, never a callback)."""
         assert self._tg is not None
         actor = self._actor_cls.options(**self._options).remote()
-        h = ActorHandle(slot, actor, self._loop, self._grace, self._on_result,
-                        self._on_ready, self._on_exit)
+        h = ActorHandle(
+            slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
+        )
         self._handles[h] = None  # type: ignore[index]
         self._sched.add(h)
         h.init(self._init_blob)
@@ -364,7 +376,8 @@ class Pool(_pool.Pool):
                 cause = getattr(value, "cause", None) or value
                 err = pickle.PicklingError(
                     f"the result of {task.name if task else 'a task'} could not be pickled "
-                    f"to return it from {h.name}: {type(cause).__name__}: {cause}")
+                    f"to return it from {h.name}: {type(cause).__name__}: {cause}"
+                )
                 err.__cause__ = value
                 value = err
         self._sched.complete(h, tid, ok, value)
@@ -391,16 +404,25 @@ class Pool(_pool.Pool):
             pass
         return key
 
-    def _encode(self, tid: int, fn: Callable[..., Any], info: Any, flags: int, items: Any,
-                kwds: dict[str, object] | None, group: object) -> _Call:
+    def _encode(
+        self,
+        tid: int,
+        fn: Callable[..., Any],
+        info: Any,
+        flags: int,
+        items: Any,
+        kwds: dict[str, object] | None,
+        group: object,
+    ) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
         try:
             key = self._fn_key(fn)
             task = (tid, flags, key, items, kwds)
             np = sys.modules.get("numpy")
-            if np is None or (all(type(x) in P.PLAIN for x in items)
-                              and not (kwds and any(type(v) not in P.PLAIN
-                                                    for v in kwds.values()))):
+            if np is None or (
+                all(type(x) in P.PLAIN for x in items)
+                and not (kwds and any(type(v) not in P.PLAIN for v in kwds.values()))
+            ):
                 return _Call(pickle.dumps(task, protocol=5), [])
             return self._encode_with_arrays(task, np.ndarray, group)
         except Exception as exc:

@@ -34,8 +34,9 @@ class AiompLink:
         import aiomp
 
         self.qin, self.qout = aiomp.Queue(), aiomp.Queue()
-        self.ctx = await aiomp.spawn(ack_aiomp_sync, 1, args=(self.qin, self.qout),
-                                    grace_period=1.0)
+        self.ctx = await aiomp.spawn(
+            ack_aiomp_sync, 1, args=(self.qin, self.qout), grace_period=1.0
+        )
 
     async def stop(self) -> None:
         import anyio
@@ -171,19 +172,40 @@ async def main() -> None:
         return med.get(f"aiomp {key}")
 
     small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
-    rows.append(c.row(f"shared {big} array put -> child ack", a(f"shared {big}"),
-                      a(f"shared {small}"), f"aiomp, shared {small} array", c.at_most(2),
-                      missing or ""))
+    rows.append(
+        c.row(
+            f"shared {big} array put -> child ack",
+            a(f"shared {big}"),
+            a(f"shared {small}"),
+            f"aiomp, shared {small} array",
+            c.at_most(2),
+            missing or "",
+        )
+    )
     for nbytes in SHARED_SIZES:
         name = size_name(nbytes)
         target = c.faster(3) if nbytes == SHARED_SIZES[-1] else None
-        rows.append(c.row(f"shared {name} array put -> child ack", a(f"shared {name}"),
-                          med.get(f"torch shared {name}"), f"torch.mp.Queue, shared {name} tensor",
-                          target, missing or ("" if has_torch else "torch not installed")))
+        rows.append(
+            c.row(
+                f"shared {name} array put -> child ack",
+                a(f"shared {name}"),
+                med.get(f"torch shared {name}"),
+                f"torch.mp.Queue, shared {name} tensor",
+                target,
+                missing or ("" if has_torch else "torch not installed"),
+            )
+        )
     fname = size_name(FRESH_SIZE)
-    rows.append(c.row(f"fresh {fname} array put -> child ack", a(f"fresh {fname}"),
-                      med[f"memcpy {fname}"], f"one np.copyto of {fname} into mapped memory",
-                      c.at_most(2), missing or ""))
+    rows.append(
+        c.row(
+            f"fresh {fname} array put -> child ack",
+            a(f"fresh {fname}"),
+            med[f"memcpy {fname}"],
+            f"one np.copyto of {fname} into mapped memory",
+            c.at_most(2),
+            missing or "",
+        )
+    )
     notes.append(
         f"arrays: {pinning}; async aiomp parent, blocking children; float32; shared: median "
         f"of up to {batches * n} round trips "

@@ -35,8 +35,9 @@ def gpu_present() -> str | None:
     """None when cupy sees a device (asked in a throwaway interpreter), else why not."""
     probe = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=120, check=False)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cupy probe failed: {exc}"
     if out.returncode != 0:
@@ -64,11 +65,26 @@ async def main() -> None:
     why = gpu_present()
     if why is not None:
         for n in SIZES:
-            rows.append(c.row(f"CuPy {n >> 20} MiB put -> get", None, None,
-                              "host round trip", None, f"skipped: {why}"))
-        rows.append(c.row("CuPy 64 KiB put -> get (copied into a staging block)", None,
-                          None, "aiomp.cuda.zeros 64 KiB (in place)", None,
-                          f"skipped: {why}"))
+            rows.append(
+                c.row(
+                    f"CuPy {n >> 20} MiB put -> get",
+                    None,
+                    None,
+                    "host round trip",
+                    None,
+                    f"skipped: {why}",
+                )
+            )
+        rows.append(
+            c.row(
+                "CuPy 64 KiB put -> get (copied into a staging block)",
+                None,
+                None,
+                "aiomp.cuda.zeros 64 KiB (in place)",
+                None,
+                f"skipped: {why}",
+            )
+        )
         c.emit("cuda", rows, notes)
         return
     import cupy
@@ -117,19 +133,47 @@ async def main() -> None:
             aiomp.cuda.ipc_collect()
         await qin.put(None)
     small, big = SIZES
-    rows.append(c.row("CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3,
-                      "budget", c.under(1e-3), ""))
-    rows.append(c.row("CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"],
-                      results[f"ipc {small}"], "CuPy 4 MiB put -> get (IPC)", c.at_most(2), ""))
+    rows.append(
+        c.row(
+            "CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3, "budget", c.under(1e-3), ""
+        )
+    )
+    rows.append(
+        c.row(
+            "CuPy 1 GiB put -> get (IPC)",
+            results[f"ipc {big}"],
+            results[f"ipc {small}"],
+            "CuPy 4 MiB put -> get (IPC)",
+            c.at_most(2),
+            "",
+        )
+    )
     for n in SIZES:
-        rows.append(c.row(f"CuPy {n >> 20} MiB put -> get (IPC)", results[f"ipc {n}"],
-                          results[f"host {n}"], "asnumpy + aiomp queue + upload", None, ""))
-    rows.append(c.row("CuPy 64 KiB put -> get (copied into a staging block)",
-                      results["small pool"], results["small ipc_safe"],
-                      "aiomp.cuda.zeros 64 KiB put -> get (in place)", None, ""))
-    notes.append(f"cuda: median of {rounds} puts after the first open; device "
-                 f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
-                 f"pid {os.getpid()}. torch CUDA comparison: not implemented yet.")
+        rows.append(
+            c.row(
+                f"CuPy {n >> 20} MiB put -> get (IPC)",
+                results[f"ipc {n}"],
+                results[f"host {n}"],
+                "asnumpy + aiomp queue + upload",
+                None,
+                "",
+            )
+        )
+    rows.append(
+        c.row(
+            "CuPy 64 KiB put -> get (copied into a staging block)",
+            results["small pool"],
+            results["small ipc_safe"],
+            "aiomp.cuda.zeros 64 KiB put -> get (in place)",
+            None,
+            "",
+        )
+    )
+    notes.append(
+        f"cuda: median of {rounds} puts after the first open; device "
+        f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
+        f"pid {os.getpid()}. torch CUDA comparison: not implemented yet."
+    )
     c.emit("cuda", rows, notes)
 
 

@@ -94,8 +94,14 @@ async def aiomp_pass(dataset: object, n: int, shared: bool) -> tuple[float, floa
     t0 = c.now()
     first = None
     seen = 0
-    async with DataLoader(dataset, BATCH, num_workers=WORKERS, shared=shared,  # type: ignore[arg-type]
-                          start_method="fork", grace_period=1.0) as loader:
+    async with DataLoader(
+        dataset,
+        BATCH,
+        num_workers=WORKERS,
+        shared=shared,  # type: ignore[arg-type]
+        start_method="fork",
+        grace_period=1.0,
+    ) as loader:
         async for images, _labels in loader:
             if first is None:
                 first = c.now() - t0
@@ -136,8 +142,14 @@ async def aiomp_first(dataset: object, shared: bool) -> float:
     from examples.data_loader import DataLoader
 
     t0 = c.now()
-    async with DataLoader(dataset, BATCH, num_workers=WORKERS, shared=shared,  # type: ignore[arg-type]
-                          start_method="fork", grace_period=1.0) as loader:
+    async with DataLoader(
+        dataset,
+        BATCH,
+        num_workers=WORKERS,
+        shared=shared,  # type: ignore[arg-type]
+        start_method="fork",
+        grace_period=1.0,
+    ) as loader:
         async for images, _labels in loader:
             first = c.now() - t0
             _touch(images)
@@ -168,20 +180,33 @@ async def main() -> None:
                     _, total, used = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
                 steady[v].append(total / (n - 1))
                 cpu[v] += used / n
-            print(f"  round {i + 1}: " + ", ".join(
-                f"{v} {1 / steady[v][-1]:.1f} batches/s" for v in variants), flush=True)
+            print(
+                f"  round {i + 1}: "
+                + ", ".join(f"{v} {1 / steady[v][-1]:.1f} batches/s" for v in variants),
+                flush=True,
+            )
         for i in range(c.reps(STARTS, 1)):
             for v in variants if i % 2 == 0 else variants[::-1]:
-                firsts[v].append(torch_first(dataset) if v == "torch" else
-                                 await aiomp_first(dataset, shared=v == "aiomp.empty"))
+                firsts[v].append(
+                    torch_first(dataset)
+                    if v == "torch"
+                    else await aiomp_first(dataset, shared=v == "aiomp.empty")
+                )
         # per loader: (first batch, time per batch, CPU per batch), medians over the run
-        got = {v: (c.median(firsts[v]), c.median(steady[v]), cpu[v] / c.reps(ROUNDS, 1))
-               for v in variants}
+        got = {
+            v: (c.median(firsts[v]), c.median(steady[v]), cpu[v] / c.reps(ROUNDS, 1))
+            for v in variants
+        }
         runs.append(got)
-        print(f"run {r + 1}: " + ", ".join(
-            f"{v} {1 / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
-            f"CPU {t[2] * 1e3:.2f} ms/batch" for v, t in got.items()),
-            flush=True)
+        print(
+            f"run {r + 1}: "
+            + ", ".join(
+                f"{v} {1 / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
+                f"CPU {t[2] * 1e3:.2f} ms/batch"
+                for v, t in got.items()
+            ),
+            flush=True,
+        )
     loads.append(os.getloadavg()[0])
 
     def median_run(key: str, base: str, which: int) -> tuple[float, float, list[float]]:
@@ -198,25 +223,68 @@ async def main() -> None:
     if has_torch:
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 1)
-            rows.append(c.row(f"time per batch, {key} batches ({per})", a, b,
-                              "torch DataLoader, fork", c.faster(2), spread(ratios)))
+            rows.append(
+                c.row(
+                    f"time per batch, {key} batches ({per})",
+                    a,
+                    b,
+                    "torch DataLoader, fork",
+                    c.faster(2),
+                    spread(ratios),
+                )
+            )
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 2)
-            rows.append(c.row(f"CPU time per batch, all processes, {key} batches", a, b,
-                              "torch DataLoader, fork", None, spread(ratios)))
+            rows.append(
+                c.row(
+                    f"CPU time per batch, all processes, {key} batches",
+                    a,
+                    b,
+                    "torch DataLoader, fork",
+                    None,
+                    spread(ratios),
+                )
+            )
         for key in ("aiomp.empty", "aiomp numpy"):
             a, b, ratios = median_run(key, "torch", 0)
-            rows.append(c.row(f"time to the first batch, {key} batches", a, b,
-                              "torch DataLoader, fork", c.at_most(1.0), spread(ratios)))
+            rows.append(
+                c.row(
+                    f"time to the first batch, {key} batches",
+                    a,
+                    b,
+                    "torch DataLoader, fork",
+                    c.at_most(1.0),
+                    spread(ratios),
+                )
+            )
     else:
-        rows.append(c.row("time per batch vs torch", None, None, "torch", c.faster(2),
-                          "torch not installed"))
+        rows.append(
+            c.row(
+                "time per batch vs torch", None, None, "torch", c.faster(2), "torch not installed"
+            )
+        )
     a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 1)
-    rows.append(c.row("time per batch, aiomp.empty batches", a, b,
-                      "aiomp, numpy batches copied at put", None, spread(ratios)))
+    rows.append(
+        c.row(
+            "time per batch, aiomp.empty batches",
+            a,
+            b,
+            "aiomp, numpy batches copied at put",
+            None,
+            spread(ratios),
+        )
+    )
     a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 2)
-    rows.append(c.row("CPU time per batch, aiomp.empty batches", a, b,
-                      "aiomp, numpy batches copied at put", None, spread(ratios)))
+    rows.append(
+        c.row(
+            "CPU time per batch, aiomp.empty batches",
+            a,
+            b,
+            "aiomp, numpy batches copied at put",
+            None,
+            spread(ratios),
+        )
+    )
     notes = [
         f"loader: {c.reps(RUNS, 1)} runs; in each, {c.reps(ROUNDS, 1)} passes of {n} "
         f"batches of {BATCH} per loader, alternating; time per batch: the first batch to "
@@ -228,9 +296,14 @@ async def main() -> None:
         f"{', '.join(f'{x:.2f}' for x in loads)}",
     ]
     for i, run in enumerate(runs):
-        notes.append(f"run {i + 1}: " + "; ".join(
-            f"{v} {1 / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms, "
-            f"CPU {t[2] * 1e3:.2f} ms/batch" for v, t in run.items()))
+        notes.append(
+            f"run {i + 1}: "
+            + "; ".join(
+                f"{v} {1 / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms, "
+                f"CPU {t[2] * 1e3:.2f} ms/batch"
+                for v, t in run.items()
+            )
+        )
     c.emit("loader", rows, notes)
 
 

@@ -138,10 +138,14 @@ async def main() -> None:
     med = {k: c.median(v) for k, v in s.items()}
     a = med.get(AiompApply.name)
     what = "Pool.apply(trivial) round trip"
-    rows.append(c.row(what, a, med[h.SocketFloor.name], "raw async socketpair",
-                      c.at_most(1.5), missing or ""))
-    rows.append(c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3),
-                      missing or ""))
+    rows.append(
+        c.row(
+            what, a, med[h.SocketFloor.name], "raw async socketpair", c.at_most(1.5), missing or ""
+        )
+    )
+    rows.append(
+        c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3), missing or "")
+    )
     rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
 
     # -- map ------------------------------------------------------------------------------
@@ -160,10 +164,26 @@ async def main() -> None:
     a = med.get(AiompMap.name)
     what = f"Pool.map(trivial, range({N_MAP:_}))"
     if have_amp:
-        rows.append(c.row(what, a, med[AiomultiprocessMap.name], AiomultiprocessMap.name,
-                          c.faster(10), missing or ""))
-    rows.append(c.row(what, a, med[MpPoolMap.name], MpPoolMap.name + " (default chunksize)",
-                      c.at_most(2), missing or ""))
+        rows.append(
+            c.row(
+                what,
+                a,
+                med[AiomultiprocessMap.name],
+                AiomultiprocessMap.name,
+                c.faster(10),
+                missing or "",
+            )
+        )
+    rows.append(
+        c.row(
+            what,
+            a,
+            med[MpPoolMap.name],
+            MpPoolMap.name + " (default chunksize)",
+            c.at_most(2),
+            missing or "",
+        )
+    )
     notes.append(
         f"pool: {pinning}; one worker per pool; loop {h.loop_name()}; apply: median of "
         f"{batches * n} round trips per variant in {batches} alternating batches; map: "

@@ -122,8 +122,7 @@ async def backlog_aiomp(rounds: int) -> list[float]:
 
     q, ready, go, done = aiomp.Queue(), aiomp.Queue(), aiomp.Queue(), aiomp.Queue()
     out = []
-    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done, BACKLOG),
-                           grace_period=1.0):
+    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done, BACKLOG), grace_period=1.0):
         await ready.get()
         for _ in range(rounds):
             t0 = c.now()
@@ -200,11 +199,20 @@ async def main() -> None:
     else:
         notes.append("aiomultiprocess not installed: its row is skipped")
 
-    def add(parent_sync: bool, child_sync: bool, base: str, base_desc: str,
-            target: dict[str, object]) -> None:
-        what = "64 B round trip, " + aiomp_name(parent_sync, child_sync)[len("aiomp.Queue, "):]
-        rows.append(c.row(what, med.get(aiomp_name(parent_sync, child_sync)), med.get(base),
-                          base_desc, target, missing or ""))
+    def add(
+        parent_sync: bool, child_sync: bool, base: str, base_desc: str, target: dict[str, object]
+    ) -> None:
+        what = "64 B round trip, " + aiomp_name(parent_sync, child_sync)[len("aiomp.Queue, ") :]
+        rows.append(
+            c.row(
+                what,
+                med.get(aiomp_name(parent_sync, child_sync)),
+                med.get(base),
+                base_desc,
+                target,
+                missing or "",
+            )
+        )
 
     floor = h.SocketFloor.name
     # Like for like first: the floor's parent awaits and its child is a blocking echo;
@@ -212,8 +220,7 @@ async def main() -> None:
     add(False, True, floor, "raw async socketpair, sync echo child", c.at_most(2))
     add(False, False, floor, "raw async socketpair, sync echo child", c.at_most(2))
     add(True, True, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
-    add(False, False, MpQueue.name, "multiprocessing.Queue, sync parent, sync child",
-        c.faster())
+    add(False, False, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
     if have_amp:
         add(False, False, Aiomultiprocess.name, "aiomultiprocess Pool.apply", c.faster(50))
     notes.append(
@@ -224,8 +231,15 @@ async def main() -> None:
     if missing is None:
         rounds = c.reps(6, 2)
         a, m, sa, sm = await backlog(rounds)
-        rows.append(c.row(f"enqueue {BACKLOG:,} 64 B items, then a child drains them", a, m,
-                          "multiprocessing.Queue, the same", c.faster(1.5)))
+        rows.append(
+            c.row(
+                f"enqueue {BACKLOG:,} 64 B items, then a child drains them",
+                a,
+                m,
+                "multiprocessing.Queue, the same",
+                c.faster(1.5),
+            )
+        )
         notes.append(
             f"backlog: {pinning}; aiomp puts with put_nowait and its child drains with "
             f"q.sync.get; median of {rounds} alternating runs each (a fresh child per run). "

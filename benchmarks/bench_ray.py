@@ -135,35 +135,68 @@ async def main() -> None:
     notes: list[str] = []
     if not c.have("ray"):
         note = 'Ray not installed (pip install "aiomp[ray]")'
-        rows.append(c.row(f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))", None, None,
-                          RayMpPoolMap.name, c.faster(5), note))
-        rows.append(c.row("aiomp.ray.Pool.apply(trivial) round trip", None, None,
-                          BareActor.name, c.at_most(1.3), note))
+        rows.append(
+            c.row(
+                f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))",
+                None,
+                None,
+                RayMpPoolMap.name,
+                c.faster(5),
+                note,
+            )
+        )
+        rows.append(
+            c.row(
+                "aiomp.ray.Pool.apply(trivial) round trip",
+                None,
+                None,
+                BareActor.name,
+                c.at_most(1.3),
+                note,
+            )
+        )
         c.emit("ray", rows, [note])
         return
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             object_store_memory=200 * 2**20,
-             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=200 * 2**20,
+        runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
+    )
     try:
         # -- map --------------------------------------------------------------------------
         mb = c.reps(7, 2)
-        s = await h.interleave([RayPoolMap(), RayMpPoolMap(), LocalPoolMap()], mb, 1,
-                               warmup=1)
+        s = await h.interleave([RayPoolMap(), RayMpPoolMap(), LocalPoolMap()], mb, 1, warmup=1)
         med = {k: c.median(v) for k, v in s.items()}
         a = med[RayPoolMap.name]
         what = f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))"
-        rows.append(c.row(what, a, med[RayMpPoolMap.name],
-                          RayMpPoolMap.name + " (2 actors, default chunksize)", c.faster(5)))
+        rows.append(
+            c.row(
+                what,
+                a,
+                med[RayMpPoolMap.name],
+                RayMpPoolMap.name + " (2 actors, default chunksize)",
+                c.faster(5),
+            )
+        )
         rows.append(c.row(what, a, med[LocalPoolMap.name], LocalPoolMap.name))
 
         # -- apply round trip -------------------------------------------------------------
         batches, n = c.reps(20, 2), c.reps(100, 50)
         s = await h.interleave([RayPoolApply(), BareActor()], batches, n)
         med = {k: c.median(v) for k, v in s.items()}
-        rows.append(c.row("aiomp.ray.Pool.apply(trivial) round trip", med[RayPoolApply.name],
-                          med[BareActor.name], BareActor.name, c.at_most(1.3)))
+        rows.append(
+            c.row(
+                "aiomp.ray.Pool.apply(trivial) round trip",
+                med[RayPoolApply.name],
+                med[BareActor.name],
+                BareActor.name,
+                c.at_most(1.3),
+            )
+        )
     finally:
         ray.shutdown()
     notes.append(
@@ -175,7 +208,8 @@ async def main() -> None:
         "why one map chunk per actor (aiomp.ray.Pool._chunks_per_slot): with "
         "multiprocessing's four per worker the same map took 16-22 ms in this session "
         "(3x Ray's pool, not 5x): a Ray call costs about 1.3 ms here, the work of some "
-        "5000 trivial items.")
+        "5000 trivial items."
+    )
     c.emit("ray", rows, notes)
 
 

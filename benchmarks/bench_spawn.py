@@ -161,22 +161,50 @@ async def main() -> None:
     a = c.median(t_aiomp) if t_aiomp else None
     # output="prefix" (the default, above) against raw inherited fds
     if missing is None:
-        rows.append(c.row("spawn 4 procs, output='prefix' (default)", a,
-                          c.median(t_inherit), "aiomp spawn 4, output='inherit'", None))
+        rows.append(
+            c.row(
+                "spawn 4 procs, output='prefix' (default)",
+                a,
+                c.median(t_inherit),
+                "aiomp spawn 4, output='inherit'",
+                None,
+            )
+        )
         t_fwd: list[float] = []
         t_pipe: list[float] = []
         for _ in range(c.reps(7, 2)):
             t_fwd.append(await aiomp_print_lines("prefix"))
             t_pipe.append(await aiomp_print_lines("inherit"))
-        rows.append(c.row(f"child prints {LINES // 1000}k lines, forwarded as [rank 0]",
-                          c.median(t_fwd), c.median(t_pipe),
-                          "the same child writing to an inherited pipe", c.at_most(2.0)))
-    rows.append(c.row("spawn 4 procs, until all have run", a, c.median(t_mp),
-                      "multiprocessing spawn x4, one by one", c.at_most(1.15),
-                      missing or ""))
+        rows.append(
+            c.row(
+                f"child prints {LINES // 1000}k lines, forwarded as [rank 0]",
+                c.median(t_fwd),
+                c.median(t_pipe),
+                "the same child writing to an inherited pipe",
+                c.at_most(2.0),
+            )
+        )
+    rows.append(
+        c.row(
+            "spawn 4 procs, until all have run",
+            a,
+            c.median(t_mp),
+            "multiprocessing spawn x4, one by one",
+            c.at_most(1.15),
+            missing or "",
+        )
+    )
     if has_torch:
-        rows.append(c.row("spawn 4 procs, until all have run", a, c.median(t_torch),
-                          "torch.multiprocessing.spawn", None, missing or ""))
+        rows.append(
+            c.row(
+                "spawn 4 procs, until all have run",
+                a,
+                c.median(t_torch),
+                "torch.multiprocessing.spawn",
+                None,
+                missing or "",
+            )
+        )
 
     # -- failure latency, pinned ---------------------------------------------------------
     pinning = c.pin_parent()
@@ -191,10 +219,19 @@ async def main() -> None:
     a = c.median(f_aiomp) if f_aiomp else None
     if has_torch:
         t = c.median(f_torch)
-        rows.append(c.row("child raises -> parent catches", a, t,
-                          "torch.multiprocessing.spawn", None, missing or ""))
-    rows.append(c.row("child raises -> parent catches", a, 0.050, "budget",
-                      c.under(0.050), missing or ""))
+        rows.append(
+            c.row(
+                "child raises -> parent catches",
+                a,
+                t,
+                "torch.multiprocessing.spawn",
+                None,
+                missing or "",
+            )
+        )
+    rows.append(
+        c.row("child raises -> parent catches", a, 0.050, "budget", c.under(0.050), missing or "")
+    )
     notes.append(
         f"spawn: unpinned, medians of {len(t_mp)} (aiomp/multiprocessing) and "
         f"{len(t_torch)} (torch) runs, alternating; children run a no-op and read bytecode "

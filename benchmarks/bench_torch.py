@@ -122,22 +122,50 @@ async def main() -> None:
         return med.get(f"aiomp {key}")
 
     small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
-    rows.append(c.row(f"shared {big} tensor put -> child ack", a(f"shared {big}"),
-                      a(f"shared {small}"), f"aiomp, shared {small} tensor", c.at_most(2),
-                      missing or ""))
+    rows.append(
+        c.row(
+            f"shared {big} tensor put -> child ack",
+            a(f"shared {big}"),
+            a(f"shared {small}"),
+            f"aiomp, shared {small} tensor",
+            c.at_most(2),
+            missing or "",
+        )
+    )
     for nbytes in SHARED_SIZES:
         name = size_name(nbytes)
         target = c.faster(3) if nbytes == SHARED_SIZES[-1] else None
-        rows.append(c.row(f"shared {name} tensor put -> child ack", a(f"shared {name}"),
-                          med.get(f"torch shared {name}"),
-                          f"torch.mp.Queue, shared {name} tensor", target, missing or ""))
+        rows.append(
+            c.row(
+                f"shared {name} tensor put -> child ack",
+                a(f"shared {name}"),
+                med.get(f"torch shared {name}"),
+                f"torch.mp.Queue, shared {name} tensor",
+                target,
+                missing or "",
+            )
+        )
     fname = size_name(FRESH_SIZE)
-    rows.append(c.row(f"fresh {fname} tensor put -> child ack", a(f"fresh {fname}"),
-                      med[f"memcpy {fname}"], f"one np.copyto of {fname} into mapped memory",
-                      None, missing or "moved in place into a new segment, as torch does"))
-    rows.append(c.row(f"fresh {fname} tensor put -> child ack", a(f"fresh {fname}"),
-                      med.get(f"torch fresh {fname}"), f"torch.mp.Queue, fresh {fname} tensor",
-                      c.at_most(1.2), missing or ""))
+    rows.append(
+        c.row(
+            f"fresh {fname} tensor put -> child ack",
+            a(f"fresh {fname}"),
+            med[f"memcpy {fname}"],
+            f"one np.copyto of {fname} into mapped memory",
+            None,
+            missing or "moved in place into a new segment, as torch does",
+        )
+    )
+    rows.append(
+        c.row(
+            f"fresh {fname} tensor put -> child ack",
+            a(f"fresh {fname}"),
+            med.get(f"torch fresh {fname}"),
+            f"torch.mp.Queue, fresh {fname} tensor",
+            c.at_most(1.2),
+            missing or "",
+        )
+    )
     import torch
 
     notes.append(

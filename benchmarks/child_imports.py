@@ -77,12 +77,17 @@ def main() -> None:
     base = _child_imports(mp_start)
     ours = _child_imports(aiomp_start)
     extra = {k: v for k, v in ours.items() if k not in base}
-    print(f"multiprocessing child: {len(base)} modules, {sum(base.values()) / 1e3:.1f} ms "
-          "of import (self times summed)")
-    print(f"aiomp child ({'async' if use_async else 'sync'} fn): {len(ours)} modules, "
-          f"{sum(ours.values()) / 1e3:.1f} ms")
-    print(f"imported by aiomp's child only: {len(extra)} modules, "
-          f"{sum(extra.values()) / 1e3:.1f} ms")
+    print(
+        f"multiprocessing child: {len(base)} modules, {sum(base.values()) / 1e3:.1f} ms "
+        "of import (self times summed)"
+    )
+    print(
+        f"aiomp child ({'async' if use_async else 'sync'} fn): {len(ours)} modules, "
+        f"{sum(ours.values()) / 1e3:.1f} ms"
+    )
+    print(
+        f"imported by aiomp's child only: {len(extra)} modules, {sum(extra.values()) / 1e3:.1f} ms"
+    )
     for name, us in sorted(extra.items(), key=lambda kv: -kv[1]):
         print(f"  {us / 1e3:7.2f} ms  {name}")
 

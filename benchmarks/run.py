@@ -75,8 +75,14 @@ def aiomp_version() -> str:
     except ImportError:
         return "(not importable)"
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                              capture_output=True, timeout=10, check=False).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         head = ""
     return f"{version} (working tree at {head})" if head else version
@@ -92,20 +98,35 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
     load = os.getloadavg()[0]
     t0 = c.now()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=TIMEOUT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, check=False)
+        proc = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            timeout=TIMEOUT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            check=False,
+        )
         output, code = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        output, code = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (
-            exc.stdout or ""), f"timed out after {TIMEOUT} s"
+        output, code = (
+            (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""),
+            f"timed out after {TIMEOUT} s",
+        )
     elapsed = c.now() - t0
     load = (load + os.getloadavg()[0]) / 2
     try:
         if code != 0:
             tail = "\n".join(output.strip().splitlines()[-15:])
             print(f"[{name}] failed ({code}):\n{tail}", file=sys.stderr)
-            row = c.row(f"{name}: the comparison failed", None, None, "—", None,
-                        f"exit {code}: {tail.splitlines()[-1] if tail else ''}")
+            row = c.row(
+                f"{name}: the comparison failed",
+                None,
+                None,
+                "—",
+                None,
+                f"exit {code}: {tail.splitlines()[-1] if tail else ''}",
+            )
             row["status"] = "error"
             return {"name": name, "rows": [row], "notes": [], "elapsed": elapsed, "load": load}
         import json
@@ -125,8 +146,10 @@ def section(result: dict[str, object], when: str, facts: str) -> str:
         f"<!-- results:{name}:begin -->",
         f"### {TITLES.get(name, name)}",
         "",
-        (f"Run {when} (`python -m benchmarks.run {name}`, {result['elapsed']:.0f} s, "
-         f"1-min load average {result['load']:.2f} during the run). {facts}."),
+        (
+            f"Run {when} (`python -m benchmarks.run {name}`, {result['elapsed']:.0f} s, "
+            f"1-min load average {result['load']:.2f} during the run). {facts}."
+        ),
         "",
         c.format_table(result["rows"]),  # type: ignore[arg-type]
         "",
@@ -163,8 +186,15 @@ def write_results(results: list[dict[str, object]], when: str, facts: str) -> No
             text = text[:i] + new + text[j:]
         else:
             # keep the sections in NAMES order: before the next one present, else findings
-            later = [n for n in NAMES[NAMES.index(str(name)) + 1:]
-                     if f"<!-- results:{n}:begin -->" in text] if name in NAMES else []
+            later = (
+                [
+                    n
+                    for n in NAMES[NAMES.index(str(name)) + 1 :]
+                    if f"<!-- results:{n}:begin -->" in text
+                ]
+                if name in NAMES
+                else []
+            )
             anchor = f"<!-- results:{later[0]}:begin -->" if later else FINDINGS
             if anchor in text:
                 i = text.index(anchor)
@@ -181,8 +211,7 @@ def main(argv: list[str]) -> int:
     names = [a for a in argv if not a.startswith("--")] or list(NAMES)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
-        print(f"unknown comparison(s) {unknown}; choose from {', '.join(NAMES)}",
-              file=sys.stderr)
+        print(f"unknown comparison(s) {unknown}; choose from {', '.join(NAMES)}", file=sys.stderr)
         return 2
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     facts = machine_facts()

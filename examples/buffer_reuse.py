@@ -31,8 +31,9 @@ import aiomp
 SHAPE = (64, 128, 128)  # a batch of 64 single-channel 128 x 128 images, float32: 4 MiB
 
 
-def produce(rank: int, batches: aiomp.Queue, free: list[aiomp.Queue], count: int,
-            nbuffers: int, reuse: bool) -> int:
+def produce(
+    rank: int, batches: aiomp.Queue, free: list[aiomp.Queue], count: int, nbuffers: int, reuse: bool
+) -> int:
     """Fill ``count`` batches; return how many arrays this producer allocated (reusing:
     the distinct buffers it filled, which the consumer's returns keep to ``nbuffers``)."""
     made: list[np.ndarray] = []
@@ -61,8 +62,9 @@ async def run(mode: str, producers: int, count: int, nbuffers: int) -> tuple[flo
     total = 0.0
     start = time.perf_counter()
     with anyio.fail_after(60):
-        async with aiomp.spawn(produce, producers, grace_period=1.0,
-                               args=(batches, free, count, nbuffers, reuse)) as ctx:
+        async with aiomp.spawn(
+            produce, producers, grace_period=1.0, args=(batches, free, count, nbuffers, reuse)
+        ) as ctx:
             while done < producers:
                 rank, i, buf = await batches.get()
                 if buf is None:
@@ -75,8 +77,10 @@ async def run(mode: str, producers: int, count: int, nbuffers: int) -> tuple[flo
                 del buf
     elapsed = time.perf_counter() - start
     gib = producers * count * np.prod(SHAPE) * 4 / 2**30
-    print(f"{mode:>6}: {producers * count} batches, {gib / elapsed:6.2f} GiB/s, "
-          f"arrays allocated per producer: {ctx.results}")
+    print(
+        f"{mode:>6}: {producers * count} batches, {gib / elapsed:6.2f} GiB/s, "
+        f"arrays allocated per producer: {ctx.results}"
+    )
     return elapsed, ctx.results  # type: ignore[return-value]
 
 

@@ -122,9 +122,11 @@ async def serve() -> None:
     outcomes = cast("list[tuple[int, int]]", ctx.results)
     per_worker = [served for served, _held in outcomes]
     still_held = sum(held for _served, held in outcomes) + aiomp.cuda.ipc_collect()
-    print(f"served {sum(per_worker)} requests with {N_WORKERS} GPU workers "
-          f"(per worker: {per_worker}); results correct: {agree}/{N_REQUESTS}; "
-          f"blocks still held: {still_held}")
+    print(
+        f"served {sum(per_worker)} requests with {N_WORKERS} GPU workers "
+        f"(per worker: {per_worker}); results correct: {agree}/{N_REQUESTS}; "
+        f"blocks still held: {still_held}"
+    )
     if agree != N_REQUESTS or still_held:
         raise SystemExit(1)
 

@@ -81,8 +81,15 @@ def batch_count(dataset: SyntheticImages, batch_size: int) -> int:
     return -(-len(dataset) // batch_size)
 
 
-def _worker(rank: int, dataset: SyntheticImages, batch_size: int, tasks: aiomp.Queue,
-            batches: aiomp.Queue, alive: aiomp.Queue, shared: bool) -> int:
+def _worker(
+    rank: int,
+    dataset: SyntheticImages,
+    batch_size: int,
+    tasks: aiomp.Queue,
+    batches: aiomp.Queue,
+    alive: aiomp.Queue,
+    shared: bool,
+) -> int:
     """Build batch ``k`` for every ``k`` taken from ``tasks`` until it is closed; return
     how many this worker built. A closed ``batches`` (the consumer left) ends it too.
     The last worker to return closes ``batches``; one that raises leaves it open (the
@@ -94,8 +101,13 @@ def _worker(rank: int, dataset: SyntheticImages, batch_size: int, tasks: aiomp.Q
     return built
 
 
-def _build(dataset: SyntheticImages, batch_size: int, tasks: aiomp.Queue,
-           batches: aiomp.Queue, shared: bool) -> int:
+def _build(
+    dataset: SyntheticImages,
+    batch_size: int,
+    tasks: aiomp.Queue,
+    batches: aiomp.Queue,
+    shared: bool,
+) -> int:
     built = 0
     shape = dataset.shape
     while True:
@@ -141,9 +153,17 @@ class DataLoader:
     runs threads or has CUDA initialised (aiomp warns, or refuses, for fork then).
     """
 
-    def __init__(self, dataset: SyntheticImages, batch_size: int, *, num_workers: int = 2,
-                 prefetch: int | None = None, shared: bool = True,
-                 start_method: str = "fork", grace_period: float = 5.0) -> None:
+    def __init__(
+        self,
+        dataset: SyntheticImages,
+        batch_size: int,
+        *,
+        num_workers: int = 2,
+        prefetch: int | None = None,
+        shared: bool = True,
+        start_method: str = "fork",
+        grace_period: float = 5.0,
+    ) -> None:
         if batch_size < 1 or num_workers < 1:
             raise ValueError("batch_size and num_workers must be at least 1")
         self.dataset, self.batch_size = dataset, batch_size
@@ -167,15 +187,18 @@ class DataLoader:
         if self._sent == self.nbatches:
             self._tasks.close()
         self._spawn = aiomp.spawn(
-            _worker, self.num_workers, start_method=self.start_method,
+            _worker,
+            self.num_workers,
+            start_method=self.start_method,
             grace_period=self.grace_period,
-            args=(self.dataset, self.batch_size, self._tasks, self._batches, alive,
-                  self.shared))
+            args=(self.dataset, self.batch_size, self._tasks, self._batches, alive, self.shared),
+        )
         self.ctx = await self._spawn.__aenter__()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: Any) -> bool:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
         # Leaving early: workers blocked on either queue get QueueClosed and return.
         self._tasks.close()
         self._batches.close()
@@ -209,15 +232,22 @@ class DataLoader:
         return batch
 
 
-async def main(workers: int, nbatches: int, batch_size: int, shared: bool,
-               start_method: str) -> None:
+async def main(
+    workers: int, nbatches: int, batch_size: int, shared: bool, start_method: str
+) -> None:
     dataset = SyntheticImages(nbatches * batch_size - batch_size // 2)  # a short last batch
     expected = batch_count(dataset, batch_size)
     seen = 0
     start = time.perf_counter()
     first = None
-    async with DataLoader(dataset, batch_size, num_workers=workers, shared=shared,
-                          start_method=start_method, grace_period=1.0) as loader:
+    async with DataLoader(
+        dataset,
+        batch_size,
+        num_workers=workers,
+        shared=shared,
+        start_method=start_method,
+        grace_period=1.0,
+    ) as loader:
         async for images, labels in loader:
             if first is None:
                 first = time.perf_counter() - start
@@ -230,10 +260,12 @@ async def main(workers: int, nbatches: int, batch_size: int, shared: bool,
     elapsed = time.perf_counter() - start
     assert seen == expected and first is not None, (seen, expected)
     assert loader.ctx is not None and sum(loader.ctx.results) == expected  # type: ignore[arg-type]
-    print(f"{seen} batches of {batch_size} from {workers} workers "
-          f"({'aiomp.empty' if shared else 'numpy'} batches, {start_method}): "
-          f"{seen / elapsed:.1f} batches/s, first batch after {first * 1e3:.0f} ms; "
-          f"per worker {loader.ctx.results}")
+    print(
+        f"{seen} batches of {batch_size} from {workers} workers "
+        f"({'aiomp.empty' if shared else 'numpy'} batches, {start_method}): "
+        f"{seen / elapsed:.1f} batches/s, first batch after {first * 1e3:.0f} ms; "
+        f"per worker {loader.ctx.results}"
+    )
     print("ok")
 
 
@@ -242,13 +274,14 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batches", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--numpy", action="store_true",
-                        help="collate into plain numpy arrays (put copies them)")
-    parser.add_argument("--start-method", default="fork",
-                        choices=["fork", "forkserver", "spawn"])
+    parser.add_argument(
+        "--numpy", action="store_true", help="collate into plain numpy arrays (put copies them)"
+    )
+    parser.add_argument("--start-method", default="fork", choices=["fork", "forkserver", "spawn"])
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     a = parser.parse_args()
     import anyio
 
-    anyio.run(main, a.workers, a.batches, a.batch_size, not a.numpy, a.start_method,
-              backend=a.backend)
+    anyio.run(
+        main, a.workers, a.batches, a.batch_size, not a.numpy, a.start_method, backend=a.backend
+    )

@@ -49,10 +49,12 @@ async def main() -> None:
                 _, frame = await results.get()
                 assert aiomp.is_shared(frame)
     elapsed = time.perf_counter() - start
-    print(f"4 async workers doubled 16 shared 4 MiB frames in place in {elapsed * 1e3:.0f} ms, "
-          f"start-up included (frames per rank: {ctx.results}, uneven: whichever worker is "
-          f"free takes the next frame); frame 3 now holds "
-          f"{frames[3][0, 0]:.0f}")
+    print(
+        f"4 async workers doubled 16 shared 4 MiB frames in place in {elapsed * 1e3:.0f} ms, "
+        f"start-up included (frames per rank: {ctx.results}, uneven: whichever worker is "
+        f"free takes the next frame); frame 3 now holds "
+        f"{frames[3][0, 0]:.0f}"
+    )
 
     start = time.perf_counter()
     try:
@@ -60,8 +62,10 @@ async def main() -> None:
             await anyio.sleep_forever()  # cancelled when a child fails
     except aiomp.ProcessRaisedException as exc:
         last = str(exc).strip().splitlines()[-1]
-        print(f"rank {exc.error_index} (pid {exc.pid}) failed, the other 3 were terminated, "
-          f"all within {(time.perf_counter() - start) * 1e3:.0f} ms of spawning: {last}")
+        print(
+            f"rank {exc.error_index} (pid {exc.pid}) failed, the other 3 were terminated, "
+            f"all within {(time.perf_counter() - start) * 1e3:.0f} ms of spawning: {last}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,8 +38,17 @@ def mse(w: np.ndarray, X: np.ndarray, y: np.ndarray) -> float:
     return float(np.mean((X @ w - y) ** 2))
 
 
-def train(rank: int, nprocs: int, w: np.ndarray, X: np.ndarray, y: np.ndarray,
-          losses: aiomp.Queue, epochs: int, lr: float, batch: int) -> int:
+def train(
+    rank: int,
+    nprocs: int,
+    w: np.ndarray,
+    X: np.ndarray,
+    y: np.ndarray,
+    losses: aiomp.Queue,
+    epochs: int,
+    lr: float,
+    batch: int,
+) -> int:
     """One Hogwild worker: SGD on its shard, writing straight into the shared ``w``."""
     assert aiomp.is_shared(w) and aiomp.is_shared(X), "handles, not copies"
     rng = np.random.default_rng(rank)
@@ -48,7 +57,7 @@ def train(rank: int, nprocs: int, w: np.ndarray, X: np.ndarray, y: np.ndarray,
     for epoch in range(epochs):
         rng.shuffle(shard)
         for start in range(0, len(shard), batch):
-            idx = shard[start:start + batch]
+            idx = shard[start : start + batch]
             xb, yb = X[idx], y[idx]
             grad = 2.0 * xb.T @ (xb @ w - yb) / len(idx)
             w -= lr * grad  # in place, in shared memory, no lock: Hogwild
@@ -66,16 +75,19 @@ async def main(workers: int, epochs: int, samples: int, features: int, lr: float
     print(f"epoch  -  loss {start_loss:.4f}")
     per_epoch: dict[int, list[float]] = {}
     with anyio.fail_after(60):
-        async with aiomp.spawn(train, workers, grace_period=1.0,
-                               args=(workers, w, X, y, losses, epochs, lr, 16)) as ctx:
+        async with aiomp.spawn(
+            train, workers, grace_period=1.0, args=(workers, w, X, y, losses, epochs, lr, 16)
+        ) as ctx:
             for _ in range(workers * epochs):
                 epoch, _rank, loss = await losses.get()
                 per_epoch.setdefault(epoch, []).append(loss)
                 if len(per_epoch[epoch]) == workers:
                     print(f"epoch {epoch + 1:2d} loss {np.mean(per_epoch[epoch]):.4f}")
     final = mse(w, X, y)
-    print(f"final loss {final:.5f} after {sum(ctx.results)} steps "  # type: ignore[arg-type]
-          f"(|w - w_true| = {np.linalg.norm(w - w_true):.4f})")
+    print(
+        f"final loss {final:.5f} after {sum(ctx.results)} steps "  # type: ignore[arg-type]
+        f"(|w - w_true| = {np.linalg.norm(w - w_true):.4f})"
+    )
     means = [float(np.mean(per_epoch[e])) for e in range(epochs)]
     assert means[-1] < means[0] < start_loss, "the loss fell"
     assert final < 0.05 * start_loss

@@ -50,8 +50,17 @@ def make_data(n: int, features: int, classes: int, seed: int = 0) -> tuple[torch
     return X[:split], y[:split], X[split:], y[split:]
 
 
-def train(rank: int, nranks: int, model: Net, X: torch.Tensor, y: torch.Tensor,
-          losses: aiomp.Queue, epochs: int, lr: float, batch: int) -> int:
+def train(
+    rank: int,
+    nranks: int,
+    model: Net,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    losses: aiomp.Queue,
+    epochs: int,
+    lr: float,
+    batch: int,
+) -> int:
     """One Hogwild rank: SGD on its shard, stepping the shared parameters in place."""
     torch.set_num_threads(1)  # as torch's example: ranks must not oversubscribe the cores
     torch.manual_seed(rank)
@@ -63,7 +72,7 @@ def train(rank: int, nranks: int, model: Net, X: torch.Tensor, y: torch.Tensor,
         order = shard[torch.randperm(len(shard))]
         total = 0.0
         for start in range(0, len(order), batch):
-            idx = order[start:start + batch]
+            idx = order[start : start + batch]
             optimizer.zero_grad()
             loss = F.cross_entropy(model(X[idx]), y[idx])
             loss.backward()
@@ -90,8 +99,9 @@ async def main(ranks: int, epochs: int, samples: int, lr: float) -> None:
     losses = aiomp.Queue()
     per_epoch: dict[int, list[float]] = {}
     with anyio.fail_after(300):  # each rank imports torch: seconds on a busy machine
-        async with aiomp.spawn(train, ranks, grace_period=1.0,
-                               args=(ranks, model, X, y, losses, epochs, lr, 32)) as ctx:
+        async with aiomp.spawn(
+            train, ranks, grace_period=1.0, args=(ranks, model, X, y, losses, epochs, lr, 32)
+        ) as ctx:
             for _ in range(ranks * epochs):
                 epoch, _rank, loss = await losses.get()
                 per_epoch.setdefault(epoch, []).append(loss)

@@ -82,16 +82,19 @@ async def main() -> None:
         paths = write_dataset(Path(tmp), args.batches)
         async with aiomp.Pool(args.processes) as pool:
             total = np.zeros((BATCH[1], BATCH[2] // 2 + 1), dtype=np.float64)
-            async with pool.imap(featurize, load(paths, progress),
-                                 buffersize=args.buffersize) as features:
+            async with pool.imap(
+                featurize, load(paths, progress), buffersize=args.buffersize
+            ) as features:
                 async for feature_map in features:
                     total += feature_map  # a training step would go here
                     progress.consumed += 1
                     await anyio.sleep(0.005)  # a consumer slower than the loader
 
     mean = total / progress.consumed
-    print(f"{progress.consumed} batches; mean feature {mean.mean():.4f}; the loader was "
-          f"at most {progress.most_ahead} batches ahead (buffersize {args.buffersize})")
+    print(
+        f"{progress.consumed} batches; mean feature {mean.mean():.4f}; the loader was "
+        f"at most {progress.most_ahead} batches ahead (buffersize {args.buffersize})"
+    )
     assert progress.consumed == args.batches
     # The loader can run one batch past the buffer: the one it is handing over.
     assert progress.most_ahead <= args.buffersize + 1, progress.most_ahead

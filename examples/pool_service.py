@@ -53,7 +53,8 @@ class Service:
         payload = json.dumps(body).encode()
         writer.write(
             f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode() + payload
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
+            + payload
         )
         try:
             await writer.drain()

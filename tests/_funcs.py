@@ -199,8 +199,9 @@ def q_mpmc(rank: int, q: object, done: object, nproducers: int, count: int) -> l
     return list(q.sync)  # type: ignore[attr-defined]
 
 
-async def q_mpmc_async(rank: int, q: object, done: object, nproducers: int,
-                       count: int) -> list[object]:
+async def q_mpmc_async(
+    rank: int, q: object, done: object, nproducers: int, count: int
+) -> list[object]:
     """:func:`q_mpmc` with the async calls."""
     if rank < nproducers:
         for i in range(count):
@@ -220,12 +221,14 @@ def q_identities(rank: int, q: object, reply: object) -> None:
     q_again, inner, inner_twice = first
     inner_later = q.sync.get(timeout=20)  # type: ignore[attr-defined]
     event = q.sync.get(timeout=20)  # type: ignore[attr-defined]
-    inner.sync.put({  # type: ignore[attr-defined]
-        "args_and_message_same": q_again is q,
-        "twice_in_one_message_same": inner is inner_twice,
-        "twice_in_two_messages_same": inner_later is inner,
-        "event_type": type(event).__name__,
-    })
+    inner.sync.put(
+        {  # type: ignore[attr-defined]
+            "args_and_message_same": q_again is q,
+            "twice_in_one_message_same": inner is inner_twice,
+            "twice_in_two_messages_same": inner_later is inner,
+            "event_type": type(event).__name__,
+        }
+    )
     event.set()  # type: ignore[attr-defined]
     reply.sync.put("done")  # type: ignore[attr-defined]
 
@@ -272,8 +275,9 @@ def q_sync_timeouts(rank: int, q: object, timeout: float) -> tuple[str, str]:
     return results[0], results[1]
 
 
-def ev_ping(rank: int, go: object, ready: object, done: object,
-            timeout: float) -> tuple[bool, bool]:
+def ev_ping(
+    rank: int, go: object, ready: object, done: object, timeout: float
+) -> tuple[bool, bool]:
     """Time out waiting for ``go``, say ``ready``, wait for ``go``, clear it, set ``done``."""
     early = go.sync.wait(timeout=timeout)  # type: ignore[attr-defined]
     ready.set()  # type: ignore[attr-defined]
@@ -302,8 +306,15 @@ def shm_inspect(rank: int, *args: object) -> list[object]:
         import numpy as np
 
         if isinstance(obj, np.ndarray):
-            return ("array", aiomp.is_shared(obj), obj.flags.writeable, obj.dtype.str,
-                    obj.shape, obj.strides, obj.tobytes())
+            return (
+                "array",
+                aiomp.is_shared(obj),
+                obj.flags.writeable,
+                obj.dtype.str,
+                obj.shape,
+                obj.strides,
+                obj.tobytes(),
+            )
         if isinstance(obj, dict):
             return {k: describe(v) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -313,8 +324,7 @@ def shm_inspect(rank: int, *args: object) -> list[object]:
     return [describe(a) for a in args]
 
 
-def shm_stripe(rank: int, nprocs: int, w: object, flag: object, q: object,
-               go: object) -> float:
+def shm_stripe(rank: int, nprocs: int, w: object, flag: object, q: object, go: object) -> float:
     """Hogwild-style: write into this rank's stripe of the shared ``w``, both as received
     in args and as received from ``q`` (the same memory); then, once ``go`` is set, return
     what the parent wrote into the shared ``flag`` after this process started."""
@@ -334,8 +344,11 @@ def shm_return_arrays(rank: int, n: int, strategy: str) -> dict[str, object]:
     aiomp.set_sharing_strategy(strategy)
     shared = aiomp.zeros(n, np.int64)
     shared[:] = np.arange(n) * (rank + 1)
-    return {"plain": np.arange(n, dtype=np.float32) + rank, "shared": shared,
-            "small": np.arange(3) + rank}
+    return {
+        "plain": np.arange(n, dtype=np.float32) + rank,
+        "shared": shared,
+        "small": np.arange(3) + rank,
+    }
 
 
 def shm_write_marks(rank: int, q: object, reply: object) -> None:
@@ -427,9 +440,11 @@ def shm_hold_named_then_block(rank: int, ready: object, n: int) -> None:
 
     aiomp.set_sharing_strategy("file_system")
     held = [aiomp.zeros(n, np.uint8), aiomp.share_memory(np.ones(3 * n, np.uint8))]
-    ready.sync.put(sorted(  # type: ignore[attr-defined]
-        name for name in os.listdir("/dev/shm") if name.startswith(f"aiomp-{os.getpid()}-")
-    ))
+    ready.sync.put(
+        sorted(  # type: ignore[attr-defined]
+            name for name in os.listdir("/dev/shm") if name.startswith(f"aiomp-{os.getpid()}-")
+        )
+    )
     block_forever()
     del held
 

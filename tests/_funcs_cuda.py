@@ -88,8 +88,14 @@ class FakeGPU:
             self.allocs[base] = (size, base)
             return base
         size = _round(max(size, 1), _SMALL_UNIT)
-        bbase = next((b for b, (bsize, small, used, _live) in self.blocks.items()
-                      if small and used + size <= bsize), None)
+        bbase = next(
+            (
+                b
+                for b, (bsize, small, used, _live) in self.blocks.items()
+                if small and used + size <= bsize
+            ),
+            None,
+        )
         if bbase is None:
             bbase = self._granules(GRANULE)
             self.blocks[bbase] = [GRANULE, True, 0, 0]
@@ -126,33 +132,46 @@ class FakeGPU:
     def ipc_handle(self, base: int) -> bytes:
         """cudaIpcGetMemHandle: names the whole driver block under allocation ``base``."""
         if base >= self.MAPPED:
-            raise FakeCudaError("cudaErrorInvalidValue: memory opened from an IPC handle "
-                                "cannot be exported")
+            raise FakeCudaError(
+                "cudaErrorInvalidValue: memory opened from an IPC handle cannot be exported"
+            )
         bbase = self.allocs[base][1]
         bsize = self.blocks[bbase][0]
-        return (b"H" + bbase.to_bytes(8, "little") + bsize.to_bytes(8, "little")
-                + (base - bbase).to_bytes(8, "little")).ljust(64, b"\0")
+        return (
+            b"H"
+            + bbase.to_bytes(8, "little")
+            + bsize.to_bytes(8, "little")
+            + (base - bbase).to_bytes(8, "little")
+        ).ljust(64, b"\0")
 
     @staticmethod
     def parse(handle: bytes) -> tuple[int, int, int]:
         """(driver block base, its size, the allocation's offset in it)."""
         if handle[:1] != b"H":
             raise FakeCudaError("cudaErrorInvalidValue: not a memory handle")
-        return tuple(int.from_bytes(handle[i:i + 8], "little")  # type: ignore[return-value]
-                     for i in (1, 9, 17))
+        return tuple(
+            int.from_bytes(handle[i : i + 8], "little")  # type: ignore[return-value]
+            for i in (1, 9, 17)
+        )
 
     def is_whole(self, handle: bytes) -> bool:
         """Does the handle name a block that is one 2 MiB-aligned allocation of its own?"""
         bbase, bsize, offset = self.parse(handle)
-        return offset == 0 and bbase % GRANULE == 0 and bsize % GRANULE == 0 and (
-            self.allocs.get(bbase, (0, 0))[0] == bsize)
+        return (
+            offset == 0
+            and bbase % GRANULE == 0
+            and bsize % GRANULE == 0
+            and (self.allocs.get(bbase, (0, 0))[0] == bsize)
+        )
 
     def open(self, handle: bytes) -> int:
         bbase, bsize, offset = self.parse(handle)
         mapped = bbase + self.MAPPED
         if mapped in self.mapped:
-            raise FakeCudaError("cudaErrorAlreadyMapped: this process has the memory "
-                                "block under that handle mapped already")
+            raise FakeCudaError(
+                "cudaErrorAlreadyMapped: this process has the memory "
+                "block under that handle mapped already"
+            )
         self.mapped[mapped] = bsize
         return mapped + offset
 
@@ -175,11 +194,11 @@ class FakeGPU:
 
     def read(self, ptr: int, n: int) -> bytes:
         i = self._index(ptr, n)
-        return self.arena[i:i + n]
+        return self.arena[i : i + n]
 
     def write(self, ptr: int, data: bytes) -> None:
         i = self._index(ptr, len(data))
-        self.arena[i:i + len(data)] = data
+        self.arena[i : i + len(data)] = data
 
 
 class FakeMemory:
@@ -257,8 +276,9 @@ class FakePool:
             self.free.remove(c)
             del self.mems[c[0].ptr]  # the last reference: cudaFree
 
-    def array(self, shape: tuple[int, ...], dtype: str = "<f4",
-              fill: float | None = None) -> FakeArray:
+    def array(
+        self, shape: tuple[int, ...], dtype: str = "<f4", fill: float | None = None
+    ) -> FakeArray:
         import numpy
 
         nbytes = int(numpy.prod(shape)) * numpy.dtype(dtype).itemsize
@@ -272,9 +292,16 @@ class FakePool:
 class FakeArray:
     """A ``cupy.ndarray``: ``mem`` is what ``arr.data.mem`` would be."""
 
-    def __init__(self, gpu: FakeGPU, mem: Any, ptr: int, shape: tuple[int, ...],
-                 dtype: str = "<f4", strides: tuple[int, ...] | None = None,
-                 device: int = 0) -> None:
+    def __init__(
+        self,
+        gpu: FakeGPU,
+        mem: Any,
+        ptr: int,
+        shape: tuple[int, ...],
+        dtype: str = "<f4",
+        strides: tuple[int, ...] | None = None,
+        device: int = 0,
+    ) -> None:
         import numpy
 
         self.gpu = gpu
@@ -292,11 +319,13 @@ class FakeArray:
         self.strides = tuple(strides)
         self.device = device
 
-    def view(self, offset: int, shape: tuple[int, ...],
-             strides: tuple[int, ...] | None = None) -> FakeArray:
+    def view(
+        self, offset: int, shape: tuple[int, ...], strides: tuple[int, ...] | None = None
+    ) -> FakeArray:
         """Another view of the same memory, element 0 ``offset`` bytes further on."""
-        return FakeArray(self.gpu, self.mem, self.ptr + offset, shape, self.dtype, strides,
-                         self.device)
+        return FakeArray(
+            self.gpu, self.mem, self.ptr + offset, shape, self.dtype, strides, self.device
+        )
 
     def _span(self) -> tuple[int, int]:
         from aiomp._cuda import extent
@@ -309,8 +338,9 @@ class FakeArray:
 
         lo, hi = self._span()
         raw = bytearray(self.gpu.read(self.ptr + lo, hi - lo)) if hi > lo else bytearray(1)
-        return numpy.ndarray(self.shape, self.dtype, buffer=raw, offset=-lo,
-                             strides=self.strides).copy()
+        return numpy.ndarray(
+            self.shape, self.dtype, buffer=raw, offset=-lo, strides=self.strides
+        ).copy()
 
     def set(self, values: Any) -> None:
         """Write ``values`` (C-contiguous arrays only)."""
@@ -326,8 +356,9 @@ class FakeBackend:
     ``calls`` logs every call that would reach CUDA, in order.
     """
 
-    def __init__(self, gpu: FakeGPU | None = None,
-                 devices: tuple[str, ...] = ("0000:01:00.0",)) -> None:
+    def __init__(
+        self, gpu: FakeGPU | None = None, devices: tuple[str, ...] = ("0000:01:00.0",)
+    ) -> None:
         self.gpu = gpu if gpu is not None else FakeGPU()
         self.pool = FakePool(self.gpu)
         self.devices = devices
@@ -335,8 +366,9 @@ class FakeBackend:
         self.events = 0
         self.idle_events: list[tuple[object, bytes]] = []
 
-    def array(self, shape: tuple[int, ...], dtype: str = "<f4",
-              fill: float | None = None) -> FakeArray:
+    def array(
+        self, shape: tuple[int, ...], dtype: str = "<f4", fill: float | None = None
+    ) -> FakeArray:
         """``cupy.full``/``cupy.empty`` through CuPy's pool."""
         return self.pool.array(shape, dtype, fill)
 
@@ -348,8 +380,16 @@ class FakeBackend:
     def describe(self, arr: FakeArray) -> Any:
         from aiomp._cuda import Described
 
-        return Described(arr.device, arr.ptr, arr.shape, arr.strides, arr.dtype,
-                         arr.itemsize, arr.mem, getattr(arr.mem, "_owner", None))
+        return Described(
+            arr.device,
+            arr.ptr,
+            arr.shape,
+            arr.strides,
+            arr.dtype,
+            arr.itemsize,
+            arr.mem,
+            getattr(arr.mem, "_owner", None),
+        )
 
     def bus_id(self, dev: int) -> str:
         self.calls.append(("bus_id", dev))
@@ -433,14 +473,25 @@ class FakeBackend:
         self.calls.append(("close", dev, ptr))
         self.gpu.close(ptr)
 
-    def wrap(self, ptr: int, size: int, owner: object, dev: int, offset: int,
-             shape: tuple[int, ...], strides: tuple[int, ...], dtype: str) -> FakeArray:
-        return FakeArray(self.gpu, FakeUnowned(ptr, size, owner, dev), ptr + offset, shape,
-                         dtype, strides, dev)
+    def wrap(
+        self,
+        ptr: int,
+        size: int,
+        owner: object,
+        dev: int,
+        offset: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: str,
+    ) -> FakeArray:
+        return FakeArray(
+            self.gpu, FakeUnowned(ptr, size, owner, dev), ptr + offset, shape, dtype, strides, dev
+        )
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> FakeArray:
-        return FakeArray(self.gpu, FakeUnowned(0, 0, None, dev), 0, shape, dtype,
-                         (0,) * len(shape), dev)
+        return FakeArray(
+            self.gpu, FakeUnowned(0, 0, None, dev), 0, shape, dtype, (0,) * len(shape), dev
+        )
 
     def error_type(self) -> type[BaseException]:
         return FakeCudaError
@@ -478,8 +529,9 @@ def no_gpu_cupy() -> types.ModuleType:
         def __init__(self) -> None:
             import numpy
 
-            self.data = types.SimpleNamespace(ptr=0x7F00_0000_0000, device_id=0,
-                                              mem=types.SimpleNamespace())
+            self.data = types.SimpleNamespace(
+                ptr=0x7F00_0000_0000, device_id=0, mem=types.SimpleNamespace()
+            )
             self.shape = (4,)
             self.strides = (4,)
             self.dtype = numpy.dtype("<f4")
@@ -487,12 +539,19 @@ def no_gpu_cupy() -> types.ModuleType:
             self.device = Device(0)
 
     runtime = types.SimpleNamespace(
-        CUDARuntimeError=NoGpuRuntimeError, getDeviceCount=fail, getDevice=fail,
-        deviceGetPCIBusId=fail, deviceGetByPCIBusId=fail, memGetInfo=fail,
-        ipcGetMemHandle=fail, ipcOpenMemHandle=fail, ipcOpenEventHandle=fail,
+        CUDARuntimeError=NoGpuRuntimeError,
+        getDeviceCount=fail,
+        getDevice=fail,
+        deviceGetPCIBusId=fail,
+        deviceGetByPCIBusId=fail,
+        memGetInfo=fail,
+        ipcGetMemHandle=fail,
+        ipcOpenMemHandle=fail,
+        ipcOpenEventHandle=fail,
     )
-    cuda = types.SimpleNamespace(Device=Device, runtime=runtime,
-                                 memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
+    cuda = types.SimpleNamespace(
+        Device=Device, runtime=runtime, memory=types.SimpleNamespace(OutOfMemoryError=MemoryError)
+    )
     mod = types.ModuleType("cupy")
     mod.cuda = cuda  # type: ignore[attr-defined]
     mod.ndarray = ndarray  # type: ignore[attr-defined]
@@ -568,8 +627,9 @@ def model_cupy(gpu: FakeGPU) -> types.ModuleType:
     class Event:
         _next = 1
 
-        def __init__(self, block: bool = False, disable_timing: bool = False,
-                     interprocess: bool = False) -> None:
+        def __init__(
+            self, block: bool = False, disable_timing: bool = False, interprocess: bool = False
+        ) -> None:
             assert interprocess and disable_timing
             self.ptr = Event._next
             Event._next += 1
@@ -598,14 +658,17 @@ def model_cupy(gpu: FakeGPU) -> types.ModuleType:
             self.device_id = mem.device_id
 
     class ndarray(FakeArray):
-        def __init__(self, shape: tuple[int, ...], dtype: Any = float,
-                     memptr: MemoryPointer | None = None,
-                     strides: tuple[int, ...] | None = None) -> None:
+        def __init__(
+            self,
+            shape: tuple[int, ...],
+            dtype: Any = float,
+            memptr: MemoryPointer | None = None,
+            strides: tuple[int, ...] | None = None,
+        ) -> None:
             dt = numpy.dtype(dtype)
             if memptr is None:
                 memptr = MemoryPointer(pool.malloc(int(numpy.prod(shape)) * dt.itemsize), 0)
-            super().__init__(gpu, memptr.mem, memptr.ptr, shape, dt.str, strides,
-                             memptr.device_id)
+            super().__init__(gpu, memptr.mem, memptr.ptr, shape, dt.str, strides, memptr.device_id)
             self.data = memptr
             self.dtype = dt  # type: ignore[assignment]
 
@@ -663,8 +726,13 @@ def model_cupy(gpu: FakeGPU) -> types.ModuleType:
         memsetAsync=memset_async,
     )
     cuda = types.SimpleNamespace(
-        Device=Device, Event=Event, Memory=Memory, UnownedMemory=UnownedMemory,
-        MemoryPointer=MemoryPointer, runtime=runtime, get_current_stream=lambda: stream,
+        Device=Device,
+        Event=Event,
+        Memory=Memory,
+        UnownedMemory=UnownedMemory,
+        MemoryPointer=MemoryPointer,
+        runtime=runtime,
+        get_current_stream=lambda: stream,
         memory=types.SimpleNamespace(OutOfMemoryError=FakeOutOfMemory),
     )
     mod = types.ModuleType("cupy")
@@ -711,8 +779,7 @@ def cuda_fake_consumer(rank: int, fd: int, messages: int) -> str:
             sock.close()
             return "done"
         if cmd == "sums":  # what every received array holds now, read through its mapping
-            send_obj(sock, ("sums", [[float(a.get().sum()) for a in _arrays(m)]
-                                     for m in received]))
+            send_obj(sock, ("sums", [[float(a.get().sum()) for a in _arrays(m)] for m in received]))
             continue
         if isinstance(cmd, tuple) and cmd[0] == "drop":
             received[cmd[1]] = None
@@ -799,15 +866,24 @@ def gpu_check(rank: int, q: object, back: object, arrays: str) -> object:
         cupy.cuda.get_current_stream().synchronize()
     else:  # small arrays: copied into one IPC-safe staging block
         ref = ref[:4096]
-        ok = (numpy.array_equal(cupy.asnumpy(msg[0]), ref[:10])
-              and numpy.array_equal(cupy.asnumpy(msg[1]), ref[100:110])
-              and numpy.array_equal(cupy.asnumpy(msg[2]), ref[::-512]))
+        ok = (
+            numpy.array_equal(cupy.asnumpy(msg[0]), ref[:10])
+            and numpy.array_equal(cupy.asnumpy(msg[1]), ref[100:110])
+            and numpy.array_equal(cupy.asnumpy(msg[2]), ref[::-512])
+        )
     stats = cuda.statistics()
     del msg
     gc.collect()
     after = cuda.statistics()
-    back.sync.put((ok, stats.received_held, stats.received_open,  # type: ignore[attr-defined]
-                   after.received_held, after.received_open))
+    back.sync.put(
+        (
+            ok,
+            stats.received_held,
+            stats.received_open,  # type: ignore[attr-defined]
+            after.received_held,
+            after.received_open,
+        )
+    )
     return ok
 
 
@@ -825,8 +901,10 @@ def gpu_two_chunks_send(rank: int, q: object, back: object) -> object:
     x = cupy.full(n, 1.0, dtype=cupy.float32)
     y = cupy.full(n, 2.0, dtype=cupy.float32)
     rt = cupy.cuda.runtime
-    one_allocation = (_cuda.address_range(x.data.ptr, rt.memGetInfo)[0]
-                      == _cuda.address_range(y.data.ptr, rt.memGetInfo)[0])
+    one_allocation = (
+        _cuda.address_range(x.data.ptr, rt.memGetInfo)[0]
+        == _cuda.address_range(y.data.ptr, rt.memGetInfo)[0]
+    )
     q.sync.put((x, y))  # type: ignore[attr-defined]
     del x, y
     assert back.sync.get(timeout=60) == "received"  # type: ignore[attr-defined]
@@ -886,8 +964,11 @@ def gpu_stream_order_send(rank: int, q: object, back: object) -> object:
     rate_khz = cupy.cuda.runtime.getDeviceProperties(arr.device.id).get("clockRate", 1500000)
     cycles = int(rate_khz) * 1000 * 2  # about two seconds of spinning
     assert back.sync.get(timeout=120) == "ready"  # type: ignore[attr-defined]
-    kernel(((arr.size + 255) // 256,), (256,), (arr, cupy.int32(arr.size), cupy.float32(7.0),
-                                                 cupy.int64(cycles)))
+    kernel(
+        ((arr.size + 255) // 256,),
+        (256,),
+        (arr, cupy.int32(arr.size), cupy.float32(7.0), cupy.int64(cycles)),
+    )
     pending = not cupy.cuda.get_current_stream().done
     q.sync.put(arr)  # type: ignore[attr-defined]
     return pending, back.sync.get(timeout=60)  # type: ignore[attr-defined]

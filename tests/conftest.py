@@ -163,6 +163,7 @@ def _warm_up() -> None:
     # aiomp._shm keeps one fd in reserve for its fd-limit error path, for the process's
     # life: opened here, before any test counts fds.
     import aiomp._shm  # noqa: F401
+
     _PERSISTENT.update(child_pids())
     # The first uvloop loop of a process opens a pipe that lives as long as the process.
     import anyio
@@ -197,8 +198,9 @@ def no_leaks(request: pytest.FixtureRequest) -> object:
         if request.node.get_closest_marker("ray_fds_ok"):
             # Ray's driver opens (and keeps) gRPC sockets to each actor's worker, and its
             # event fds, as it goes: not ours. Files, pipes and memfds are still checked.
-            new_fds = {fd: t for fd, t in new_fds.items()
-                       if not t.startswith(("socket:", "anon_inode:"))}
+            new_fds = {
+                fd: t for fd, t in new_fds.items() if not t.startswith(("socket:", "anon_inode:"))
+            }
         new_shm = shm_names() - shm_before
         if not (children or new_fds or new_shm) or time.monotonic() > deadline:
             break

@@ -104,8 +104,9 @@ async def test_async_fn_runs_on_a_fresh_loop() -> None:
 @pytest.mark.anyio
 async def test_partial_of_async_fn_is_async() -> None:
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(functools.partial(funcs.async_echo), 1, args=("y",),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            functools.partial(funcs.async_echo), 1, args=("y",), grace_period=GRACE
+        ) as ctx:
             pass
     assert ctx.results[0][:2] == (0, ("y",))  # type: ignore[index]
 
@@ -113,8 +114,7 @@ async def test_partial_of_async_fn_is_async() -> None:
 @pytest.mark.anyio
 async def test_await_spawn_then_join_with_timeout(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,), grace_period=GRACE)
         assert isinstance(ctx, aiomp.ProcessContext)
         pids = await gate.ready(2)
         assert ctx.pids() == [pids[0], pids[1]]
@@ -140,8 +140,7 @@ async def test_concurrent_joins_all_return(gate: Gate) -> None:
         results.append(await ctx.join())
 
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.wait_then_return, 2, args=(gate.address,), grace_period=GRACE)
         await gate.ready(2)
         async with anyio.create_task_group() as tg:
             for _ in range(3):
@@ -157,8 +156,13 @@ async def test_concurrent_joins_all_return(gate: Gate) -> None:
 @pytest.mark.parametrize("fn", [funcs.echo, funcs.async_echo], ids=["sync", "async"])
 async def test_start_methods(start_method: str, fn: object) -> None:
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(fn, 2, args=(b"abc",), start_method=start_method,  # type: ignore[arg-type]
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            fn,
+            2,
+            args=(b"abc",),
+            start_method=start_method,  # type: ignore[arg-type]
+            grace_period=GRACE,
+        ) as ctx:
             pass
     assert [r[:2] for r in ctx.results] == [(0, (b"abc",)), (1, (b"abc",))]  # type: ignore[index]
 
@@ -174,8 +178,9 @@ async def test_fork_runs_unpicklable_functions() -> None:
         async with aiomp.spawn(local, 2, start_method="fork", grace_period=GRACE) as ctx:
             pass
         assert ctx.results == [5, 6]
-        async with aiomp.spawn(lambda rank: -rank, 2, start_method="fork",
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            lambda rank: -rank, 2, start_method="fork", grace_period=GRACE
+        ) as ctx:
             pass
         assert ctx.results == [0, -1]
 
@@ -211,8 +216,7 @@ async def test_sys_exit_zero_is_success(code: object) -> None:
 async def test_join_notices_exit_quickly(gate: Gate) -> None:
     """A child's exit wakes join() at once (generous bound; latency is for benchmarks)."""
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.wait_then_return, 1, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.wait_then_return, 1, args=(gate.address,), grace_period=GRACE)
         await gate.ready(1)
         start = time.monotonic()
         gate.release()
@@ -223,8 +227,7 @@ async def test_join_notices_exit_quickly(gate: Gate) -> None:
 @pytest.mark.anyio
 async def test_raise_is_noticed_quickly(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.wait_then_raise, 1, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.wait_then_raise, 1, args=(gate.address,), grace_period=GRACE)
         await gate.ready(1)
         start = time.monotonic()
         gate.release()
@@ -241,8 +244,9 @@ async def test_raise_is_noticed_quickly(gate: Gate) -> None:
 async def test_raise(start_method: str) -> None:
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessException) as info:
-            async with aiomp.spawn(funcs.raise_on, 2, args=(1,), start_method=start_method,
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.raise_on, 2, args=(1,), start_method=start_method, grace_period=GRACE
+            ) as ctx:
                 pass
     exc = info.value
     assert type(exc) is aiomp.ProcessRaisedException
@@ -273,11 +277,16 @@ RAISED = [
     # R9: Ctrl-C in a child, or a coroutine that ends cancelled, is never success
     pytest.param(funcs.raise_keyboard_interrupt, ["KeyboardInterrupt"], id="keyboard-interrupt"),
     pytest.param(funcs.async_cancel_self, ["CancelledError"], id="cancelled-coroutine"),
-    pytest.param(funcs.return_unpicklable,
-                 ["could not be pickled", "Unpicklable refuses to be pickled"],
-                 id="unpicklable-result"),
-    pytest.param(funcs.raise_unpicklable, ["UnpicklableError: unpicklable boom from rank 0"],
-                 id="unpicklable-exception"),
+    pytest.param(
+        funcs.return_unpicklable,
+        ["could not be pickled", "Unpicklable refuses to be pickled"],
+        id="unpicklable-result",
+    ),
+    pytest.param(
+        funcs.raise_unpicklable,
+        ["UnpicklableError: unpicklable boom from rank 0"],
+        id="unpicklable-exception",
+    ),
 ]
 
 
@@ -297,14 +306,14 @@ async def test_child_failure_is_raised_with_its_text(fn: object, texts: list[str
 async def test_exit_code(start_method: str) -> None:
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessException) as info:
-            async with aiomp.spawn(funcs.exit_on, 3, args=(2, 7), start_method=start_method,
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.exit_on, 3, args=(2, 7), start_method=start_method, grace_period=GRACE
+            ) as ctx:
                 pass
     exc = info.value
     assert type(exc) is aiomp.ProcessExitedException
     assert str(exc) == "process 2 terminated with exit code 7"
-    assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
-        2, ctx.pids()[2], 7, None)
+    assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (2, ctx.pids()[2], 7, None)
 
 
 @pytest.mark.anyio
@@ -317,23 +326,31 @@ async def test_sys_exit_nonzero_is_failure() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("start_method", "sig"), [
-    ("spawn", signal.SIGSEGV),
-    ("spawn", signal.SIGABRT),
-    ("forkserver", signal.SIGSEGV),
-    ("fork", signal.SIGABRT),
-])
+@pytest.mark.parametrize(
+    ("start_method", "sig"),
+    [
+        ("spawn", signal.SIGSEGV),
+        ("spawn", signal.SIGABRT),
+        ("forkserver", signal.SIGSEGV),
+        ("fork", signal.SIGABRT),
+    ],
+)
 async def test_killed_by_signal(start_method: str, sig: signal.Signals) -> None:
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessException) as info:
-            async with aiomp.spawn(funcs.kill_self, 1, args=(int(sig),),
-                                   start_method=start_method, grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.kill_self, 1, args=(int(sig),), start_method=start_method, grace_period=GRACE
+            ) as ctx:
                 pass
     exc = info.value
     assert type(exc) is aiomp.ProcessExitedException
     assert str(exc) == f"process 0 terminated with signal {sig.name}"
     assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
-        0, ctx.pids()[0], -sig, sig.name)
+        0,
+        ctx.pids()[0],
+        -sig,
+        sig.name,
+    )
 
 
 @pytest.mark.anyio
@@ -346,8 +363,9 @@ async def test_sigint_in_child_is_failure(gate: Gate) -> None:
     child never raised (3 hangs in 400 tries under load). It now waits race-free.
     """
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs_context.ready_then_wait_for_signals, 2,
-                                args=(gate.address,), grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            funcs_context.ready_then_wait_for_signals, 2, args=(gate.address,), grace_period=GRACE
+        )
         pids = await gate.ready(2)
         os.kill(pids[0], signal.SIGINT)
         with pytest.raises(aiomp.ProcessException) as info:
@@ -363,8 +381,13 @@ async def test_sigint_in_child_is_failure(gate: Gate) -> None:
 async def test_child_killed_from_outside(start_method: str, gate: Gate) -> None:
     """A child that dies without a word (the OOM killer) fails the context at once."""
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                start_method=start_method, grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            funcs.ready_then_block,
+            2,
+            args=(gate.address,),
+            start_method=start_method,
+            grace_period=GRACE,
+        )
         pids = await gate.ready(2)
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(aiomp.ProcessException) as info:
@@ -373,7 +396,11 @@ async def test_child_killed_from_outside(start_method: str, gate: Gate) -> None:
     assert type(exc) is aiomp.ProcessExitedException
     assert str(exc) == "process 1 terminated with signal SIGKILL"
     assert (exc.error_index, exc.pid, exc.exit_code, exc.signal_name) == (
-        1, pids[1], -signal.SIGKILL, "SIGKILL")
+        1,
+        pids[1],
+        -signal.SIGKILL,
+        "SIGKILL",
+    )
     assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGKILL]
 
 
@@ -389,7 +416,8 @@ def test_errors_pickle() -> None:
         aiomp.ProcessException("process 0 failed", 0, 11),
         aiomp.ProcessRaisedException("process 1 raised: ...", 1, 12),
         aiomp.ProcessExitedException(
-            "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV"),
+            "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV"
+        ),
         aiomp.ProcessExitedException("process 3 terminated with exit code 7", 3, None, 7),
     ]
     for exc in errors:
@@ -398,7 +426,12 @@ def test_errors_pickle() -> None:
         _same_error(pickle.loads(data), exc)
     exited = pickle.loads(pickle.dumps(errors[2]))
     assert (exited.msg, exited.error_index, exited.pid, exited.exit_code, exited.signal_name) == (
-        "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV")
+        "process 2 terminated with signal SIGSEGV",
+        2,
+        13,
+        -11,
+        "SIGSEGV",
+    )
 
 
 @pytest.mark.anyio
@@ -424,8 +457,13 @@ async def test_failure_terminates_others_and_cancels_body(start_method: str, gat
     reached = False
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessException) as info:
-            async with aiomp.spawn(funcs.fail_or_block, 3, args=(1, gate.address),
-                                   start_method=start_method, grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.fail_or_block,
+                3,
+                args=(1, gate.address),
+                start_method=start_method,
+                grace_period=GRACE,
+            ) as ctx:
                 await gate.ready(3)
                 gate.release(1)
                 await anyio.sleep_forever()
@@ -441,8 +479,7 @@ async def test_failure_terminates_others_and_cancels_body(start_method: str, gat
 @pytest.mark.anyio
 async def test_failure_in_join_terminates_others(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.fail_or_block, 3, args=(2, gate.address),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.fail_or_block, 3, args=(2, gate.address), grace_period=GRACE)
         await gate.ready(3)
         gate.release(2)
         with pytest.raises(aiomp.ProcessException) as info:
@@ -459,8 +496,9 @@ async def test_failure_after_body_finished(gate: Gate) -> None:
     """The body ends first; leaving the block joins, sees the failure, terminates the rest."""
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessException) as info:
-            async with aiomp.spawn(funcs.fail_or_block, 2, args=(0, gate.address),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.fail_or_block, 2, args=(0, gate.address), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
                 gate.release(0)
     assert type(info.value) is aiomp.ProcessRaisedException
@@ -472,8 +510,7 @@ async def test_failure_after_body_finished(gate: Gate) -> None:
 @pytest.mark.anyio
 async def test_terminate_then_join_reports_the_signal(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE)
         await gate.ready(2)
         await ctx.terminate()
         assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
@@ -493,8 +530,13 @@ async def test_cancelled_body_terminates_children(start_method: str, gate: Gate)
     reached = False
     with anyio.fail_after(TIMEOUT):
         with anyio.CancelScope() as scope:
-            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                   start_method=start_method, grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block,
+                2,
+                args=(gate.address,),
+                start_method=start_method,
+                grace_period=GRACE,
+            ) as ctx:
                 await gate.ready(2)
                 scope.cancel()
                 await anyio.sleep_forever()
@@ -509,8 +551,9 @@ async def test_cancelled_body_terminates_children(start_method: str, gate: Gate)
 async def test_body_timeout_terminates_children(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         with anyio.move_on_after(0.2) as scope:
-            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
                 await anyio.sleep_forever()
     assert scope.cancelled_caught
@@ -520,8 +563,7 @@ async def test_body_timeout_terminates_children(gate: Gate) -> None:
 @pytest.mark.anyio
 async def test_cancelled_join_terminates_children(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE)
         await gate.ready(2)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ctx.join)
@@ -534,8 +576,7 @@ async def test_cancelled_join_terminates_children(gate: Gate) -> None:
 @pytest.mark.anyio
 async def test_join_timed_out_by_caller_terminates_children(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,), grace_period=GRACE)
         await gate.ready(1)
         with anyio.move_on_after(0.05) as scope:
             await ctx.join()
@@ -547,8 +588,7 @@ async def test_join_timed_out_by_caller_terminates_children(gate: Gate) -> None:
 async def test_join_in_cancelled_scope_terminates_children(gate: Gate) -> None:
     """Regression: a join() cancelled before its first wait left the children running."""
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,), grace_period=GRACE)
         await gate.ready(1)
         with anyio.CancelScope() as scope:
             scope.cancel()
@@ -563,8 +603,9 @@ async def test_async_with_in_cancelled_scope_terminates_children(gate: Gate) -> 
     with anyio.fail_after(TIMEOUT):
         with anyio.CancelScope() as scope:
             scope.cancel()
-            async with aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block, 1, args=(gate.address,), grace_period=GRACE
+            ) as ctx:
                 await anyio.sleep_forever()
             reached = True
     assert scope.cancelled_caught
@@ -577,8 +618,9 @@ async def test_async_with_in_cancelled_scope_terminates_children(gate: Gate) -> 
 async def test_body_exception_propagates_unwrapped(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(KeyError) as info:
-            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
                 raise KeyError("from the body")
     assert type(info.value) is KeyError
@@ -594,7 +636,8 @@ class _Stop(BaseException):
 @pytest.mark.anyio
 @pytest.mark.parametrize("leaf", [KeyError, _Stop, KeyboardInterrupt])
 async def test_body_exception_group_propagates_as_raised(
-        anyio_backend: object, leaf: type[BaseException], gate: Gate) -> None:
+    anyio_backend: object, leaf: type[BaseException], gate: Gate
+) -> None:
     """Regression (issue 9.4): a group raised by the body (a KeyboardInterrupt in the
     user's own nursery) came out of the block wrapped in another "Exceptions from Trio
     nursery" layer under trio. It leaves the block as the body raised it."""
@@ -606,8 +649,9 @@ async def test_body_exception_group_propagates_as_raised(
 
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(BaseExceptionGroup) as info:
-            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
                 try:
                     async with anyio.create_task_group() as tg:
@@ -626,8 +670,9 @@ async def test_body_exception_wins_over_child_failure(gate: Gate) -> None:
     """An exception the body raises (here while a child failure cancels it) leaves the block."""
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(KeyError) as info:
-            async with aiomp.spawn(funcs.fail_or_block, 2, args=(0, gate.address),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.fail_or_block, 2, args=(0, gate.address), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
                 gate.release(0)
                 try:
@@ -645,12 +690,14 @@ async def test_body_exception_wins_over_child_failure(gate: Gate) -> None:
 
 @pytest.mark.anyio
 async def test_sigterm_ignored_escalates_to_sigkill(
-        gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
     grace = 0.3
     with anyio.fail_after(TIMEOUT):
         with anyio.CancelScope() as scope:
-            async with aiomp.spawn(funcs.ignore_sigterm_then_block, 2, args=(gate.address,),
-                                   grace_period=grace) as ctx:
+            async with aiomp.spawn(
+                funcs.ignore_sigterm_then_block, 2, args=(gate.address,), grace_period=grace
+            ) as ctx:
                 await gate.ready(2)
                 start = time.monotonic()
                 scope.cancel()
@@ -667,22 +714,28 @@ async def test_sigterm_ignored_escalates_to_sigkill(
 
 @pytest.mark.anyio
 async def test_terminating_survivors_is_logged_as_torch_logs(
-        gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 12: WARNING ``Terminating process <pid> via signal SIGTERM`` on the ``aiomp``
     logger for each survivor of a failure, once, and nothing for the one that failed."""
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessExitedException):
-            async with aiomp.spawn(funcs.fail_or_block, 3, args=(1, gate.address),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.fail_or_block, 3, args=(1, gate.address), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(3)
                 os.kill(gate.pids[1], signal.SIGKILL)
                 await anyio.sleep_forever()
-    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records
-             if "Terminating process" in r.getMessage()]
+    lines = [
+        (r.name, r.levelname, r.getMessage())
+        for r in caplog.records
+        if "Terminating process" in r.getMessage()
+    ]
     pids = ctx.pids()
     assert sorted(lines) == sorted(
         ("aiomp", "WARNING", f"Terminating process {pid} via signal SIGTERM")
-        for pid in (pids[0], pids[2]))
+        for pid in (pids[0], pids[2])
+    )
 
 
 # -- termination cannot be broken (issue 18) ------------------------------------------------
@@ -690,7 +743,8 @@ async def test_terminating_survivors_is_logged_as_torch_logs(
 
 @pytest.mark.anyio
 async def test_second_cancel_cannot_break_termination(
-        anyio_backend: object, gate: Gate, caplog: pytest.LogCaptureFixture) -> None:
+    anyio_backend: object, gate: Gate, caplog: pytest.LogCaptureFixture
+) -> None:
     """Regression (issue 18.1): a second native cancellation during the grace period broke
     out of the "shielded" termination: SIGKILL never came, both SIGTERM-ignoring children
     were left running, and interpreter exit then hung in multiprocessing's join.
@@ -704,8 +758,9 @@ async def test_second_cancel_cannot_break_termination(
     ctxs: list[aiomp.ProcessContext] = []
 
     async def supervised() -> None:
-        async with aiomp.spawn(funcs.ignore_sigterm_then_block, 2, args=(gate.address,),
-                               grace_period=grace) as ctx:
+        async with aiomp.spawn(
+            funcs.ignore_sigterm_then_block, 2, args=(gate.address,), grace_period=grace
+        ) as ctx:
             ctxs.append(ctx)
             await gate.ready(2)
             started.set()
@@ -740,8 +795,7 @@ async def test_second_cancel_cannot_break_termination(
 
 
 @pytest.mark.anyio
-async def test_cancelled_terminate_still_kills_and_reaps(
-        anyio_backend: object, gate: Gate) -> None:
+async def test_cancelled_terminate_still_kills_and_reaps(anyio_backend: object, gate: Gate) -> None:
     """Issue 18.1, ``ctx.terminate()``: a cancellation that reaches it (a native asyncio
     cancel) means "SIGKILL now"; every child is reaped before the cancellation goes on."""
     if anyio_backend[0] == "trio":  # type: ignore[index]
@@ -749,8 +803,9 @@ async def test_cancelled_terminate_still_kills_and_reaps(
     import asyncio
 
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ignore_sigterm_then_block, 2, args=(gate.address,),
-                                grace_period=30)
+        ctx = await aiomp.spawn(
+            funcs.ignore_sigterm_then_block, 2, args=(gate.address,), grace_period=30
+        )
         await gate.ready(2)
         task = asyncio.get_running_loop().create_task(ctx.terminate())
         await anyio.wait_all_tasks_blocked()  # terminate() sent SIGTERM and now waits
@@ -806,7 +861,10 @@ def test_double_sigint_kills_children_and_exits(loop: str, gate: Gate) -> None:
     grace = 2.0
     parent = subprocess.Popen(
         [sys.executable, "-c", _DOUBLE_SIGINT_PARENT, gate.address[1:], loop, str(grace)],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pidfds: list[int] = []
     try:
         pids = gate.ready_sync(2, timeout=TIMEOUT)
@@ -868,7 +926,10 @@ def test_interpreter_exit_never_waits_on_children(daemon: str, gate: Gate) -> No
     runs first, SIGKILLs and reaps it."""
     parent = subprocess.Popen(
         [sys.executable, "-c", _EXIT_WITH_CHILDREN, gate.address[1:], daemon],
-        cwd=REPO, stderr=subprocess.PIPE, text=True)
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pidfd = -1
     try:
         pid = gate.ready_sync(1, timeout=TIMEOUT)[0]
@@ -893,8 +954,9 @@ def test_interpreter_exit_never_waits_on_children(daemon: str, gate: Gate) -> No
 async def test_terminate_grace_period_argument(gate: Gate) -> None:
     """``terminate(grace_period=...)`` overrides the context's own (30 s here)."""
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.ignore_sigterm_then_block, 1, args=(gate.address,),
-                                grace_period=30)
+        ctx = await aiomp.spawn(
+            funcs.ignore_sigterm_then_block, 1, args=(gate.address,), grace_period=30
+        )
         try:
             await gate.ready(1)
         finally:
@@ -930,8 +992,9 @@ _PARENT = textwrap.dedent("""
 def test_children_die_with_a_sigkilled_parent(start_method: str, gate: Gate) -> None:
     """R8. Regression (forkserver): each child held the fork server's "alive" pipe, so the
     server, the child's real parent, outlived ours and no death signal came."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, gate.address[1:], start_method],
-                              cwd=REPO)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, gate.address[1:], start_method], cwd=REPO
+    )
     pidfds: list[int] = []
     try:
         pids = gate.ready_sync(2, timeout=TIMEOUT)
@@ -1041,8 +1104,14 @@ _STDIN_SCRIPT = textwrap.dedent("""
 def test_function_from_a_script_read_from_stdin() -> None:
     """Regression (issue 11): a function defined in ``python -`` was not detected; the
     child died with ``FileNotFoundError: '<stdin>'`` and the parent saw "exit code 1"."""
-    out = subprocess.run([sys.executable, "-"], input=_STDIN_SCRIPT, cwd=REPO, text=True,
-                         capture_output=True, timeout=TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, "-"],
+        input=_STDIN_SCRIPT,
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout
     assert "interactive __main__" in out.stdout and "python -" in out.stdout
@@ -1071,8 +1140,9 @@ def test_unguarded_main_module_gets_a_one_line_hint(tmp_path: Path) -> None:
     one line and the parent's exception carries it."""
     script = tmp_path / "unguarded.py"
     script.write_text(_UNGUARDED)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, text=True,
-                         capture_output=True, timeout=TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, text=True, capture_output=True, timeout=TIMEOUT
+    )
     assert out.returncode == 1
     lines = out.stderr.splitlines()
     assert len(lines) < 60, out.stderr
@@ -1124,8 +1194,7 @@ async def test_fork_with_threads_running_warns(how: str) -> None:
             ctx = await aiomp.spawn(funcs.echo, 1, start_method="fork", grace_period=GRACE)
             await ctx.join()
         else:
-            async with aiomp.spawn(funcs.echo, 1, start_method="fork",
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(funcs.echo, 1, start_method="fork", grace_period=GRACE) as ctx:
                 pass
         return ctx
 
@@ -1155,8 +1224,9 @@ async def test_cancelled_while_leaving_the_block_terminates_children(gate: Gate)
     (the body had finished) left them running."""
     with anyio.fail_after(TIMEOUT):
         with anyio.CancelScope() as scope:
-            async with aiomp.spawn(funcs.ready_then_block, 2, args=(gate.address,),
-                                   grace_period=GRACE) as ctx:
+            async with aiomp.spawn(
+                funcs.ready_then_block, 2, args=(gate.address,), grace_period=GRACE
+            ) as ctx:
                 await gate.ready(2)
 
                 async def cancel_soon() -> None:
@@ -1183,8 +1253,13 @@ async def test_fork_child_does_not_inherit_the_loops_sigterm_handler(gate: Gate)
     loop.add_signal_handler(signal.SIGTERM, calls.append, 1)
     try:
         with anyio.fail_after(TIMEOUT):
-            ctx = await aiomp.spawn(funcs.ready_then_block, 1, args=(gate.address,),
-                                    start_method="fork", grace_period=10)
+            ctx = await aiomp.spawn(
+                funcs.ready_then_block,
+                1,
+                args=(gate.address,),
+                start_method="fork",
+                grace_period=10,
+            )
             await gate.ready(1)
             await ctx.terminate()
     finally:

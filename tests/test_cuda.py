@@ -127,8 +127,7 @@ def test_forwarding_is_refused_before_any_cuda_call(fake: FakeBackend) -> None:
     got_big, got_small = received((big, small))
     # a derived view, and an array on mapped memory whose owner aiomp did not make
     derived = got_big.view(4096, (100,))
-    foreign = FakeArray(fake.gpu, FakeUnowned(got_big.ptr, 4096, None, 0), got_big.ptr,
-                        (1024,))
+    foreign = FakeArray(fake.gpu, FakeUnowned(got_big.ptr, 4096, None, 0), got_big.ptr, (1024,))
     for arr in (got_big, got_small, derived, foreign):
         fake.calls.clear()
         with pytest.raises(aiomp.cuda.CudaIpcError, match="received from another process"):
@@ -218,17 +217,21 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_cuda, "_backend", None)
     _reduction.register(cupy.ndarray, _cuda.reduce_array)
     try:
-        with pytest.raises(aiomp.cuda.CudaIpcError,
-                           match="has no usable CUDA device: cudaErrorNoDevice") as sent:
+        with pytest.raises(
+            aiomp.cuda.CudaIpcError, match="has no usable CUDA device: cudaErrorNoDevice"
+        ) as sent:
             _reduction.dumps(cupy.ndarray())
         assert "nvidia-smi" in str(sent.value)
-        empty = _cuda.IpcArrayMeta(None, 0, 0, (0,), (4,), "<f4", 0, "0000:01:00.0", None,
-                                   1, -1, -1)
-        with pytest.raises(aiomp.cuda.CudaIpcError,
-                           match=r"arrived, but process \d+ has no usable CUDA device"):
+        empty = _cuda.IpcArrayMeta(
+            None, 0, 0, (0,), (4,), "<f4", 0, "0000:01:00.0", None, 1, -1, -1
+        )
+        with pytest.raises(
+            aiomp.cuda.CudaIpcError, match=r"arrived, but process \d+ has no usable CUDA device"
+        ):
             _cuda._rebuild(empty)
-        with pytest.raises(aiomp.cuda.CudaIpcError,
-                           match="no usable CUDA device: cudaErrorNoDevice") as got:
+        with pytest.raises(
+            aiomp.cuda.CudaIpcError, match="no usable CUDA device: cudaErrorNoDevice"
+        ) as got:
             _cuda.get_backend().local_device("0000:3b:00.0", 1)
         assert "PCI bus id 0000:3b:00.0" in str(got.value)
         assert "cannot access that device" not in str(got.value)
@@ -381,13 +384,17 @@ def test_ipc_safe_arrays_travel_in_place_and_are_recycled(fake: FakeBackend) -> 
     del again, bigger
 
 
-@pytest.mark.parametrize(("shape", "dtype", "error"), [
-    ((-1, 4), "<f4", ValueError),
-    ((2.5,), "<f4", TypeError),
-    ((4,), object, TypeError),
-])
-def test_ipc_safe_allocation_rejects_bad_arguments(fake: FakeBackend, shape: Any, dtype: Any,
-                                                   error: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    ("shape", "dtype", "error"),
+    [
+        ((-1, 4), "<f4", ValueError),
+        ((2.5,), "<f4", TypeError),
+        ((4,), object, TypeError),
+    ],
+)
+def test_ipc_safe_allocation_rejects_bad_arguments(
+    fake: FakeBackend, shape: Any, dtype: Any, error: type[Exception]
+) -> None:
     with pytest.raises(error):
         aiomp.cuda.empty(shape, dtype)
     assert "malloc" not in fake.names()
@@ -493,8 +500,9 @@ def test_outstanding_limit_raises_at_put(fake: FakeBackend) -> None:
         aiomp.cuda.set_ipc_limit(0)
 
 
-def test_event_cap_falls_back_to_synchronising(fake: FakeBackend,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_event_cap_falls_back_to_synchronising(
+    fake: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_cuda, "MAX_IPC_EVENTS", 1)
     first = _reduction.dumps(fake.array((MiB,)))
     fake.calls.clear()
@@ -561,9 +569,13 @@ async def test_consumer_release_or_death_frees_the_block(fake: FakeBackend, end:
     parent, child = _transport.socketpair()
     try:
         with anyio.fail_after(30):
-            ctx = await aiomp.spawn(_funcs_cuda.cuda_fake_consumer, 1,
-                                    args=(child.fileno(), 1), start_method="fork",
-                                    grace_period=1)
+            ctx = await aiomp.spawn(
+                _funcs_cuda.cuda_fake_consumer,
+                1,
+                args=(child.fileno(), 1),
+                start_method="fork",
+                grace_period=1,
+            )
             child.close()
             _send(parent, (arr.view(4096, (16, 40000)),))
             stats = await _stats(parent, "got")
@@ -596,9 +608,13 @@ async def test_consumer_opens_each_allocation_once(fake: FakeBackend) -> None:
     parent, child = _transport.socketpair()
     try:
         with anyio.fail_after(30):
-            ctx = await aiomp.spawn(_funcs_cuda.cuda_fake_consumer, 1,
-                                    args=(child.fileno(), 2), start_method="fork",
-                                    grace_period=1)
+            ctx = await aiomp.spawn(
+                _funcs_cuda.cuda_fake_consumer,
+                1,
+                args=(child.fileno(), 2),
+                start_method="fork",
+                grace_period=1,
+            )
             child.close()
             # two messages, two slots, one allocation: the fake refuses a second open
             _send(parent, whole.view(0, (3 * MiB,)))
@@ -629,9 +645,13 @@ async def test_consumer_reads_what_the_producer_wrote(fake: FakeBackend) -> None
     parent, child = _transport.socketpair()
     try:
         with anyio.fail_after(30):
-            ctx = await aiomp.spawn(_funcs_cuda.cuda_fake_consumer, 1,
-                                    args=(child.fileno(), 1), start_method="fork",
-                                    grace_period=1)
+            ctx = await aiomp.spawn(
+                _funcs_cuda.cuda_fake_consumer,
+                1,
+                args=(child.fileno(), 1),
+                start_method="fork",
+                grace_period=1,
+            )
             child.close()
             whole = fake.array((8 * MiB,), "|u1")
             del whole
@@ -664,8 +684,13 @@ async def test_fake_arrays_through_an_aiomp_queue(fake: FakeBackend) -> None:
     q, back = aiomp.Queue(), aiomp.Queue()
     arr = fake.array((MiB,))
     with anyio.fail_after(30):
-        async with aiomp.spawn(_funcs_cuda.cuda_fake_queue_consumer, 1, args=(q, back),
-                               start_method="fork", grace_period=1) as ctx:
+        async with aiomp.spawn(
+            _funcs_cuda.cuda_fake_queue_consumer,
+            1,
+            args=(q, back),
+            start_method="fork",
+            grace_period=1,
+        ) as ctx:
             await q.put({"batch": arr.view(512, (8, 8)), "id": 7, "big": arr})
             tag, stats = await back.get()
             assert tag == "got"
@@ -695,14 +720,18 @@ def test_cuda_initialized_is_false_without_cupy() -> None:
     assert _cuda.cuda_initialized() is False
 
 
-@pytest.mark.parametrize(("lib", "expected"), [
-    (None, False),  # libcuda not loaded: nothing initialised it
-    (_FakeLibcuda(3), False),  # CUDA_ERROR_NOT_INITIALIZED: loaded, cuInit never ran
-    (_FakeLibcuda(0), True),
-    (_FakeLibcuda(4), True),  # deinitialised: was initialised
-])
-def test_cuda_initialized_asks_a_loaded_driver(monkeypatch: pytest.MonkeyPatch, lib: object,
-                                               expected: bool) -> None:
+@pytest.mark.parametrize(
+    ("lib", "expected"),
+    [
+        (None, False),  # libcuda not loaded: nothing initialised it
+        (_FakeLibcuda(3), False),  # CUDA_ERROR_NOT_INITIALIZED: loaded, cuInit never ran
+        (_FakeLibcuda(0), True),
+        (_FakeLibcuda(4), True),  # deinitialised: was initialised
+    ],
+)
+def test_cuda_initialized_asks_a_loaded_driver(
+    monkeypatch: pytest.MonkeyPatch, lib: object, expected: bool
+) -> None:
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
     monkeypatch.setattr(_cuda, "_producer_state", None)
     monkeypatch.setattr(_cuda, "_consumer_state", None)
@@ -730,9 +759,15 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env=_env(),
-                          check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(),
+        check=False,
+    )
 
 
 def test_importing_aiomp_cuda_loads_no_cupy() -> None:
@@ -776,8 +811,12 @@ def test_public_names() -> None:
 
 def test_example_exits_cleanly_without_a_gpu() -> None:
     r = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "cuda_inference.py")], cwd=ROOT,
-        capture_output=True, text=True, timeout=120, env=_env(CUDA_VISIBLE_DEVICES=""),
+        [sys.executable, str(ROOT / "examples" / "cuda_inference.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(CUDA_VISIBLE_DEVICES=""),
         check=False,
     )
     assert r.returncode == 0, r.stderr
@@ -794,8 +833,9 @@ def _gpu_skip_reason() -> str | None:
     # fork-based test in this session refuse to fork (R14).
     probe = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
     try:
-        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                           timeout=120, check=False)
+        r = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+        )
     except subprocess.TimeoutExpired:
         return "probing for a CUDA device timed out"
     if r.returncode != 0:
@@ -820,8 +860,9 @@ def gpu(_gpu_reason: str | None) -> None:
 GPU_TIMEOUT = 180  # children import cupy and initialise CUDA: seconds, not milliseconds
 
 
-async def run_pair(producer: Any, pargs: tuple[object, ...], consumer: Any,
-                   cargs: tuple[object, ...]) -> tuple[Any, Any]:
+async def run_pair(
+    producer: Any, pargs: tuple[object, ...], consumer: Any, cargs: tuple[object, ...]
+) -> tuple[Any, Any]:
     # Leaving joins the consumer, then the producer (which outlives what it sent).
     with anyio.fail_after(GPU_TIMEOUT):
         async with (
@@ -839,7 +880,8 @@ async def run_pair(producer: Any, pargs: tuple[object, ...], consumer: Any,
 async def test_gpu_transfer(gpu: None, arrays: str) -> None:
     q, back = aiomp.Queue(), aiomp.Queue()
     (verdict, held, producer_view), ok = await run_pair(
-        _funcs_cuda.gpu_send, (q, back, arrays), _funcs_cuda.gpu_check, (q, back, arrays))
+        _funcs_cuda.gpu_send, (q, back, arrays), _funcs_cuda.gpu_check, (q, back, arrays)
+    )
     same, held_in, open_in, held_after, open_after = verdict
     assert ok is True and same is True  # contents equal after transfer
     # several small arrays: copied into one staging block, one slot, one open
@@ -860,8 +902,8 @@ async def test_gpu_two_arrays_in_one_allocation_both_stay_alive(gpu: None) -> No
     message, both deleted by the producer, which then allocates over freed memory."""
     q, back = aiomp.Queue(), aiomp.Queue()
     (one_allocation, sums, held), got = await run_pair(
-        _funcs_cuda.gpu_two_chunks_send, (q, back), _funcs_cuda.gpu_two_chunks_check,
-        (q, back))
+        _funcs_cuda.gpu_two_chunks_send, (q, back), _funcs_cuda.gpu_two_chunks_check, (q, back)
+    )
     assert one_allocation, "CuPy did not split one allocation: the test proves nothing"
     assert tuple(sums) == tuple(got) == (1.0 * (1 << 20), 2.0 * (1 << 20))
     assert held == 0
@@ -884,7 +926,8 @@ async def test_gpu_ipc_safe_blocks(gpu: None) -> None:
 async def test_gpu_stream_ordering(gpu: None) -> None:
     q, back = aiomp.Queue(), aiomp.Queue()
     (pending, _done), (total, minimum) = await run_pair(
-        _funcs_cuda.gpu_stream_order_send, (q, back), _funcs_cuda.gpu_stream_order_check, (q, back))
+        _funcs_cuda.gpu_stream_order_send, (q, back), _funcs_cuda.gpu_stream_order_check, (q, back)
+    )
     assert pending, "the producer's kernel finished before put: the test proves nothing"
     assert minimum == 7.0
     assert total == 7.0 * (1 << 20)
@@ -896,7 +939,8 @@ async def test_gpu_stream_ordering(gpu: None) -> None:
 async def test_gpu_many_transfers_do_not_grow_device_memory(gpu: None) -> None:
     q, back = aiomp.Queue(), aiomp.Queue()
     (held, samples, pstats), (bad, cstats) = await run_pair(
-        _funcs_cuda.gpu_many_send, (q, back, 200), _funcs_cuda.gpu_many_check, (q, back))
+        _funcs_cuda.gpu_many_send, (q, back, 200), _funcs_cuda.gpu_many_check, (q, back)
+    )
     assert bad == 0
     assert held == 0
     (used0, total0, free0), (used1, total1, free1) = samples
@@ -915,8 +959,9 @@ async def test_gpu_consumer_killed_does_not_pin_memory(gpu: None) -> None:
     with anyio.fail_after(GPU_TIMEOUT):
         cctx = await aiomp.spawn(_funcs_cuda.gpu_hold_then_block, 1, args=(q, back), grace_period=1)
         try:
-            async with aiomp.spawn(_funcs_cuda.gpu_send_then_collect, 1, args=(q, ctl),
-                                   grace_period=2) as pctx:
+            async with aiomp.spawn(
+                _funcs_cuda.gpu_send_then_collect, 1, args=(q, ctl), grace_period=2
+            ) as pctx:
                 tag, first = await back.get()
                 assert (tag, first) == ("holding", 3.0)
                 os.kill(cctx.pids()[0], signal.SIGKILL)
@@ -937,14 +982,14 @@ async def test_gpu_sending_a_received_array_onward_raises(gpu: None) -> None:
     with anyio.fail_after(GPU_TIMEOUT):
         async with (
             aiomp.spawn(_funcs_cuda.gpu_send_one, 1, args=(q, back), grace_period=2) as s,
-            aiomp.spawn(_funcs_cuda.gpu_forward, 1, args=(q, q2, back, back2),
-                        grace_period=2) as f,
+            aiomp.spawn(_funcs_cuda.gpu_forward, 1, args=(q, q2, back, back2), grace_period=2) as f,
             aiomp.spawn(_funcs_cuda.gpu_recv_forwarded, 1, args=(q2, back2), grace_period=2) as r,
         ):
             pass
     assert s.results == ["done"]
-    assert str(f.results[0]).startswith("refused: cannot send a CuPy array that this process "
-                                        "received")
+    assert str(f.results[0]).startswith(
+        "refused: cannot send a CuPy array that this process received"
+    )
     assert r.results[0] == list(range(16))  # the copy travelled
 
 
@@ -953,8 +998,9 @@ async def test_gpu_sending_a_received_array_onward_raises(gpu: None) -> None:
 @pytest.mark.anyio
 async def test_gpu_device_not_visible_to_the_consumer(gpu: None) -> None:
     q, back = aiomp.Queue(), aiomp.Queue()
-    sent, got = await run_pair(_funcs_cuda.gpu_send_one, (q, back), _funcs_cuda.gpu_recv_invisible,
-                               (q, back))
+    sent, got = await run_pair(
+        _funcs_cuda.gpu_send_one, (q, back), _funcs_cuda.gpu_recv_invisible, (q, back)
+    )
     assert sent == "failed"
     assert str(got).startswith("CudaIpcError: a CuPy array on the GPU at PCI bus id")
     # CUDA_VISIBLE_DEVICES="" hides every device: the runtime's own reason is given
@@ -974,9 +1020,15 @@ async def test_gpu_fork_with_cuda_initialised_raises(gpu: None) -> None:
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_example_serves_requests(gpu: None) -> None:
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "cuda_inference.py")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=GPU_TIMEOUT,
-                       env=_env(), check=False)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "cuda_inference.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=GPU_TIMEOUT,
+        env=_env(),
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert "served 32 requests" in r.stdout
     assert "still hold" not in r.stderr

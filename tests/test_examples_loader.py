@@ -22,9 +22,21 @@ pytestmark = pytest.mark.anyio
 @pytest.mark.parametrize("extra", [[], ["--numpy", "--backend", "trio"]])
 def test_example_runs(extra: list[str]) -> None:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "data_loader.py"), "--batches", "6",
-         "--batch-size", "16", *extra],
-        cwd=REPO, text=True, capture_output=True, timeout=120, check=False)
+        [
+            sys.executable,
+            str(REPO / "examples" / "data_loader.py"),
+            "--batches",
+            "6",
+            "--batch-size",
+            "16",
+            *extra,
+        ],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1] == "ok", proc.stdout
 
@@ -34,8 +46,15 @@ async def test_batches_come_in_order_and_the_stream_ends(shared: bool) -> None:
     dataset = SyntheticImages(7 * 5 + 3, shape=(3, 8, 8))  # 8 batches, the last short
     got = []
     with anyio.fail_after(60):
-        async with DataLoader(dataset, 5, num_workers=2, prefetch=3, shared=shared,
-                              start_method="forkserver", grace_period=1.0) as loader:
+        async with DataLoader(
+            dataset,
+            5,
+            num_workers=2,
+            prefetch=3,
+            shared=shared,
+            start_method="forkserver",
+            grace_period=1.0,
+        ) as loader:
             async for images, labels in loader:
                 assert aiomp.is_shared(images) == shared  # numpy: small, so inline
                 # back-pressure: requested and not yet handed out <= prefetch, so built
@@ -55,8 +74,9 @@ async def test_batches_come_in_order_and_the_stream_ends(shared: bool) -> None:
 async def test_leaving_early_stops_the_workers() -> None:
     dataset = SyntheticImages(10_000, shape=(3, 8, 8))
     with anyio.fail_after(60):
-        async with DataLoader(dataset, 4, num_workers=2, start_method="forkserver",
-                              grace_period=1.0) as loader:
+        async with DataLoader(
+            dataset, 4, num_workers=2, start_method="forkserver", grace_period=1.0
+        ) as loader:
             async for _images, _labels in loader:
                 break
     # the workers returned on the closed queues by themselves: joined, not killed
@@ -67,8 +87,9 @@ async def test_a_failing_sample_raises_from_the_block() -> None:
     dataset = BrokenAt(40, bad=21)
     seen = 0
     with anyio.fail_after(60), pytest.raises(aiomp.ProcessRaisedException, match="corrupt"):
-        async with DataLoader(dataset, 4, num_workers=2, start_method="forkserver",
-                              grace_period=1.0) as loader:
+        async with DataLoader(
+            dataset, 4, num_workers=2, start_method="forkserver", grace_period=1.0
+        ) as loader:
             async for _images, _labels in loader:
                 seen += 1
     assert seen <= 5  # batch 5 (samples 20..23) never arrives; later ones are not handed out
@@ -97,8 +118,13 @@ async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
     q, acks = aiomp.Queue(), aiomp.Queue()
     seen: list[weakref.ref[_shm.Segment]] = []
     with anyio.fail_after(60):
-        async with aiomp.spawn(send_each_twice, 1, args=(q, acks, count, 2 << 20),
-                               start_method="forkserver", grace_period=1.0):
+        async with aiomp.spawn(
+            send_each_twice,
+            1,
+            args=(q, acks, count, 2 << 20),
+            start_method="forkserver",
+            grace_period=1.0,
+        ):
             for i in range(2 * count):
                 arr = await q.get()
                 shared = _numpy._shared_block(arr)

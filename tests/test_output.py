@@ -38,13 +38,20 @@ class Lines:
 async def test_callable_gets_every_line_by_rank_and_stream(start_method: str) -> None:
     lines = Lines()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.write_lines, 4, args=(50,), start_method=start_method,
-                               grace_period=GRACE, output=lines) as ctx:
+        async with aiomp.spawn(
+            funcs.write_lines,
+            4,
+            args=(50,),
+            start_method=start_method,
+            grace_period=GRACE,
+            output=lines,
+        ) as ctx:
             pass
     assert ctx.results == [0, 1, 2, 3]
     for rank in range(4):
         assert lines.of(rank, "stdout") == (
-            [f"out {rank} {i}" for i in range(50)] + ["bad utf-8 \\xff", f"last {rank}"])
+            [f"out {rank} {i}" for i in range(50)] + ["bad utf-8 \\xff", f"last {rank}"]
+        )
         assert lines.of(rank, "stderr") == [f"err {rank} {i}" for i in range(50)]
 
 
@@ -67,8 +74,9 @@ async def test_nothing_written_before_a_crash_is_lost(how: str, code: int) -> No
     lines = Lines()
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessExitedException) as info:
-            async with aiomp.spawn(funcs.write_then_crash, 1, args=(how,), grace_period=GRACE,
-                                   output=lines):
+            async with aiomp.spawn(
+                funcs.write_then_crash, 1, args=(how,), grace_period=GRACE, output=lines
+            ):
                 pass
     assert info.value.exit_code == code
     assert lines.of(0, "stdout") == ["before the crash 0", "partial, no newline"]
@@ -85,8 +93,9 @@ async def test_a_busy_parent_loses_nothing_of_a_loud_child() -> None:
         count += 1
 
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.write_a_lot, 1, args=(10,), grace_period=GRACE,
-                               output=sink) as ctx:
+        async with aiomp.spawn(
+            funcs.write_a_lot, 1, args=(10,), grace_period=GRACE, output=sink
+        ) as ctx:
             time.sleep(0.5)  # noqa: ASYNC251 - handshake-free: a busy parent blocks its loop
     assert ctx.results == [0]
     assert count == 10 * 1024
@@ -120,9 +129,14 @@ _PARENT = textwrap.dedent("""
 def test_in_a_parent_process(output: str) -> None:
     """What a user sees: prefixed lines on the parent's own stdout/stderr, or the raw
     ones with ``output="inherit"``."""
-    out = subprocess.run([sys.executable, "-c", _PARENT, output], cwd=REPO, text=True,
-                         errors="backslashreplace",
-                         capture_output=True, timeout=TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, "-c", _PARENT, output],
+        cwd=REPO,
+        text=True,
+        errors="backslashreplace",
+        capture_output=True,
+        timeout=TIMEOUT,
+    )
     assert out.returncode == 0, out.stderr
     tag = "[rank 1] " if output == "prefix" else ""
     assert f"{tag}out 1 1\n" in out.stdout
@@ -132,7 +146,8 @@ def test_in_a_parent_process(output: str) -> None:
 
 @pytest.mark.anyio
 async def test_logging_records_are_re_emitted_in_the_parent(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """A child's records go through the parent's logging, with ``rank`` and ``pid`` set;
     records below the parent's effective level stay in the child."""
     with anyio.fail_after(TIMEOUT):
@@ -142,7 +157,9 @@ async def test_logging_records_are_re_emitted_in_the_parent(
     by_rank = {rank: [r for r in mine if r.rank == rank] for rank in range(2)}  # type: ignore[attr-defined]
     for rank, records in by_rank.items():
         assert [(r.levelname, r.getMessage()) for r in records] == [
-            ("WARNING", f"careful {rank}"), ("ERROR", "it failed")]
+            ("WARNING", f"careful {rank}"),
+            ("ERROR", "it failed"),
+        ]
         assert all(r.pid == ctx.results[rank] for r in records)  # type: ignore[attr-defined]
         assert "ZeroDivisionError: division by zero" in (records[1].exc_text or "")
     assert "below the parent's level" not in caplog.text
@@ -150,11 +167,11 @@ async def test_logging_records_are_re_emitted_in_the_parent(
 
 @pytest.mark.anyio
 async def test_a_child_that_configures_logging_keeps_its_own(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     lines = Lines()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.log_with_own_config, 1, grace_period=GRACE,
-                               output=lines):
+        async with aiomp.spawn(funcs.log_with_own_config, 1, grace_period=GRACE, output=lines):
             pass
     assert lines.of(0, "stdout") == ["own: configured here"]
     assert not [r for r in caplog.records if r.name == "aiomp.test.child"]

@@ -45,7 +45,6 @@ asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=[
 pytestmark = pytest.mark.anyio
 
 
-
 async def settled() -> None:
     """Every task is blocked, and calls made so far have reached the pool: on asyncio,
     ``apply`` hands its task over from a loop callback once its caller has yielded."""
@@ -89,12 +88,18 @@ async def test_apply_map_starmap_sync_and_async() -> None:
             assert await p.apply(funcs.pool_async_square, (5,)) == 25
             assert await p.map(funcs.pool_square, range(10)) == [x * x for x in range(10)]
             assert await p.map(funcs.pool_async_square, range(10), chunksize=3) == [
-                x * x for x in range(10)]
+                x * x for x in range(10)
+            ]
             assert await p.map(funcs.pool_square, numbers()) == [x * x for x in range(7)]
             assert await p.map(funcs.pool_square, []) == []
             assert await p.starmap(funcs.pool_add, [(1, 2), (3, 4)]) == [3, 7]
             assert await p.starmap(funcs.pool_async_add, zip(range(5), range(5), strict=True)) == [
-                0, 2, 4, 6, 8]
+                0,
+                2,
+                4,
+                6,
+                8,
+            ]
             # A sync function that returns a coroutine is awaited too.
             assert await p.apply(funcs.pool_returns_coroutine, (3,)) == 9
 
@@ -118,9 +123,11 @@ async def test_imap_and_imap_unordered() -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool(2) as p:
             assert [x async for x in p.imap(funcs.pool_square, range(20))] == [
-                x * x for x in range(20)]
+                x * x for x in range(20)
+            ]
             assert [x async for x in p.imap(funcs.pool_async_square, numbers(), 3)] == [
-                x * x for x in range(20)]
+                x * x for x in range(20)
+            ]
             got = [x async for x in p.imap_unordered(funcs.pool_square, numbers(), chunksize=4)]
             assert sorted(got) == [x * x for x in range(20)]
             assert [x async for x in p.imap(funcs.pool_square, [])] == []
@@ -149,8 +156,7 @@ async def test_imap_endless_input_is_read_only_as_fast_as_consumed() -> None:
         async with pool(2) as p:
             for source, chunksize in ((endless, 1), (endless_async, 3)):
                 pulled = 0
-                async with p.imap(funcs.pool_square, source(), chunksize,
-                                  buffersize=4) as it:
+                async with p.imap(funcs.pool_square, source(), chunksize, buffersize=4) as it:
                     for i in range(10):
                         assert await it.__anext__() == i * i
                         # submitted-but-unconsumed chunks never exceed the buffer size
@@ -240,7 +246,6 @@ async def test_tasks_wait_in_the_outbox_when_the_socket_is_full() -> None:
     assert lengths == [len(chunk)] * 200
 
 
-
 async def test_concurrency_runs_async_tasks_together(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool(1, concurrency=3) as p, anyio.create_task_group() as tg:
@@ -322,8 +327,11 @@ async def test_map_raises_the_first_failure_and_drops_the_rest(tmp_path: Path) -
         async with pool(1) as p:
             log = tmp_path / "ran"
             with pytest.raises(ValueError, match="negative"):
-                await p.starmap(funcs.pool_log_square_or_raise,
-                                [(str(log), x) for x in (1, -1, 2, 3, 4, 5)], chunksize=1)
+                await p.starmap(
+                    funcs.pool_log_square_or_raise,
+                    [(str(log), x) for x in (1, -1, 2, 3, 4, 5)],
+                    chunksize=1,
+                )
             await p.apply(funcs.pool_pid)  # the worker has finished what it held
             # The chunk sent ahead behind the failing one (one per worker) still ran;
             # the rest were dropped when the failure came back.
@@ -356,8 +364,9 @@ async def test_unpicklable_result_and_exceptions() -> None:
                 await p.apply(funcs.pool_raise_unpicklable, ("held a lock",))
             assert "PoolUnpicklableError: held a lock" in str(info2.value)
             assert "PoolUnpicklableError: held a lock" in remote_text(info2.value)
-            with pytest.raises(aiomp.ProcessRaisedException,
-                               match="PoolUnunpicklableError: left/right"):
+            with pytest.raises(
+                aiomp.ProcessRaisedException, match="PoolUnunpicklableError: left/right"
+            ):
                 await p.apply(funcs.pool_raise_ununpicklable)
             # A task that cancels itself is not a cancellation of this caller.
             with pytest.raises(aiomp.ProcessRaisedException, match="CancelledError"):
@@ -377,8 +386,11 @@ CRASHES = {
 }
 
 
-BACKENDS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}),
-            "trio": ("trio", {})}
+BACKENDS = {
+    "asyncio": ("asyncio", {}),
+    "uvloop": ("asyncio", {"use_uvloop": True}),
+    "trio": ("trio", {}),
+}
 
 
 def cases(*pairs: tuple[str, str]) -> list[Any]:
@@ -466,8 +478,7 @@ async def test_timeout_cancels_an_async_task_in_its_worker(gate: Gate, tmp_path:
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p:
             with pytest.raises(TimeoutError):
-                await p.apply(funcs.pool_async_block, (0, gate.address, str(marker)),
-                              timeout=0.5)
+                await p.apply(funcs.pool_async_block, (0, gate.address, str(marker)), timeout=0.5)
             await gate.ready(1)
             assert marker.read_text() == "cancelled"  # its coroutine saw CancelledError
             assert await p.apply(funcs.pool_pid) == gate.pids[0]  # and the worker lives on
@@ -481,8 +492,7 @@ async def test_async_task_that_ignores_cancellation_is_killed(gate: Gate) -> Non
             # Cancelled once it runs (a timeout could pass before it starts on a busy
             # machine, and then it would never reach the gate).
             async with anyio.create_task_group() as tg:
-                tg.start_soon(p.apply, funcs.pool_async_block_ignoring_cancel,
-                              (0, gate.address))
+                tg.start_soon(p.apply, funcs.pool_async_block_ignoring_cancel, (0, gate.address))
                 await gate.ready(1)
                 tg.cancel_scope.cancel()
             assert gone(gate.pids[0])
@@ -492,6 +502,7 @@ async def test_async_task_that_ignores_cancellation_is_killed(gate: Gate) -> Non
 async def test_cancelling_a_caller_kills_its_running_task(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p, anyio.create_task_group() as tg:
+
             async def call() -> None:
                 await p.apply(funcs.pool_block, (0, gate.address))
 
@@ -509,6 +520,7 @@ async def test_cancelled_queued_task_never_starts(gate: Gate, tmp_path: Path) ->
             tg.start_soon(p.apply, funcs.pool_gate, (0, gate.address))
             await gate.ready(1)
             with anyio.CancelScope() as scope:
+
                 async def queued() -> None:
                     await p.apply(funcs.pool_append, (str(marker), "ran"))
 
@@ -529,8 +541,9 @@ async def test_cancelling_map_stops_its_chunks(gate: Gate) -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool(2) as p:
             with anyio.move_on_after(0.5):
-                await p.starmap(funcs.pool_block, [(i, gate.address) for i in range(6)],
-                                chunksize=1)
+                await p.starmap(
+                    funcs.pool_block, [(i, gate.address) for i in range(6)], chunksize=1
+                )
             pids = await gate.ready(2)  # the two that ran; the other four never started
             assert all(gone(pid) for pid in pids.values())
             stats = p.statistics()
@@ -642,7 +655,8 @@ async def test_initializer_runs_before_the_first_task() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad, anyio_backend", cases(*[("raise", b) for b in BACKENDS], ("exit", "asyncio")))
+    "bad, anyio_backend", cases(*[("raise", b) for b in BACKENDS], ("exit", "asyncio"))
+)
 async def test_failing_initializer_breaks_the_pool(bad: str) -> None:
     init = funcs.pool_init_fail if bad == "raise" else funcs.pool_init_exit
     with anyio.fail_after(TIMEOUT):
@@ -679,7 +693,12 @@ async def test_statistics(gate: Gate) -> None:
             await gate.ready(2)
             stats = p.statistics()
             assert (stats.workers, stats.idle, stats.busy, stats.running, stats.queued) == (
-                2, 0, 2, 2, 1)
+                2,
+                0,
+                2,
+                2,
+                1,
+            )
             gate.release()
             await gate.ready(3)
             gate.release(2)
@@ -761,17 +780,25 @@ def test_public_names() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["pool_service.py", "pool_pipeline.py"])
 def test_examples_run(example: str) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (
-        str(REPO), os.environ.get("PYTHONPATH"))))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / example)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok" in proc.stdout.split()
 
 
 # -- the wire: functions sent once per worker ------------------------------------------
+
 
 @pytest.fixture
 def ghost() -> Iterator[Callable[[], int]]:
@@ -791,7 +818,8 @@ def ghost() -> Iterator[Callable[[], int]]:
 
 
 async def test_a_function_the_worker_cannot_load_fails_each_of_its_tasks(
-        ghost: Callable[[], int]) -> None:
+    ghost: Callable[[], int],
+) -> None:
     with anyio.fail_after(TIMEOUT):
         async with pool() as p:
             for _ in range(2):  # the second task names the function the worker failed on
@@ -809,8 +837,10 @@ async def test_a_function_is_sent_to_each_worker_once() -> None:
                 assert await p.apply(funcs.pool_pid) == pid
             assert await p.map(funcs.pool_square, range(4)) == [0, 1, 4, 9]
             (w,) = p._handles
-            assert w.fns == {_calls.fn_info(funcs.pool_pid).fid,
-                             _calls.fn_info(funcs.pool_square).fid}
+            assert w.fns == {
+                _calls.fn_info(funcs.pool_pid).fid,
+                _calls.fn_info(funcs.pool_square).fid,
+            }
 
 
 async def test_a_replacement_worker_is_taught_the_function_again() -> None:

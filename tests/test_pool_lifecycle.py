@@ -49,8 +49,9 @@ def dead(pid: int) -> bool:
         return True
 
 
-async def square_or_broken(p: aiomp.Pool, i: int, outcomes: collections.Counter[str],
-                           answered: set[int] | None = None) -> None:
+async def square_or_broken(
+    p: aiomp.Pool, i: int, outcomes: collections.Counter[str], answered: set[int] | None = None
+) -> None:
     """Square ``i`` in ``p``: its own result, or BrokenWorkerError, and nothing else.
     ``answered`` collects the pids of workers that ran a task (ready ones)."""
     try:
@@ -115,8 +116,9 @@ async def test_a_call_in_a_cancelled_scope_touches_no_worker(tmp_path: Path) -> 
         assert not marker.exists()
 
 
-@pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
-                         ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
 async def test_a_call_after_a_native_cancel_touches_no_worker(tmp_path: Path) -> None:
     """Issue 8 bug 2, asyncio's own way: a task with a cancel already requested."""
     marker = tmp_path / "ran"
@@ -263,8 +265,9 @@ async def test_random_worker_kills_during_a_stream_of_apply() -> None:
             assert p.statistics().workers == 3
 
 
-@pytest.mark.parametrize("anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
-                         ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
 async def test_a_second_cancel_during_shutdown_kills_at_once(gate: Gate) -> None:
     """Issue 18 item 1, the Pool's side: a second native cancellation (a second Ctrl-C)
     during the grace period must not abort termination and leave the worker alive; it
@@ -310,8 +313,12 @@ async def test_map_reports_progress_from_the_callers_task() -> None:
     seen: list[tuple[int, int]] = []
     with anyio.fail_after(TIMEOUT):
         async with pool(2) as p:
-            out = await p.map(funcs.square, range(100), chunksize=10,
-                              on_progress=lambda done, total: seen.append((done, total)))
+            out = await p.map(
+                funcs.square,
+                range(100),
+                chunksize=10,
+                on_progress=lambda done, total: seen.append((done, total)),
+            )
             assert out == [x * x for x in range(100)]
             assert seen[-1] == (100, 100)
             assert [d for d, _ in seen] == sorted({d for d, _ in seen})  # increasing, once each
@@ -321,8 +328,9 @@ async def test_map_reports_progress_from_the_callers_task() -> None:
                 raise ValueError("the progress bar broke")
 
             with pytest.raises(ValueError, match="progress bar broke"):
-                await p.starmap(funcs.square, [(x,) for x in range(50)], chunksize=5,
-                                on_progress=broken)
+                await p.starmap(
+                    funcs.square, [(x,) for x in range(50)], chunksize=5, on_progress=broken
+                )
             with pytest.raises(TypeError, match="on_progress must be callable"):
                 await p.map(funcs.square, range(3), on_progress=3)  # type: ignore[call-overload]
             assert await p.map(funcs.square, range(3)) == [0, 1, 4]
@@ -336,8 +344,12 @@ def test_a_double_ctrl_c_kills_and_reaps_a_deaf_worker(loop: str) -> None:
     period (10 s) instead of hanging."""
     repo = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests._pool_sigint_script", loop], cwd=repo,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [sys.executable, "-m", "tests._pool_sigint_script", loop],
+        cwd=repo,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # the worker says ready: no sleep to wait for it
@@ -366,8 +378,9 @@ async def test_worker_output_reaches_the_parent_labelled(caplog: pytest.LogCaptu
     lines: list[tuple[int, str, str]] = []
     caplog.set_level(logging.WARNING, logger="aiomp.test.worker")
     with anyio.fail_after(TIMEOUT):
-        async with pool(2, output=lambda slot, stream, line: lines.append((slot, stream, line))
-                        ) as p:
+        async with pool(
+            2, output=lambda slot, stream, line: lines.append((slot, stream, line))
+        ) as p:
             assert await p.map(funcs.say, range(4), chunksize=1) == [0, 1, 2, 3]
     # the forwarders are drained when the workers exit: every line is there by now
     assert sorted(line for _, s, line in lines if s == "stdout") == [f"out {i}" for i in range(4)]
@@ -403,7 +416,14 @@ def test_a_program_read_from_stdin_can_use_a_pool(tmp_path: Path) -> None:
         "                print(type(exc).__name__, 'interactive __main__' in str(exc))\n"
         "asyncio.run(main())\n"
     )
-    proc = subprocess.run([sys.executable, "-"], input=program, text=True, cwd=tmp_path,
-                          capture_output=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-"],
+        input=program,
+        text=True,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:4] == ["3", "PicklingError True"] * 2

@@ -76,20 +76,31 @@ def test_spawn_signature() -> None:
     """DESIGN.md pins spawn's signature; start_processes has the same one."""
     for fn in (aiomp.spawn, aiomp.start_processes):
         params = inspect.signature(fn).parameters
-        assert list(params) == ["fn", "nprocs", "args", "start_method", "daemon", "grace_period",
-                                "output"]
+        assert list(params) == [
+            "fn",
+            "nprocs",
+            "args",
+            "start_method",
+            "daemon",
+            "grace_period",
+            "output",
+        ]
         assert params["output"].default == "prefix"  # DESIGN.md "Children's output"
         assert params["nprocs"].default == 1
         assert params["args"].default == ()
         assert params["start_method"].default == "spawn"
         assert params["daemon"].default is False
         assert params["grace_period"].default == 5.0
-        assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY
-                   for p in ("args", "start_method", "daemon", "grace_period", "output"))
+        assert all(
+            params[p].kind is inspect.Parameter.KEYWORD_ONLY
+            for p in ("args", "start_method", "daemon", "grace_period", "output")
+        )
 
 
-@pytest.mark.parametrize("name", ["ProcessException", "ProcessRaisedException",
-                                  "ProcessExitedException", "BrokenWorkerError"])
+@pytest.mark.parametrize(
+    "name",
+    ["ProcessException", "ProcessRaisedException", "ProcessExitedException", "BrokenWorkerError"],
+)
 def test_error_tree(name: str) -> None:
     cls = getattr(aiomp, name)
     assert issubclass(cls, aiomp.ProcessException)
@@ -108,8 +119,14 @@ def test_import_aiomp_is_light() -> None:
         "aiomp.ProcessRaisedException, aiomp.ProcessExitedException\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     loaded = json.loads(out)
     assert "aiomp._child" in loaded
     assert _heavy(loaded) == []
@@ -119,8 +136,9 @@ def test_import_aiomp_is_light() -> None:
 @pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
 async def test_sync_child_imports_no_heavy_module(start_method: str) -> None:
     with anyio.fail_after(20):
-        async with aiomp.spawn(funcs.loaded_modules, 1, start_method=start_method,
-                               grace_period=0.5) as ctx:
+        async with aiomp.spawn(
+            funcs.loaded_modules, 1, start_method=start_method, grace_period=0.5
+        ) as ctx:
             pass
     modules = ctx.results[0]
     assert isinstance(modules, list)
@@ -146,8 +164,14 @@ def test_the_readme_demo_runs() -> None:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "examples" / "demo.py")], cwd=root,
-                          text=True, capture_output=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "demo.py")],
+        cwd=root,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert "frame 3 now holds 6" in lines[0]
@@ -163,7 +187,12 @@ def test_import_on_another_platform_says_what_is_missing() -> None:
         ("import sys; sys.platform = 'darwin'", "Linux only"),
         ("import os; del os.pidfd_open", "needs pidfd_open"),
     ):
-        proc = subprocess.run([sys.executable, "-c", f"{setup}\nimport aiomp"], text=True,
-                              capture_output=True, timeout=60, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-c", f"{setup}\nimport aiomp"],
+            text=True,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
         assert proc.returncode == 1
         assert "ImportError" in proc.stderr and expected in proc.stderr

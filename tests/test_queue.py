@@ -345,8 +345,9 @@ def test_sync_iteration_ends_when_closed() -> None:
     assert list(q.sync) == [0, 1, 2]
 
 
-async def _outcomes_of_waiters_at_close(q: aiomp.Queue, wait: Any, wait_sync: Any,
-                                        n_async: int) -> list[str]:
+async def _outcomes_of_waiters_at_close(
+    q: aiomp.Queue, wait: Any, wait_sync: Any, n_async: int
+) -> list[str]:
     """Start ``n_async`` tasks and one thread that wait on ``q``, close it, and return how
     each ended: ``"done"`` or ``"closed"``."""
     outcomes: list[str] = []
@@ -380,8 +381,7 @@ async def _outcomes_of_waiters_at_close(q: aiomp.Queue, wait: Any, wait_sync: An
 @pytest.mark.anyio
 async def test_close_wakes_waiting_consumers() -> None:
     q = aiomp.Queue()
-    outcomes = await _outcomes_of_waiters_at_close(
-        q, q.get, lambda: q.sync.get(timeout=QUICK), 3)
+    outcomes = await _outcomes_of_waiters_at_close(q, q.get, lambda: q.sync.get(timeout=QUICK), 3)
     assert outcomes == ["closed"] * 4
 
 
@@ -390,7 +390,8 @@ async def test_close_wakes_producers_blocked_on_a_full_queue() -> None:
     q = aiomp.Queue(maxsize=1)
     await q.put("kept")
     outcomes = await _outcomes_of_waiters_at_close(
-        q, lambda: q.put("refused"), lambda: q.sync.put("refused", timeout=QUICK), 2)
+        q, lambda: q.put("refused"), lambda: q.sync.put("refused", timeout=QUICK), 2
+    )
     assert outcomes == ["closed"] * 3
     assert drain(q) == ["kept"]
 
@@ -537,8 +538,9 @@ def _counts_after_failed_puts(maxsize: int, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("maxsize", [0, 2])
-def test_transport_error_at_put_leaves_counts_intact(monkeypatch: pytest.MonkeyPatch,
-                                                     maxsize: int) -> None:
+def test_transport_error_at_put_leaves_counts_intact(
+    monkeypatch: pytest.MonkeyPatch, maxsize: int
+) -> None:
     # e.g. ETOOMANYREFS: an unprivileged sender with too many fds in flight. (The queue
     # lives in a helper so that a failure here leaks nothing through the traceback.)
     observed = _counts_after_failed_puts(maxsize, monkeypatch)
@@ -670,19 +672,21 @@ async def test_many_producers_and_consumers_across_processes(child: Callable[...
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("child", [funcs.q_forward, funcs.q_forward_async],
-                         ids=["sync", "async"])
+@pytest.mark.parametrize("child", [funcs.q_forward, funcs.q_forward_async], ids=["sync", "async"])
 async def test_items_through_a_child_and_back(child: Callable[..., Any]) -> None:
     qin, qout = aiomp.Queue(maxsize=4), aiomp.Queue(maxsize=4)
     items: list[object] = [0, "s", b"b" * 200_000, {"k": [1, 2]}, None, 3.5]
+
     async def produce() -> None:
         for item in items * 10:
             await qin.put(item)
         qin.close()
 
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(child, 1, args=(qin, qout), grace_period=GRACE) as ctx, \
-                anyio.create_task_group() as tg:
+        async with (
+            aiomp.spawn(child, 1, args=(qin, qout), grace_period=GRACE) as ctx,
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(produce)
             got = [await qout.get() for _ in range(len(items) * 10)]
     assert got == items * 10
@@ -712,8 +716,9 @@ async def test_queues_and_events_in_args_and_messages() -> None:
 async def test_close_from_a_child_ends_the_parents_iteration() -> None:
     q = aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_close_from_child, 1, args=(q, list(range(50))),
-                               grace_period=GRACE):
+        async with aiomp.spawn(
+            funcs.q_close_from_child, 1, args=(q, list(range(50))), grace_period=GRACE
+        ):
             got = [item async for item in q]
     assert got == list(range(50))
     with pytest.raises(aiomp.QueueClosed):
@@ -725,8 +730,9 @@ async def test_close_wakes_waiters_in_other_processes() -> None:
     full, empty, ready = aiomp.Queue(maxsize=1), aiomp.Queue(), aiomp.Queue()
     await full.put("kept")
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_close_waiters_async, 2, args=(full, empty, ready),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.q_close_waiters_async, 2, args=(full, empty, ready), grace_period=GRACE
+        ) as ctx:
             assert sorted([await ready.get(), await ready.get()]) == [0, 1]
             # Both children are about to wait (or already are): either way close() must
             # end their wait, not leave them blocked.
@@ -741,8 +747,9 @@ async def test_sync_timeouts_in_a_child() -> None:
     q = aiomp.Queue(maxsize=1)
     await q.put("first")
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_sync_timeouts, 1, args=(q, SHORT),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.q_sync_timeouts, 1, args=(q, SHORT), grace_period=GRACE
+        ) as ctx:
             pass
     assert ctx.results == [("Full", "Empty")]
 
@@ -751,8 +758,9 @@ async def test_sync_timeouts_in_a_child() -> None:
 async def test_event_across_processes() -> None:
     go, ready, done = aiomp.Event(), aiomp.Event(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.ev_ping, 1, args=(go, ready, done, SHORT),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.ev_ping, 1, args=(go, ready, done, SHORT), grace_period=GRACE
+        ) as ctx:
             await ready.wait()  # the child's first wait has timed out
             assert not go.is_set()
             go.set()
@@ -766,8 +774,7 @@ async def test_event_across_processes() -> None:
 async def test_event_async_wait_in_a_child() -> None:
     go, done = aiomp.Event(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.ev_ping_async, 2, args=(go, done),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(funcs.ev_ping_async, 2, args=(go, done), grace_period=GRACE) as ctx:
             go.set()
             await done.wait()
     assert ctx.results == [True, True]
@@ -912,8 +919,7 @@ async def test_put_everything_then_start_the_consumer() -> None:
     for i in range(n):
         q.put_nowait(i)
     with anyio.fail_after(TIMEOUT * 3):
-        async with aiomp.spawn(qfuncs.drain_in_order, 1, args=(q, n),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(qfuncs.drain_in_order, 1, args=(q, n), grace_period=GRACE) as ctx:
             pass
     assert ctx.results == [True]
     assert q.empty()
@@ -927,8 +933,9 @@ async def test_producers_exit_then_the_parent_drains(strategy: str) -> None:
     q = aiomp.Queue()
     n = 50_000
     with anyio.fail_after(TIMEOUT * 3):
-        async with aiomp.spawn(qfuncs.put_range, 2, args=(q, n, strategy),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            qfuncs.put_range, 2, args=(q, n, strategy), grace_period=GRACE
+        ) as ctx:
             pass  # leaving joins both: they exit with their items still queued
     assert ctx.results == [n, n]
     assert q.qsize() == 2 * n
@@ -948,8 +955,9 @@ async def test_items_survive_a_producer_sigkilled_right_after_put() -> None:
     q, ready = aiomp.Queue(), aiomp.Event()
     n = fill_until_overflow(q)
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(qfuncs.put_then_die, 1, args=(q, 3_000, 10, ready),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            qfuncs.put_then_die, 1, args=(q, 3_000, 10, ready), grace_period=GRACE
+        )
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
             await ctx.join()
     assert ready.is_set()
@@ -962,8 +970,11 @@ async def test_items_survive_a_producer_sigkilled_right_after_put() -> None:
 
 # Each step of an overflow operation, and whether the item is in the queue when the
 # process doing it dies there.
-PRODUCER_STEPS = [("producer: fds parked", False), ("producer: record written", False),
-                  ("producer: committed", True)]
+PRODUCER_STEPS = [
+    ("producer: fds parked", False),
+    ("producer: record written", False),
+    ("producer: committed", True),
+]
 CONSUMER_STEPS = [("consumer: record read", True), ("consumer: committed", False)]
 
 
@@ -978,8 +989,9 @@ async def test_a_producer_killed_at_any_step_of_an_overflow_put(step: str, kept:
     q.put_nowait("before")
     item = ("carried", aiomp.Event())
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "producer", item),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            qfuncs.die_at, 1, args=(q, step, "producer", item), grace_period=GRACE
+        )
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
             await ctx.join()
     q.put_nowait(("after", aiomp.Event()))
@@ -1002,14 +1014,15 @@ async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept:
     for i, e in enumerate(events):  # straight into the overflow, as if the socket were full
         assert q._ovf.append(*_item_parts((i, e)), lambda: False)
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "consumer", None),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            qfuncs.die_at, 1, args=(q, step, "consumer", None), grace_period=GRACE
+        )
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
             await ctx.join()
     got = drain(q)
     expected = [(i, e) for i, e in enumerate(events)]
     assert got == (expected if kept else expected[1:])
-    assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got):], strict=True))
+    assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got) :], strict=True))
     assert q.empty() and q._ovf.socket_empty(), "the stale vault datagram was dropped"
 
 
@@ -1056,13 +1069,17 @@ async def test_async_calls_without_a_loop_raise_at_once_in_a_sync_child() -> Non
     never awaited: the item silently never arrived."""
     q, e = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(qfuncs.async_calls_without_a_loop, 1, args=(q, e),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            qfuncs.async_calls_without_a_loop, 1, args=(q, e), grace_period=GRACE
+        ) as ctx:
             assert await q.get() == "still usable"
     errors = ctx.results[0]
     assert len(errors) == 3  # type: ignore[arg-type]
-    for error, call in zip(errors, ("q.sync.put", "q.sync.get", "e.sync.wait"),  # type: ignore[call-overload]
-                           strict=True):
+    for error, call in zip(
+        errors,
+        ("q.sync.put", "q.sync.get", "e.sync.wait"),  # type: ignore[call-overload]
+        strict=True,
+    ):
         assert call in error
 
 
@@ -1143,10 +1160,12 @@ async def test_an_item_that_cannot_be_rebuilt_in_the_overflow() -> None:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize(("step", "taken"), [("consumer: record read", False),
-                                             ("consumer: committed", True)])
-async def test_a_consumer_killed_inside_get_does_not_change_capacity(step: str,
-                                                                    taken: bool) -> None:
+@pytest.mark.parametrize(
+    ("step", "taken"), [("consumer: record read", False), ("consumer: committed", True)]
+)
+async def test_a_consumer_killed_inside_get_does_not_change_capacity(
+    step: str, taken: bool
+) -> None:
     """Issue 9 item 2: a consumer SIGKILLed between taking an item and giving back its
     slot lost the slot for good (qsize() 1 with nothing queued, one put fewer fitting).
     Now the bound is the log's committed count: killed before its commit, the item stays;
@@ -1156,8 +1175,9 @@ async def test_a_consumer_killed_inside_get_does_not_change_capacity(step: str,
     for i in range(3):
         q.put_nowait(i)
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(qfuncs.die_at, 1, args=(q, step, "consumer", None),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            qfuncs.die_at, 1, args=(q, step, "consumer", None), grace_period=GRACE
+        )
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
             await ctx.join()
     assert q.qsize() == (2 if taken else 3)
@@ -1175,14 +1195,16 @@ async def test_a_consumer_killed_inside_get_does_not_change_capacity(step: str,
 
 @pytest.mark.anyio
 @pytest.mark.parametrize(("step", "kept"), PRODUCER_STEPS)
-async def test_a_producer_killed_inside_put_does_not_change_capacity(step: str,
-                                                                    kept: bool) -> None:
+async def test_a_producer_killed_inside_put_does_not_change_capacity(step: str, kept: bool) -> None:
     q = aiomp.Queue(maxsize=2)
     q.put_nowait("first")
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(qfuncs.die_at, 1,
-                                args=(q, step, "producer", ("carried", aiomp.Event())),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            qfuncs.die_at,
+            1,
+            args=(q, step, "producer", ("carried", aiomp.Event())),
+            grace_period=GRACE,
+        )
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
             await ctx.join()
     assert q.qsize() == (2 if kept else 1)

@@ -41,8 +41,8 @@ GRACE = 0.3
 REPO = Path(__file__).resolve().parent.parent
 
 LOOPS = pytest.mark.parametrize(
-    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
-    ids=["asyncio", "uvloop"])
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
 asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
 
 pytestmark = [pytest.mark.anyio, pytest.mark.ray_fds_ok, pytest.mark.usefixtures("ray_head")]
@@ -55,12 +55,21 @@ def ray_head() -> Iterator[Any]:
 
     from tests.conftest import _PERSISTENT, child_pids
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"aiomp_head": 1, "aiomp_w": 4},
-        "object_store_memory": 200 * 2**20, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "resources": {"aiomp_head": 1, "aiomp_w": 4},
+            "object_store_memory": 200 * 2**20,
+            "include_dashboard": False,
+        },
+    )
     try:
-        ray.init(address=cluster.address, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+        ray.init(
+            address=cluster.address,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+        )
         _PERSISTENT.update(child_pids())  # Ray's own processes live as long as the module
         yield cluster
     finally:
@@ -91,7 +100,8 @@ async def test_results() -> None:
             assert await p.map(funcs.async_square, numbers()) == [x * x for x in range(20)]
             assert await p.starmap(funcs.add, [(1, 2), (3, 4)]) == [3, 7]
             assert [x async for x in p.imap(funcs.square, range(20), 3)] == [
-                x * x for x in range(20)]
+                x * x for x in range(20)
+            ]
             got = [x async for x in p.imap_unordered(funcs.square, numbers(), chunksize=4)]
             assert sorted(got) == [x * x for x in range(20)]
             assert await p.map(funcs.square, []) == []
@@ -159,7 +169,8 @@ async def test_timeout_kills_a_sync_task_and_replaces_its_actor(gate: Gate) -> N
 
 @LOOPS
 async def test_cancelling_an_async_task_cancels_it_inside_the_actor(
-        gate: Gate, tmp_path: Path) -> None:
+    gate: Gate, tmp_path: Path
+) -> None:
     flag = tmp_path / "flag"
     with anyio.fail_after(TIMEOUT):
         async with pool(1, concurrency=2, grace_period=10) as p:
@@ -195,8 +206,9 @@ async def test_cancelled_calls_never_start(gate: Gate, tmp_path: Path) -> None:
 @asyncio_only
 async def test_maxtasksperchild_and_initializer() -> None:
     with anyio.fail_after(TIMEOUT):
-        async with pool(1, maxtasksperchild=2, initializer=funcs.init_state,
-                        initargs=("ready",)) as p:
+        async with pool(
+            1, maxtasksperchild=2, initializer=funcs.init_state, initargs=("ready",)
+        ) as p:
             pids = [await p.apply(funcs.pid) for _ in range(4)]
             assert pids[0] == pids[1] != pids[2] == pids[3]
             assert await p.apply(funcs.state) == ["ready"]  # once per actor
@@ -227,7 +239,8 @@ async def test_imap_endless_input_is_read_only_as_fast_as_consumed() -> None:
 
 @asyncio_only
 async def test_arrays_go_through_the_object_store_once_per_call(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Large arrays are put once per call and arrive read-only; large results come back
     through the object store. Pins a bug found while building this: a result in the object
     store whose ref the handle did not hold until Ray's callback made Ray abort the whole
@@ -286,8 +299,10 @@ async def test_trio_is_refused_clearly() -> None:
 
 
 def test_import_aiomp_ray_does_not_import_ray() -> None:
-    code = ("import sys, aiomp, aiomp.ray; p = aiomp.ray.Pool(2); "
-            "assert 'ray' not in sys.modules, 'ray imported'")
+    code = (
+        "import sys, aiomp, aiomp.ray; p = aiomp.ray.Pool(2); "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
 
 
@@ -296,8 +311,7 @@ async def test_two_nodes_placement_and_node_loss(ray_head: Any, gate: Gate) -> N
     """Actors are placed on both raylets; removing one node fails only the tasks its actors
     held (BrokenWorkerError), and the pool replaces them on the remaining node."""
     head = ray_head.head_node.node_id
-    node = ray_head.add_node(num_cpus=2, resources={"aiomp_w": 2},
-                             object_store_memory=100 * 2**20)
+    node = ray_head.add_node(num_cpus=2, resources={"aiomp_w": 2}, object_store_memory=100 * 2**20)
     try:
         with anyio.fail_after(TIMEOUT * 2):
             await anyio.to_thread.run_sync(ray_head.wait_for_nodes)
@@ -352,8 +366,12 @@ async def test_two_nodes_placement_and_node_loss(ray_head: Any, gate: Gate) -> N
 def test_example_runs(ray_head: Any) -> None:
     """examples/ray_pool.py, the local pipeline on Ray, joins the module's Ray instance."""
     out = subprocess.run(
-        [sys.executable, "examples/ray_pool.py", "--batches", "8", "--address",
-         ray_head.address], cwd=REPO, capture_output=True, text=True, timeout=120,
-        check=False)
+        [sys.executable, "examples/ray_pool.py", "--batches", "8", "--address", ray_head.address],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("ok")

@@ -42,17 +42,26 @@ def test_the_readme_has_python_blocks() -> None:
     assert len(python_blocks()) >= 2
 
 
-@pytest.mark.parametrize("line, code", [pytest.param(n, c, id=f"line{n}")
-                                        for n, c in python_blocks()])
+@pytest.mark.parametrize(
+    "line, code", [pytest.param(n, c, id=f"line{n}") for n, c in python_blocks()]
+)
 def test_a_readme_block_runs_as_written(line: int, code: str, tmp_path: Path) -> None:
     for name in OPTIONAL:
         if re.search(rf"^\s*(import|from) {name}\b", code, re.M) and (
-                importlib.util.find_spec(name) is None):
+            importlib.util.find_spec(name) is None
+        ):
             pytest.skip(f"the block at README line {line} needs {name}, not installed")
     script = tmp_path / "example.py"
     script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=90, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=90,
+        check=False,
+    )
     assert proc.returncode == 0, (
-        f"README block at line {line} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}")
+        f"README block at line {line} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
     assert len((proc.stdout + proc.stderr).splitlines()) < 60

@@ -350,7 +350,8 @@ def test_numpy_copies_keep_alignment_and_the_first_pass_leaks_nothing() -> None:
         assert np.shares_memory(got[0], got[1])  # type: ignore[index]
         addresses = [g.__array_interface__["data"][0] for g in got]  # type: ignore[attr-defined]
         assert [a % 16 for a in addresses] == [
-            v.__array_interface__["data"][0] % 16 for v in (x[3:9], x)]
+            v.__array_interface__["data"][0] % 16 for v in (x[3:9], x)
+        ]
         del got
     gc.collect()
     _shm.purge_pool()

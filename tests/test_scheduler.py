@@ -54,8 +54,9 @@ class FakeHandle:
 class Rig:
     """A scheduler with fake workers, and helpers to make tasks."""
 
-    def __init__(self, processes: int = 2, concurrency: int = 1,
-                 maxtasks: int | None = None) -> None:
+    def __init__(
+        self, processes: int = 2, concurrency: int = 1, maxtasks: int | None = None
+    ) -> None:
         self.spawns = 0
         self.drained = 0
         self.sched = Scheduler(concurrency, maxtasks, self._spawn, self._drained)
@@ -86,12 +87,14 @@ class Rig:
             out.append(self.start(self.sched.to_spawn.popleft(), ready=False))
         return out
 
-    def task(self, weight: int | None = None, group: Any = None, is_async: bool = False,
-             size: int = 1) -> Task:
+    def task(
+        self, weight: int | None = None, group: Any = None, is_async: bool = False, size: int = 1
+    ) -> Task:
         self._tid += 1
         w = weight if weight is not None else (1 if is_async else self.sched.concurrency)
-        return Task(self._tid, "f", w, is_async, b"msg", group=group, size=size,
-                    on_done=self.done.append)
+        return Task(
+            self._tid, "f", w, is_async, b"msg", group=group, size=size, on_done=self.done.append
+        )
 
     def submit(self, *tasks: Task) -> None:
         for t in tasks:

@@ -319,10 +319,30 @@ def test_share_memory_refuses_non_arrays() -> None:
 # -- through a queue, read back in this process --------------------------------------------
 
 DTYPES = [
-    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
-    np.uint64, np.float16, np.float32, np.float64, np.longdouble, np.complex64,
-    np.complex128, np.clongdouble, "datetime64[ns]", "datetime64[D]", "timedelta64[ms]",
-    ">i4", ">f8", "S7", "U5", "V12",
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.longdouble,
+    np.complex64,
+    np.complex128,
+    np.clongdouble,
+    "datetime64[ns]",
+    "datetime64[D]",
+    "timedelta64[ms]",
+    ">i4",
+    ">f8",
+    "S7",
+    "U5",
+    "V12",
     np.dtype([("a", "<i4"), ("b", "<f8", (2,)), ("c", "S3")]),
     np.dtype([("x", "u1"), ("y", ">i2")], align=True),
 ]
@@ -372,13 +392,17 @@ def test_object_arrays_travel_inline() -> None:
     assert got[12345] == {"k": 12345}
 
 
-@pytest.mark.parametrize("arr", [
-    np.array(3.5),
-    np.zeros((), dtype=[("v", "f8", (INLINE // 8 + 1,))]),  # a 0-d array above the threshold
-    np.empty((0,)),
-    np.empty((0, INLINE)),
-    np.empty((INLINE, 0), np.float32),
-], ids=["0d", "0d-large", "empty", "empty-wide", "empty-tall"])
+@pytest.mark.parametrize(
+    "arr",
+    [
+        np.array(3.5),
+        np.zeros((), dtype=[("v", "f8", (INLINE // 8 + 1,))]),  # a 0-d array above the threshold
+        np.empty((0,)),
+        np.empty((0, INLINE)),
+        np.empty((INLINE, 0), np.float32),
+    ],
+    ids=["0d", "0d-large", "empty", "empty-wide", "empty-tall"],
+)
 def test_zero_dimensional_and_empty(arr: np.ndarray[Any, Any]) -> None:
     if arr.dtype.names:
         arr["v"] = np.arange(INLINE // 8 + 1)
@@ -396,9 +420,16 @@ def test_fortran_order_is_kept() -> None:
     assert np.array_equal(got, arr)
 
 
-@pytest.mark.parametrize("view", [
-    "transpose", "every_other_row", "reversed", "column_block", "negative_2d",
-])
+@pytest.mark.parametrize(
+    "view",
+    [
+        "transpose",
+        "every_other_row",
+        "reversed",
+        "column_block",
+        "negative_2d",
+    ],
+)
 def test_views_of_a_modest_base_keep_their_strides(view: str) -> None:
     base = np.arange(400 * 100, dtype=np.float64).reshape(400, 100)
     v = {
@@ -538,6 +569,7 @@ async def _segments_left_by_unsent_messages() -> int:
         full.put_nowait([plain, shared])
     with pytest.raises(aiomp.Full):
         full.sync.put([plain, shared], timeout=0)
+
     async def cancelled_put(obj: object) -> None:
         with anyio.move_on_after(0.01):  # handshake-free: cancel a put that waits for room
             await full.put(obj)
@@ -569,8 +601,7 @@ def too_big() -> int:
     """More bytes than /dev/shm has free and than memory has available."""
     st = os.statvfs(_shm.SHM_DIR)
     with open("/proc/meminfo") as f:
-        avail = next(int(line.split()[1]) * 1024 for line in f
-                     if line.startswith("MemAvailable:"))
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     return max(st.f_bavail * st.f_frsize, avail) + (1 << 30)
 
 
@@ -626,16 +657,30 @@ async def test_arrays_in_spawn_args() -> None:
     small = np.arange(5, dtype=np.int16)
     zero_d = np.zeros((), dtype=[("v", "f8", (INLINE // 8 + 1,))])
     fortran = np.asfortranarray(base)
-    args = (base, small, {"nested": [big(np.complex64), small]}, base.T, fortran,
-            zero_d, np.empty((0, 7)), np.array(2.5), big("S5"), big("datetime64[ms]"))
+    args = (
+        base,
+        small,
+        {"nested": [big(np.complex64), small]},
+        base.T,
+        fortran,
+        zero_d,
+        np.empty((0, 7)),
+        np.array(2.5),
+        big("S5"),
+        big("datetime64[ms]"),
+    )
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(funcs.shm_inspect, 1, args=args, grace_period=GRACE) as ctx:
             pass
     got = ctx.results[0]
     assert got[0] == describe(base, True)
     assert got[1] == describe(small, False)
-    assert got[2] == {"nested": [describe(args[2]["nested"][0], True),  # type: ignore[index]
-                                 describe(small, False)]}
+    assert got[2] == {
+        "nested": [
+            describe(args[2]["nested"][0], True),  # type: ignore[index]
+            describe(small, False),
+        ]
+    }
     assert got[3] == describe(base.T, True)
     assert got[4] == describe(fortran, True)
     assert got[5] == describe(zero_d, True)
@@ -652,8 +697,9 @@ async def wait_exited(ctx: aiomp.ProcessContext) -> None:
         await anyio.wait_readable(process.sentinel)
 
 
-async def _results_read_after_exit(fn: Callable[..., Any], nprocs: int,
-                                   args: tuple[object, ...]) -> list[Any] | str:
+async def _results_read_after_exit(
+    fn: Callable[..., Any], nprocs: int, args: tuple[object, ...]
+) -> list[Any] | str:
     """Spawn, let every child exit, then join: the results or the failure's message (so
     that a failure keeps no process object alive through its traceback)."""
     with anyio.fail_after(TIMEOUT):
@@ -691,8 +737,9 @@ async def test_hogwild_writes_are_seen_by_every_process() -> None:
     flag = aiomp.zeros(1)  # small, but already shared: travels by handle
     q, go = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_stripe, nprocs, args=(nprocs, w, flag, q, go),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.shm_stripe, nprocs, args=(nprocs, w, flag, q, go), grace_period=GRACE
+        ) as ctx:
             for _ in range(nprocs):
                 await q.put(w)
             flag[0] = 42.0  # after the children started
@@ -773,8 +820,9 @@ async def test_sender_exits_before_the_receiver_reads() -> None:
     n = 50_000
     q = aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_send_then_exit, 1, args=(q, n, "file_descriptor"),
-                               grace_period=GRACE):
+        async with aiomp.spawn(
+            funcs.shm_send_then_exit, 1, args=(q, n, "file_descriptor"), grace_period=GRACE
+        ):
             pass  # leaving the block joins: the child has exited
         plain = await q.get()
         shared = await q.get()
@@ -795,8 +843,9 @@ async def test_file_system_sender_exits_before_the_receiver_reads() -> None:
     q = aiomp.Queue()
     n = 50_000
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_send_then_exit, 1, args=(q, n, "file_system"),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.shm_send_then_exit, 1, args=(q, n, "file_system"), grace_period=GRACE
+        ) as ctx:
             pass
         first, second, (third, tail) = await q.get(), await q.get(), await q.get()
     assert (first == np.arange(n)).all() and (second == 7).all()
@@ -826,8 +875,10 @@ async def test_fds_stay_flat_over_thousands_of_arrays() -> None:
         qin.close()
 
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_echo_many, 1, args=(qin, qout),
-                               grace_period=GRACE) as ctx, anyio.create_task_group() as tg:
+        async with (
+            aiomp.spawn(funcs.shm_echo_many, 1, args=(qin, qout), grace_period=GRACE) as ctx,
+            anyio.create_task_group() as tg,
+        ):
             tg.start_soon(produce)
             for i in range(count):
                 got = await qout.get()
@@ -882,13 +933,22 @@ _UNPRIVILEGED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="design limit: a message in flight carries one fd per "
-                   "segment it names, and the kernel caps an unprivileged user's in-flight fds "
-                   "at RLIMIT_NOFILE; aiomp raises the soft limit to the hard one, which this "
-                   "test pins at 256")
+@pytest.mark.xfail(
+    strict=True,
+    reason="design limit: a message in flight carries one fd per "
+    "segment it names, and the kernel caps an unprivileged user's in-flight fds "
+    "at RLIMIT_NOFILE; aiomp raises the soft limit to the hard one, which this "
+    "test pins at 256",
+)
 def test_thousands_of_arrays_in_flight_unprivileged() -> None:
-    proc = subprocess.run([sys.executable, "-c", _UNPRIVILEGED], cwd=REPO, text=True,
-                          capture_output=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNPRIVILEGED],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "1000", proc.stdout + proc.stderr
 
 
@@ -901,8 +961,9 @@ async def test_janitor_removes_names_of_a_sigkilled_child() -> None:
     ready = aiomp.Queue()
     n = 3 << 20  # a slab and a large segment
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(funcs.shm_hold_named_then_block, 1, args=(ready, n),
-                                grace_period=GRACE)
+        ctx = await aiomp.spawn(
+            funcs.shm_hold_named_then_block, 1, args=(ready, n), grace_period=GRACE
+        )
         names = await ready.get()
         assert len(names) == 2 and set(names) <= shm_names()
         os.kill(ctx.pids()[0], signal.SIGKILL)
@@ -956,11 +1017,14 @@ def _dead_pid() -> int:
 @pytest.mark.anyio
 @ONE_LOOP
 @pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
-@pytest.mark.parametrize("start_method", [
-    "spawn",
-    "fork",
-    "forkserver",
-])
+@pytest.mark.parametrize(
+    "start_method",
+    [
+        "spawn",
+        "fork",
+        "forkserver",
+    ],
+)
 async def test_child_names_are_removed_when_it_exits(start_method: str) -> None:
     made, left = await _names_left_by_a_child(start_method)
     assert made == 1
@@ -969,8 +1033,9 @@ async def test_child_names_are_removed_when_it_exits(start_method: str) -> None:
 
 async def _names_left_by_a_child(start_method: str) -> tuple[int, set[str]]:
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_make_named, 1, start_method=start_method,
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.shm_make_named, 1, start_method=start_method, grace_period=GRACE
+        ) as ctx:
             pass
     return ctx.results[0], _left_by(ctx.pids()[0])  # type: ignore[return-value]
 
@@ -985,8 +1050,9 @@ def _left_by(pid: int) -> set[str]:
 async def _names_left_after_receiving_from_a_child() -> tuple[set[str], set[str]]:
     q, received = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_send_and_wait, 1, args=(q, received, 100_000),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.shm_send_and_wait, 1, args=(q, received, 100_000), grace_period=GRACE
+        ) as ctx:
             arr = await q.get()
             received.set()
     pid = ctx.pids()[0]
@@ -1066,8 +1132,14 @@ async def test_blocks_sent_twice_are_released(file_system: None) -> None:
 
 @pytest.mark.parametrize("example", ["hogwild.py", "buffer_reuse.py"])
 def test_example_runs(example: str) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / example)], cwd=REPO,
-                          text=True, capture_output=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / example)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok" in proc.stdout.splitlines()[-1], proc.stdout
 
@@ -1164,8 +1236,7 @@ async def test_pool_task_dropped_before_it_was_sent_leaves_no_name(file_system: 
     started, go = aiomp.Event(), aiomp.Event()
     try:
         with anyio.fail_after(TIMEOUT):
-            async with aiomp.Pool(1, grace_period=GRACE) as pool, \
-                    anyio.create_task_group() as tg:
+            async with aiomp.Pool(1, grace_period=GRACE) as pool, anyio.create_task_group() as tg:
                 tg.start_soon(pool.apply, funcs_shm.signal_then_wait, (started, go))
                 await started.wait()
                 with anyio.move_on_after(0.1):  # the worker is busy: this one never starts
@@ -1214,13 +1285,17 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
     """Regression (issue 9 item 1c): after a parent was SIGKILLed, the next aiomp start
     cleaned 0 names, and so did janitor(): names named by unread messages were kept for
     60 s. Nothing is in flight once no live process can hold the queue: the tree is gone."""
-    proc = subprocess.Popen([sys.executable, "-c", _TREE], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TREE], cwd=REPO, text=True, stdout=subprocess.PIPE
+    )
     try:
         assert proc.stdout is not None
         parent, child = map(int, proc.stdout.readline().split())
-        names = {n for n in shm_names()
-                 if n.startswith((f"{_shm.PREFIX}{parent}-", f"{_shm.PREFIX}{child}-"))}
+        names = {
+            n
+            for n in shm_names()
+            if n.startswith((f"{_shm.PREFIX}{parent}-", f"{_shm.PREFIX}{child}-"))
+        }
         assert {n.split("-")[1] for n in names} == {str(parent), str(child)}
         os.kill(parent, signal.SIGKILL)
         proc.wait(timeout=TIMEOUT)
@@ -1231,8 +1306,16 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
         if proc.stdout is not None:
             proc.stdout.close()
     assert names <= shm_names(), "kept while their messages were in flight"
-    subprocess.run([sys.executable, "-c", "import aiomp; aiomp.set_sharing_strategy("
-                    "'file_system'); aiomp.zeros(1)"], cwd=REPO, check=True, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import aiomp; aiomp.set_sharing_strategy('file_system'); aiomp.zeros(1)",
+        ],
+        cwd=REPO,
+        check=True,
+        timeout=60,
+    )
     left = names & shm_names()
     _shm.janitor()
     assert not left, "the next start's first segment swept the dead tree's names"
@@ -1276,8 +1359,14 @@ _FD_LIMIT = textwrap.dedent("""
 
 
 def _fd_limit_run(strategy: str, keep: str) -> tuple[int, int, str, str]:
-    proc = subprocess.run([sys.executable, "-c", _FD_LIMIT, strategy, keep], cwd=REPO,
-                          text=True, capture_output=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FD_LIMIT, strategy, keep],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pid, sent, fds, kind, message = proc.stdout.strip().split(" ", 4)
     left = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f"{_shm.PREFIX}{pid}-")}
@@ -1351,8 +1440,14 @@ def test_names_of_unread_messages_go_with_the_root() -> None:
         print(os.getpid(), len([n for n in os.listdir("/dev/shm")
                                 if n.startswith(f"aiomp-{os.getpid()}-")]))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, text=True,
-                          capture_output=True, timeout=60, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
     pid, made = map(int, proc.stdout.split())
     assert made >= 6, "the unread messages held names while the process ran"
     left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}

@@ -134,9 +134,19 @@ def test_many_tensors_on_one_storage_send_one_fd() -> None:
     out.close()
 
 
-@pytest.mark.parametrize("dtype", [
-    "bool", "float16", "bfloat16", "int8", "uint8", "int64", "complex64", "float64",
-])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "bool",
+        "float16",
+        "bfloat16",
+        "int8",
+        "uint8",
+        "int64",
+        "complex64",
+        "float64",
+    ],
+)
 @pytest.mark.parametrize("n", [7, INLINE], ids=["inline", "shared"])
 def test_dtypes_strides_offsets_and_grad(dtype: str, n: int) -> None:
     dt = getattr(torch, dtype)
@@ -274,8 +284,9 @@ async def test_torch_file_system_strategy_is_kept() -> None:
     # child of the process that shares first, and connects to it from the receiver.
     q, reply = aiomp.Queue(), aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.file_system_pair, 2, args=(q, reply),
-                               grace_period=GRACE) as ctx:
+        async with aiomp.spawn(
+            funcs.file_system_pair, 2, args=(q, reply), grace_period=GRACE
+        ) as ctx:
             pass
     written, received = ctx.results
     assert received == (True, False, True, 10), "shared, by name (not fd), one storage, view"
@@ -299,8 +310,13 @@ async def test_pool_args_and_results() -> None:
 @pytest.mark.leaks_ok  # its own interpreter: nothing of it is ours; and in its 10-60 s, names
 # that other runs on this machine leave in /dev/shm would be counted against it
 def test_hogwild_example_runs() -> None:
-    proc = subprocess.run([sys.executable, "examples/hogwild_torch.py"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "examples/hogwild_torch.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "loss" in proc.stdout and "ok" in proc.stdout.splitlines()[-1], proc.stdout
 

@@ -97,8 +97,9 @@ def test_close_fds_tolerates_closed_fds() -> None:
 # -- a socket pair in this process ---------------------------------------------------------
 
 
-def roundtrip(pair: tuple[socket.socket, socket.socket], body: bytes,
-              fds: list[int]) -> tuple[bytes, list[int]]:
+def roundtrip(
+    pair: tuple[socket.socket, socket.socket], body: bytes, fds: list[int]
+) -> tuple[bytes, list[int]]:
     a, b = pair
     datagram, send_fds, extra = t.encode(body, fds)
     try:
@@ -120,8 +121,7 @@ def test_roundtrip_bodies(pair: tuple[socket.socket, socket.socket], size: int) 
 
 
 @pytest.mark.parametrize("size", [10, 1 << 20])
-def test_roundtrip_with_the_most_fds(pair: tuple[socket.socket, socket.socket],
-                                     size: int) -> None:
+def test_roundtrip_with_the_most_fds(pair: tuple[socket.socket, socket.socket], size: int) -> None:
     # One message carries at most MAX_FDS: the caller's plus a LARGE body's memfd.
     n = t.MAX_FDS - (1 if size > t.MAX_INLINE else 0)
     sent = devnulls(n)
@@ -141,7 +141,8 @@ def test_roundtrip_with_the_most_fds(pair: tuple[socket.socket, socket.socket],
 
 
 def test_fds_stay_in_order_and_with_their_message(
-        pair: tuple[socket.socket, socket.socket]) -> None:
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     a, b = pair
     files = [os.memfd_create(f"m{i}", os.MFD_CLOEXEC) for i in range(3)]
     try:
@@ -161,7 +162,8 @@ def test_fds_stay_in_order_and_with_their_message(
 
 
 def test_more_fds_than_the_kernel_allows_fail_at_send(
-        pair: tuple[socket.socket, socket.socket]) -> None:
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     a, b = pair
     fds = devnulls(t.MAX_FDS + 1)
     try:
@@ -224,8 +226,10 @@ def test_truncated_message_is_a_typed_error(pair: tuple[socket.socket, socket.so
     fd = devnulls(1)[0]
     try:
         before = len(os.listdir("/proc/self/fd"))
-        a.sendmsg([b"\x00" + bytes(t.MAX_INLINE + 100)],
-                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))])
+        a.sendmsg(
+            [b"\x00" + bytes(t.MAX_INLINE + 100)],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, "little"))],
+        )
         with pytest.raises(aiomp.TransportError, match="truncated"):
             t.try_recv(b)
         assert len(os.listdir("/proc/self/fd")) == before, "its fds were closed"
@@ -235,7 +239,8 @@ def test_truncated_message_is_a_typed_error(pair: tuple[socket.socket, socket.so
 
 
 def test_fds_beyond_the_fd_limit_are_a_typed_error(
-        pair: tuple[socket.socket, socket.socket]) -> None:
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     # R1: torch fails with "received 0 items of ancdata"; aiomp says what happened.
     a, b = pair
     sent = devnulls(10)
@@ -314,7 +319,8 @@ async def test_async_send_waits_for_room(pair: tuple[socket.socket, socket.socke
 
 @pytest.mark.anyio
 async def test_async_recv_cancelled_consumes_nothing(
-        pair: tuple[socket.socket, socket.socket]) -> None:
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
     a, b = pair
     with anyio.move_on_after(0.02):  # handshake-free: the point is that nothing arrives
         await t.recv_async(b)
@@ -329,6 +335,7 @@ async def test_async_recv_eof(pair: tuple[socket.socket, socket.socket]) -> None
     a, b = pair
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
+
             async def receive() -> None:
                 with pytest.raises(t.Closed):
                     await t.recv_async(b)
@@ -350,8 +357,6 @@ def stream_pair() -> Iterator[tuple[t.Stream, t.Stream]]:
     sb.close()
 
 
-
-
 def send(s: t.Stream, datagram: bytes, fds: list[int] | None = None) -> None:
     fds = fds or []
     s.send_sync(t.frame(datagram, len(fds)), fds)
@@ -363,7 +368,7 @@ def send(s: t.Stream, datagram: bytes, fds: list[int] | None = None) -> None:
 def test_frame_is_length_and_fd_count() -> None:
     framed = t.frame(b"\x00abc", 2)
     assert t.FRAME.unpack_from(framed) == (4, 2)
-    assert framed[t.FRAME_SIZE:] == b"\x00abc"
+    assert framed[t.FRAME_SIZE :] == b"\x00abc"
 
 
 def test_messages_arrive_whole_in_order(stream_pair: tuple[t.Stream, t.Stream]) -> None:
@@ -381,7 +386,7 @@ def test_frames_split_anywhere_are_reassembled(stream_pair: tuple[t.Stream, t.St
     a, b = stream_pair
     data = t.frame(b"\x00first") + t.frame(b"\x00second" * 50)
     for i in range(len(data)):  # one byte per write: every possible split
-        a.sock.send(data[i:i + 1])
+        a.sock.send(data[i : i + 1])
         got = b.try_recv()
         if i < len(t.frame(b"\x00first")) - 1:
             assert got is None
@@ -496,14 +501,15 @@ def test_try_send_says_how_much_went(stream_pair: tuple[t.Stream, t.Stream]) -> 
         assert first is not None and len(first[1]) == 1
         t.close_fds(first[1])
         while (got := b.recv_sync()) != (b"\x00after", []):
-            assert got == (framed[t.FRAME_SIZE:], [])
+            assert got == (framed[t.FRAME_SIZE :], [])
         th.join()
     finally:
         t.close_fds(fds)
 
 
 def test_send_sync_on_a_non_blocking_socket_waits_for_room(
-        stream_pair: tuple[t.Stream, t.Stream]) -> None:
+    stream_pair: tuple[t.Stream, t.Stream],
+) -> None:
     # uvloop makes the sockets it watches non-blocking; send_sync must still send it all.
     a, b = stream_pair
     flags = fcntl.fcntl(a.fileno(), fcntl.F_GETFL)
@@ -512,6 +518,7 @@ def test_send_sync_on_a_non_blocking_socket_waits_for_room(
     count = 200  # about 13 MiB: more than the socket buffers hold
     fds = devnulls(1)
     try:
+
         def produce() -> None:
             for _ in range(count):
                 send(a, body, fds)
@@ -579,6 +586,7 @@ async def test_stream_async_recv_eof(stream_pair: tuple[t.Stream, t.Stream]) -> 
     a, b = stream_pair
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
+
             async def receive() -> None:
                 with pytest.raises(t.Closed):
                     await b.recv_async()

@@ -40,12 +40,14 @@ GRACE = 0.5
 TIMEOUT = 60
 STRATEGIES = ["file_descriptor", "file_system"]
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
-SEEDS = pytest.mark.parametrize("seed", _chaos.SEEDS,
-                                ids=[f"seed{s}" for s in _chaos.SEEDS])
+SEEDS = pytest.mark.parametrize("seed", _chaos.SEEDS, ids=[f"seed{s}" for s in _chaos.SEEDS])
 
 
-print(f"\naiomp chaos: random seed {_chaos.RANDOM_SEED} (AIOMP_CHAOS_SEED={_chaos.RANDOM_SEED} "
-      "replays it)", file=sys.stderr)
+print(
+    f"\naiomp chaos: random seed {_chaos.RANDOM_SEED} (AIOMP_CHAOS_SEED={_chaos.RANDOM_SEED} "
+    "replays it)",
+    file=sys.stderr,
+)
 
 
 def exactly_once(expected: list[Any], got: list[Any]) -> tuple[int, int]:
@@ -101,13 +103,17 @@ async def test_many_producers_and_consumers(strategy: str, seed: int) -> None:
             del payload
 
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(_chaos.consume, 2, args=(q, out, strategy),
-                               grace_period=GRACE) as consumers:
+        async with aiomp.spawn(
+            _chaos.consume, 2, args=(q, out, strategy), grace_period=GRACE
+        ) as consumers:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(parent_consumes)
-                async with aiomp.spawn(_chaos.produce, PRODUCERS,
-                                       args=(q, PER_PRODUCER, seed, strategy),
-                                       grace_period=GRACE) as producers:
+                async with aiomp.spawn(
+                    _chaos.produce,
+                    PRODUCERS,
+                    args=(q, PER_PRODUCER, seed, strategy),
+                    grace_period=GRACE,
+                ) as producers:
                     pass
                 q.close()
         out.close()
@@ -120,8 +126,16 @@ async def test_many_producers_and_consumers(strategy: str, seed: int) -> None:
     gc.collect()
     leaked = names_of(producers.pids() + consumers.pids())
     assert not leaked, "every process of the run has exited: its names must be gone"
-    _chaos.record("mpmc", strategy=strategy, seed=seed, messages=len(expected),
-                  by_parent=by_parent, lost=lost, duplicated=duplicated, leaked=len(leaked))
+    _chaos.record(
+        "mpmc",
+        strategy=strategy,
+        seed=seed,
+        messages=len(expected),
+        by_parent=by_parent,
+        lost=lost,
+        duplicated=duplicated,
+        leaked=len(leaked),
+    )
 
 
 # -- cancellation storms around get and put --------------------------------------------------
@@ -175,9 +189,16 @@ async def test_cancellation_storm(strategy: str, seed: int) -> None:
                 q.close()
             back.close()
     lost, duplicated = exactly_once(sent, got)
-    _chaos.record("storm", strategy=strategy, seed=seed, messages=len(sent),
-                  cancelled_puts=cancelled["put"], cancelled_gets=cancelled["get"],
-                  lost=lost, duplicated=duplicated)
+    _chaos.record(
+        "storm",
+        strategy=strategy,
+        seed=seed,
+        messages=len(sent),
+        cancelled_puts=cancelled["put"],
+        cancelled_gets=cancelled["get"],
+        lost=lost,
+        duplicated=duplicated,
+    )
 
 
 # -- repeated SIGKILL of consumers holding arrays --------------------------------------------
@@ -200,8 +221,9 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
     pids: list[int] = []
     for r in range(ROUNDS):
         with anyio.fail_after(TIMEOUT):
-            ctx = await aiomp.spawn(_chaos.hold_until_killed, 1,
-                                    args=(q, took, strategy, HELD), grace_period=GRACE)
+            ctx = await aiomp.spawn(
+                _chaos.hold_until_killed, 1, args=(q, took, strategy, HELD), grace_period=GRACE
+            )
             pids += ctx.pids()
             sizes = [2 << 20] + [100 << 10] * (HELD - 1)  # the same demand every round
             rng.shuffle(sizes)
@@ -226,10 +248,19 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
     assert rss1 - rss0 < 8 << 20, marks
     leaked = names_of(pids)
     assert not leaked
-    _chaos.record("sigkill-consumers", strategy=strategy, seed=seed, messages=len(put),
-                  kills=ROUNDS, fds_growth=fds1 - fds0, segments_growth=segs1 - segs0,
-                  rss_growth_kib=(rss1 - rss0) >> 10, lost=lost, duplicated=duplicated,
-                  leaked=len(leaked))
+    _chaos.record(
+        "sigkill-consumers",
+        strategy=strategy,
+        seed=seed,
+        messages=len(put),
+        kills=ROUNDS,
+        fds_growth=fds1 - fds0,
+        segments_growth=segs1 - segs0,
+        rss_growth_kib=(rss1 - rss0) >> 10,
+        lost=lost,
+        duplicated=duplicated,
+        leaked=len(leaked),
+    )
 
 
 # -- SIGKILL of the parent, then a new start sweeps; SIGINT to the parent -------------------
@@ -285,8 +316,12 @@ def _tree_pids(pid: int) -> list[int]:
 
 def _start_tree(loop: str, strategy: str, seed: int) -> tuple[subprocess.Popen[str], list[int]]:
     ready_at = random.Random(seed).randrange(20, 200)
-    proc = subprocess.Popen([sys.executable, "-c", _TREE, loop, strategy, str(seed),
-                             str(ready_at)], cwd=REPO, text=True, stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _TREE, loop, strategy, str(seed), str(ready_at)],
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+    )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, "the tree did not start"
@@ -310,13 +345,24 @@ def test_sigkilled_parent_then_a_new_start_sweeps(strategy: str, seed: int) -> N
         assert proc.stdout is not None
         proc.stdout.close()
     left_by_kill = names_of(pids)  # (test_shm pins that there are some, deterministically)
-    subprocess.run([sys.executable, "-c", "import aiomp; aiomp.zeros(1)"], cwd=REPO,
-                   check=True, timeout=TIMEOUT)
+    subprocess.run(
+        [sys.executable, "-c", "import aiomp; aiomp.zeros(1)"],
+        cwd=REPO,
+        check=True,
+        timeout=TIMEOUT,
+    )
     leaked = names_of(pids)
     assert not leaked, "the next start swept the dead tree"
-    _chaos.record("sigkill-parent", strategy=strategy, seed=seed, kills=1,
-                  processes=len(pids), names_left_by_kill=len(left_by_kill),
-                  leaked=len(leaked), orphans=0)
+    _chaos.record(
+        "sigkill-parent",
+        strategy=strategy,
+        seed=seed,
+        kills=1,
+        processes=len(pids),
+        names_left_by_kill=len(left_by_kill),
+        leaked=len(leaked),
+        orphans=0,
+    )
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop", "trio"])
@@ -337,8 +383,15 @@ def test_sigint_to_the_parent(loop: str) -> None:
     assert rc != 0, "Ctrl-C is never reported as success"
     leaked = names_of(pids)
     assert not leaked
-    _chaos.record("sigint", loop=loop, seed=seed, processes=len(pids), returncode=rc,
-                  leaked=len(leaked), orphans=0)
+    _chaos.record(
+        "sigint",
+        loop=loop,
+        seed=seed,
+        processes=len(pids),
+        returncode=rc,
+        leaked=len(leaked),
+        orphans=0,
+    )
 
 
 # -- fd exhaustion and recovery ---------------------------------------------------------------
@@ -395,12 +448,26 @@ def test_fd_exhaustion_and_recovery(loop: str, strategy: str) -> None:
     that says so (not a raw EMFILE); the arrays dropped, a consumer started afterwards
     drains the queue exactly once; the process leaves no name behind."""
     seed = _chaos.RANDOM_SEED
-    proc = subprocess.run([sys.executable, "-c", _FD, loop, strategy, str(seed)], cwd=REPO,
-                          text=True, capture_output=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", _FD, loop, strategy, str(seed)],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pid, sent, error = proc.stdout.strip().split(" ", 2)
     assert "file descriptors open" in error and "RLIMIT_NOFILE) is 256" in error, error
     leaked = names_of([int(pid)])
     assert not leaked
-    _chaos.record("fd-exhaustion", loop=loop, strategy=strategy, seed=seed, messages=sent,
-                  lost=0, duplicated=0, leaked=len(leaked))
+    _chaos.record(
+        "fd-exhaustion",
+        loop=loop,
+        strategy=strategy,
+        seed=seed,
+        messages=sent,
+        lost=0,
+        duplicated=0,
+        leaked=len(leaked),
+    )
