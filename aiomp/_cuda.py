@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import heapq
 import os
 import sys
@@ -194,10 +193,10 @@ def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
         a, b = todo.pop()
         if a >= b:
             continue
-        raw = _lease._lock(fd, _lease._GETLK, fcntl.F_WRLCK, a, b - a)
-        kind, _whence, lstart, length, _pid = _lease._FLOCK.unpack(raw)
-        if kind == fcntl.F_UNLCK:
+        holder = _lease.a_holder(fd, a, b - a)
+        if holder is None:
             continue
+        lstart, length = holder
         lstop = b if length == 0 else lstart + length
         lo, hi = max(a, lstart), min(b, lstop)
         if lo >= hi:  # defensive: the kernel only reports overlapping locks
