@@ -1,51 +1,15 @@
-"""CUDA IPC for CuPy arrays: handles, offsets, events, kernel-kept reference counts.
+"""CUDA IPC for CuPy arrays: the reducer, the pool of IPC-safe blocks, the lease slots.
 
 What travels (:class:`IpcArrayMeta`, one small tuple per array): the ``cudaIpcMemHandle``
 of the block holding the array, the byte offset of element 0 in it, shape, strides,
 dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle`` recorded on the
 sender's current stream, and the lease slot that keeps the block alive.
 
-Which block (the CUDA guide: IPC shares the whole underlying memory block, and the
-driver sub-allocates small cudaMallocs from shared blocks, so share only allocations of
-whole 2 MiB multiples):
-
-- an array in an IPC-safe block (:func:`empty`: a whole cudaMalloc of a multiple of
-  :data:`IPC_BLOCK`, outside CuPy's pool) travels in place, in that block;
-- any other array whose bytes span less than :data:`IPC_BLOCK` is copied, on the
-  producer's current stream, into an IPC-safe *staging* block that the message's small
-  arrays share (:func:`_stage`), and travels there;
-- a larger array travels in place, in its base allocation (pooled allocators place
-  arrays inside larger blocks; the driver's address-range query finds it).
-
-IPC-safe blocks are pooled (:class:`_BlockPool`): a block whose :class:`IpcBlock` owner
-nobody references any more (no array, no sent record) is reused by the next request.
-
-Lifetime (DESIGN R6), with the leases of :mod:`aiomp._lease`:
-
-- The producer owns one lease memfd. Every sent block gets a slot (one byte of that
-  file) and a record holding the memory of *every* array sent in it (CuPy's pool splits
-  one allocation into chunks and frees each with its last reference), so CuPy cannot
-  free or reuse any of it. The message carries a handoff description that holds the
-  slot's lease while it is in flight (one description per message, whatever its array
-  count).
-- The consumer takes its own lease on the slot through one description per producer
-  lease file, opens the IPC handle (once per process: opened handles are cached and
-  shared by every slot that names them), makes its current stream wait on the event and
-  returns a ``cupy.ndarray`` view. When the last view of the slot dies, a finalizer
-  synchronises the consumer's current stream (as torch does: its kernels may still be
-  reading), closes the handle if no other slot uses it, and only then releases the
-  lease (freeing exported memory that an importer still maps is undefined behaviour).
-  A consumer that dies, by SIGKILL too, loses its leases with its descriptions.
-- The producer frees records whose slot nobody holds any more (:meth:`SlotTable.collect`,
-  one ``F_OFD_GETLK`` per held range), at every message sent, in
-  :func:`aiomp.cuda.ipc_collect`, and when an allocation of its own fails for lack of
-  memory (:func:`_retry_oom`: collect, free cached blocks, retry once). At most
-  :data:`DEFAULT_IPC_LIMIT` blocks (settable) may be outstanding: past it, sending
-  raises :class:`IpcLimitError`. At most :data:`MAX_IPC_EVENTS` interprocess events are
-  live (torch's cap); past it the producer synchronises its stream instead and sends no
-  event.
-- A received array is never sent onward: that is checked first, before any CUDA call
-  (the driver refuses to export imported memory, and its error would hide this one).
+Which block an array travels in (an IPC-safe block of :class:`_BlockPool`, its base
+allocation, or a staging copy made by :func:`_stage`): see *CUDA IPC blocks* in
+docs/architecture.md. Who keeps it alive (R6: a :class:`SlotTable` slot per sent block,
+leased by each message in flight and each consumer holding a view, freed by
+:meth:`SlotTable.collect`): see *CUDA lifetime* and *Kernel leases* there.
 
 The CUDA calls sit behind a small backend (:class:`_CupyBackend`); the bookkeeping
 around it is plain Python that the tests drive with a fake backend (a model of CuPy's
@@ -64,7 +28,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any, Generic, NamedTuple, TypeVar, cast
 
 from . import _lease, _reduction
 
@@ -208,7 +172,10 @@ def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
     return out
 
 
-class SlotTable:
+R = TypeVar("R")
+
+
+class SlotTable(Generic[R]):
     """Slots of one producer lease file and the record kept alive for each sent slot.
 
     No CUDA here: a record is whatever the caller keeps alive. Not thread-safe (the
@@ -219,14 +186,14 @@ class SlotTable:
         self.fd = os.memfd_create("aiomp-cuda-lease", os.MFD_CLOEXEC)
         self.ident = _lease.identity(self.fd)
         self.limit = limit
-        self.records: dict[int, object] = {}
+        self.records: dict[int, R] = {}
         self._free: list[int] = []  # a heap: the lowest free slot first keeps ranges short
         self._next = 0
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def allocate(self, record: object) -> int:
+    def allocate(self, record: R) -> int:
         """A free slot for ``record``; IpcLimitError when ``limit`` slots are outstanding.
 
         The caller must hold the slot's lease (through a handoff description) before
@@ -250,18 +217,18 @@ class SlotTable:
                 "aiomp.cuda.set_ipc_limit()"
             )
 
-    def discard(self, slot: int) -> object:
+    def discard(self, slot: int) -> R:
         """Forget ``slot`` now (a send that failed before its lease was taken)."""
         record = self.records.pop(slot)
         heapq.heappush(self._free, slot)
         return record
 
-    def collect(self) -> list[object]:
+    def collect(self) -> list[R]:
         """Free every slot that no description holds; returns their records."""
         if not self.records:
             return []
         held = held_ranges(self.fd, 0, self._next)
-        released: list[object] = []
+        released: list[R] = []
         i = 0
         for slot in sorted(self.records):
             while i < len(held) and held[i][1] <= slot:
@@ -593,7 +560,7 @@ class _CupyBackend:
             return self.cp.empty(shape, dtype=dtype)
 
     def error_type(self) -> type[BaseException]:
-        return self.rt.CUDARuntimeError  # type: ignore[no-any-return]
+        return cast("type[BaseException]", self.rt.CUDARuntimeError)
 
 
 _backend: Any = None
@@ -773,14 +740,14 @@ class _Sent:
 class _Producer:
     def __init__(self, backend: Any, limit: int) -> None:
         self.backend = backend
-        self.table = SlotTable(limit)
+        self.table: SlotTable[_Sent] = SlotTable(limit)
         self.events_live = 0
         self.handoffs: set[int] = set()  # open handoff fds: closed in a forked child
         self.pid = os.getpid()
 
     def collect(self) -> int:
         for record in self.table.collect():
-            self._free(record)  # type: ignore[arg-type]
+            self._free(record)
         return len(self.table)
 
     def _free(self, record: _Sent) -> None:
@@ -797,7 +764,7 @@ class _Producer:
                 os.close(fd)
 
     def held_bytes(self) -> int:
-        return sum(r.size for r in self.table.records.values())  # type: ignore[attr-defined]
+        return sum(r.size for r in self.table.records.values())
 
 
 _lock = threading.RLock()
@@ -903,13 +870,13 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
         elif staged:
             # The copy was queued after the slot's event was recorded: record it again,
             # so that the consumer's wait (made once the message has arrived) covers it.
-            record = cast("_Sent", prod.table.records[entry[0]])
+            record = prod.table.records[entry[0]]
             if record.event is not None:
                 backend.record(record.event, dev)
             else:
                 backend.sync(dev)
         slot, event_handle = entry
-        cast("_Sent", prod.table.records[slot]).hold(keep)
+        prod.table.records[slot].hold(keep)
     meta = IpcArrayMeta(
         handle,
         size,
@@ -989,7 +956,7 @@ def _send_block(
     try:
         _lease.hold(handoff_fd, slot, 1)
     except BaseException:
-        prod._free(prod.table.discard(slot))  # type: ignore[arg-type]
+        prod._free(prod.table.discard(slot))
         raise
     return slot, event_handle
 
@@ -1107,7 +1074,7 @@ def _import(
         ):
             # Sent to ourselves: the memory is ours already (a handle cannot be opened in
             # the process that exported it).
-            rec: _Sent = prod.table.records[meta.slot]  # type: ignore[assignment]
+            rec = prod.table.records[meta.slot]
             if rec.event is not None:
                 backend.wait_local(rec.event, rec.device)
             ref = _SlotRef(rec.base, rec.size, rec.device, list(rec.keep))
