@@ -27,8 +27,8 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
-from typing import Any, Generic, NamedTuple, TypeVar, cast
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from . import _lease, _reduction
 
@@ -173,6 +173,7 @@ def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
 
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 class SlotTable(Generic[R]):
@@ -335,6 +336,47 @@ def _no_gpu(exc: BaseException, doing: str) -> str:
         "the NVIDIA driver works here (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
         f"(now {visible!r}) shows this process the GPUs it sends or receives arrays on"
     )
+
+
+class Backend(Protocol):
+    """The CUDA calls the bookkeeping makes: :class:`_CupyBackend`, or the tests' fake.
+
+    ``dev`` is a device index; pointers are ints; events are the backend's own objects.
+    Arrays are ``Any``: a ``cupy.ndarray`` (cupy ships no type information).
+    """
+
+    def describe(self, arr: Any) -> Described: ...
+    def address_range(self, dev: int, ptr: int) -> tuple[int, int]: ...
+    def ipc_handle(self, dev: int, base: int) -> bytes: ...
+    def bus_id(self, dev: int) -> str: ...
+    def current_device(self) -> int: ...
+    def malloc(self, dev: int, size: int) -> tuple[int, object]: ...
+    def is_oom(self, exc: BaseException) -> bool: ...
+    def free_cached(self, dev: int) -> None: ...
+    def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None: ...
+    def memset(self, dev: int, ptr: int, nbytes: int) -> None: ...
+    def record_event(self, dev: int) -> tuple[object, bytes]: ...
+    def record(self, event: Any, dev: int) -> None: ...
+    def recycle_event(self, dev: int, event: Any, handle: bytes) -> None: ...
+    def sync(self, dev: int) -> None: ...
+    def local_device(self, bus_id: str, device: int) -> int: ...
+    def wait(self, event_handle: bytes, dev: int) -> None: ...
+    def wait_local(self, event: Any, dev: int) -> None: ...
+    def open(self, handle: bytes, dev: int) -> int: ...
+    def close(self, ptr: int, dev: int) -> None: ...
+    def wrap(
+        self,
+        ptr: int,
+        size: int,
+        owner: object,
+        dev: int,
+        offset: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: str,
+    ) -> Any: ...
+    def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any: ...
+    def error_type(self) -> type[BaseException]: ...
 
 
 class _CupyBackend:
@@ -563,10 +605,10 @@ class _CupyBackend:
         return cast("type[BaseException]", self.rt.CUDARuntimeError)
 
 
-_backend: Any = None
+_backend: Backend | None = None
 
 
-def get_backend() -> Any:
+def get_backend() -> Backend:
     global _backend
     if _backend is None:
         try:
@@ -627,7 +669,7 @@ class _BlockPool:
         self.idle: dict[tuple[int, int], list[_Alloc]] = {}
         self.pid = os.getpid()
 
-    def take(self, backend: Any, dev: int, nbytes: int) -> IpcBlock:
+    def take(self, backend: Backend, dev: int, nbytes: int) -> IpcBlock:
         size = max(1, -(-nbytes // IPC_BLOCK)) * IPC_BLOCK
         idle = self.idle.get((dev, size))
         if idle:
@@ -655,7 +697,7 @@ class _BlockPool:
 _block_pool = _BlockPool()
 
 
-def _retry_oom(backend: Any, dev: int, fn: Any, *args: Any) -> Any:
+def _retry_oom(backend: Backend, dev: int, fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)``; on out-of-memory, reclaim what aiomp holds and retry once.
 
     torch frees released IPC blocks from its allocator's out-of-memory callback; CuPy has
@@ -738,7 +780,7 @@ class _Sent:
 
 
 class _Producer:
-    def __init__(self, backend: Any, limit: int) -> None:
+    def __init__(self, backend: Backend, limit: int) -> None:
         self.backend = backend
         self.table: SlotTable[_Sent] = SlotTable(limit)
         self.events_live = 0
@@ -752,6 +794,7 @@ class _Producer:
 
     def _free(self, record: _Sent) -> None:
         if record.event is not None:
+            assert record.event_handle is not None  # recorded together (_send_block)
             self.events_live -= 1
             self.backend.recycle_event(record.device, record.event, record.event_handle)
         record.keep = []
@@ -773,7 +816,7 @@ _limit = DEFAULT_IPC_LIMIT
 _atexit_registered = False
 
 
-def _get_producer(backend: Any) -> _Producer:
+def _get_producer(backend: Backend) -> _Producer:
     global _producer_state, _atexit_registered
     if _producer_state is None:
         _producer_state = _Producer(backend, _limit)
@@ -917,7 +960,7 @@ def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
 
 
 def _stage(
-    backend: Any, memo: dict[object, object], desc: Described, lo: int, hi: int
+    backend: Backend, memo: dict[object, object], desc: Described, lo: int, hi: int
 ) -> tuple[IpcBlock, int]:
     """Copy the bytes ``[lo, hi)`` of a small array into this message's IPC-safe staging
     block, on the producer's current stream; returns the block and element 0's offset.
@@ -1052,7 +1095,7 @@ def _itemsize(dtype: str) -> int:
 
 def _import(
     cons: _Consumer,
-    backend: Any,
+    backend: Backend,
     meta: IpcArrayMeta,
     fd: int,
     ident: tuple[int, int],
@@ -1147,7 +1190,7 @@ def _release(
 
 def _drop(
     cons: _Consumer,
-    backend: Any,
+    backend: Backend,
     ident: tuple[int, int],
     slot: int,
     mapping_key: tuple[bytes, int] | None,
