@@ -1,8 +1,8 @@
 """aiomp: torch.multiprocessing rebuilt async-first.
 
-Only this module is public. Names resolve lazily (PEP 562) so that a child process, which
-imports this package before ``aiomp._child``, loads neither anyio nor numpy unless it
-needs them.
+Only this module is public. Names resolve lazily (PEP 562): a child process imports this
+package before ``aiomp._child`` and must load neither anyio nor numpy unless it needs them
+(see *Light children* in docs/architecture.md).
 """
 
 from __future__ import annotations

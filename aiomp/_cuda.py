@@ -1,51 +1,15 @@
-"""CUDA IPC for CuPy arrays: handles, offsets, events, kernel-kept reference counts.
+"""CUDA IPC for CuPy arrays: the reducer, the pool of IPC-safe blocks, the lease slots.
 
 What travels (:class:`IpcArrayMeta`, one small tuple per array): the ``cudaIpcMemHandle``
 of the block holding the array, the byte offset of element 0 in it, shape, strides,
 dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle`` recorded on the
 sender's current stream, and the lease slot that keeps the block alive.
 
-Which block (the CUDA guide: IPC shares the whole underlying memory block, and the
-driver sub-allocates small cudaMallocs from shared blocks, so share only allocations of
-whole 2 MiB multiples):
-
-- an array in an IPC-safe block (:func:`empty`: a whole cudaMalloc of a multiple of
-  :data:`IPC_BLOCK`, outside CuPy's pool) travels in place, in that block;
-- any other array whose bytes span less than :data:`IPC_BLOCK` is copied, on the
-  producer's current stream, into an IPC-safe *staging* block that the message's small
-  arrays share (:func:`_stage`), and travels there;
-- a larger array travels in place, in its base allocation (pooled allocators place
-  arrays inside larger blocks; the driver's address-range query finds it).
-
-IPC-safe blocks are pooled (:class:`_BlockPool`): a block whose :class:`IpcBlock` owner
-nobody references any more (no array, no sent record) is reused by the next request.
-
-Lifetime (DESIGN R6), with the leases of :mod:`aiomp._lease`:
-
-- The producer owns one lease memfd. Every sent block gets a slot (one byte of that
-  file) and a record holding the memory of *every* array sent in it (CuPy's pool splits
-  one allocation into chunks and frees each with its last reference), so CuPy cannot
-  free or reuse any of it. The message carries a handoff description that holds the
-  slot's lease while it is in flight (one description per message, whatever its array
-  count).
-- The consumer takes its own lease on the slot through one description per producer
-  lease file, opens the IPC handle (once per process: opened handles are cached and
-  shared by every slot that names them), makes its current stream wait on the event and
-  returns a ``cupy.ndarray`` view. When the last view of the slot dies, a finalizer
-  synchronises the consumer's current stream (as torch does: its kernels may still be
-  reading), closes the handle if no other slot uses it, and only then releases the
-  lease (freeing exported memory that an importer still maps is undefined behaviour).
-  A consumer that dies, by SIGKILL too, loses its leases with its descriptions.
-- The producer frees records whose slot nobody holds any more (:meth:`SlotTable.collect`,
-  one ``F_OFD_GETLK`` per held range), at every message sent, in
-  :func:`aiomp.cuda.ipc_collect`, and when an allocation of its own fails for lack of
-  memory (:func:`_retry_oom`: collect, free cached blocks, retry once). At most
-  :data:`DEFAULT_IPC_LIMIT` blocks (settable) may be outstanding: past it, sending
-  raises :class:`IpcLimitError`. At most :data:`MAX_IPC_EVENTS` interprocess events are
-  live (torch's cap); past it the producer synchronises its stream instead and sends no
-  event.
-- A received array is never sent onward: that is checked first, before any CUDA call
-  (the driver refuses to export imported memory, and its error would hide this one).
+Which block an array travels in (an IPC-safe block of :class:`_BlockPool`, its base
+allocation, or a staging copy made by :func:`_stage`): see *CUDA IPC blocks* in
+docs/architecture.md. Who keeps it alive (R6: a :class:`SlotTable` slot per sent block,
+leased by each message in flight and each consumer holding a view, freed by
+:meth:`SlotTable.collect`): see *CUDA lifetime* and *Kernel leases* there.
 
 The CUDA calls sit behind a small backend (:class:`_CupyBackend`); the bookkeeping
 around it is plain Python that the tests drive with a fake backend (a model of CuPy's
@@ -57,15 +21,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import heapq
 import os
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from . import _lease, _reduction
 
@@ -194,10 +157,10 @@ def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
         a, b = todo.pop()
         if a >= b:
             continue
-        raw = _lease._lock(fd, _lease._GETLK, fcntl.F_WRLCK, a, b - a)
-        kind, _whence, lstart, length, _pid = _lease._FLOCK.unpack(raw)
-        if kind == fcntl.F_UNLCK:
+        holder = _lease.a_holder(fd, a, b - a)
+        if holder is None:
             continue
+        lstart, length = holder
         lstop = b if length == 0 else lstart + length
         lo, hi = max(a, lstart), min(b, lstop)
         if lo >= hi:  # defensive: the kernel only reports overlapping locks
@@ -209,7 +172,11 @@ def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
     return out
 
 
-class SlotTable:
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class SlotTable(Generic[R]):
     """Slots of one producer lease file and the record kept alive for each sent slot.
 
     No CUDA here: a record is whatever the caller keeps alive. Not thread-safe (the
@@ -220,14 +187,14 @@ class SlotTable:
         self.fd = os.memfd_create("aiomp-cuda-lease", os.MFD_CLOEXEC)
         self.ident = _lease.identity(self.fd)
         self.limit = limit
-        self.records: dict[int, object] = {}
+        self.records: dict[int, R] = {}
         self._free: list[int] = []  # a heap: the lowest free slot first keeps ranges short
         self._next = 0
 
     def __len__(self) -> int:
         return len(self.records)
 
-    def allocate(self, record: object) -> int:
+    def allocate(self, record: R) -> int:
         """A free slot for ``record``; IpcLimitError when ``limit`` slots are outstanding.
 
         The caller must hold the slot's lease (through a handoff description) before
@@ -251,18 +218,18 @@ class SlotTable:
                 "aiomp.cuda.set_ipc_limit()"
             )
 
-    def discard(self, slot: int) -> object:
+    def discard(self, slot: int) -> R:
         """Forget ``slot`` now (a send that failed before its lease was taken)."""
         record = self.records.pop(slot)
         heapq.heappush(self._free, slot)
         return record
 
-    def collect(self) -> list[object]:
+    def collect(self) -> list[R]:
         """Free every slot that no description holds; returns their records."""
         if not self.records:
             return []
         held = held_ranges(self.fd, 0, self._next)
-        released: list[object] = []
+        released: list[R] = []
         i = 0
         for slot in sorted(self.records):
             while i < len(held) and held[i][1] <= slot:
@@ -369,6 +336,47 @@ def _no_gpu(exc: BaseException, doing: str) -> str:
         "the NVIDIA driver works here (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
         f"(now {visible!r}) shows this process the GPUs it sends or receives arrays on"
     )
+
+
+class Backend(Protocol):
+    """The CUDA calls the bookkeeping makes: :class:`_CupyBackend`, or the tests' fake.
+
+    ``dev`` is a device index; pointers are ints; events are the backend's own objects.
+    Arrays are ``Any``: a ``cupy.ndarray`` (cupy ships no type information).
+    """
+
+    def describe(self, arr: Any) -> Described: ...
+    def address_range(self, dev: int, ptr: int) -> tuple[int, int]: ...
+    def ipc_handle(self, dev: int, base: int) -> bytes: ...
+    def bus_id(self, dev: int) -> str: ...
+    def current_device(self) -> int: ...
+    def malloc(self, dev: int, size: int) -> tuple[int, object]: ...
+    def is_oom(self, exc: BaseException) -> bool: ...
+    def free_cached(self, dev: int) -> None: ...
+    def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None: ...
+    def memset(self, dev: int, ptr: int, nbytes: int) -> None: ...
+    def record_event(self, dev: int) -> tuple[object, bytes]: ...
+    def record(self, event: Any, dev: int) -> None: ...
+    def recycle_event(self, dev: int, event: Any, handle: bytes) -> None: ...
+    def sync(self, dev: int) -> None: ...
+    def local_device(self, bus_id: str, device: int) -> int: ...
+    def wait(self, event_handle: bytes, dev: int) -> None: ...
+    def wait_local(self, event: Any, dev: int) -> None: ...
+    def open(self, handle: bytes, dev: int) -> int: ...
+    def close(self, ptr: int, dev: int) -> None: ...
+    def wrap(
+        self,
+        ptr: int,
+        size: int,
+        owner: object,
+        dev: int,
+        offset: int,
+        shape: tuple[int, ...],
+        strides: tuple[int, ...],
+        dtype: str,
+    ) -> Any: ...
+    def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any: ...
+    def error_type(self) -> type[BaseException]: ...
 
 
 class _CupyBackend:
@@ -594,13 +602,13 @@ class _CupyBackend:
             return self.cp.empty(shape, dtype=dtype)
 
     def error_type(self) -> type[BaseException]:
-        return self.rt.CUDARuntimeError  # type: ignore[no-any-return]
+        return cast("type[BaseException]", self.rt.CUDARuntimeError)
 
 
-_backend: Any = None
+_backend: Backend | None = None
 
 
-def get_backend() -> Any:
+def get_backend() -> Backend:
     global _backend
     if _backend is None:
         try:
@@ -661,7 +669,7 @@ class _BlockPool:
         self.idle: dict[tuple[int, int], list[_Alloc]] = {}
         self.pid = os.getpid()
 
-    def take(self, backend: Any, dev: int, nbytes: int) -> IpcBlock:
+    def take(self, backend: Backend, dev: int, nbytes: int) -> IpcBlock:
         size = max(1, -(-nbytes // IPC_BLOCK)) * IPC_BLOCK
         idle = self.idle.get((dev, size))
         if idle:
@@ -689,7 +697,7 @@ class _BlockPool:
 _block_pool = _BlockPool()
 
 
-def _retry_oom(backend: Any, dev: int, fn: Any, *args: Any) -> Any:
+def _retry_oom(backend: Backend, dev: int, fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)``; on out-of-memory, reclaim what aiomp holds and retry once.
 
     torch frees released IPC blocks from its allocator's out-of-memory callback; CuPy has
@@ -772,20 +780,21 @@ class _Sent:
 
 
 class _Producer:
-    def __init__(self, backend: Any, limit: int) -> None:
+    def __init__(self, backend: Backend, limit: int) -> None:
         self.backend = backend
-        self.table = SlotTable(limit)
+        self.table: SlotTable[_Sent] = SlotTable(limit)
         self.events_live = 0
         self.handoffs: set[int] = set()  # open handoff fds: closed in a forked child
         self.pid = os.getpid()
 
     def collect(self) -> int:
         for record in self.table.collect():
-            self._free(record)  # type: ignore[arg-type]
+            self._free(record)
         return len(self.table)
 
     def _free(self, record: _Sent) -> None:
         if record.event is not None:
+            assert record.event_handle is not None  # recorded together (_send_block)
             self.events_live -= 1
             self.backend.recycle_event(record.device, record.event, record.event_handle)
         record.keep = []
@@ -798,7 +807,7 @@ class _Producer:
                 os.close(fd)
 
     def held_bytes(self) -> int:
-        return sum(r.size for r in self.table.records.values())  # type: ignore[attr-defined]
+        return sum(r.size for r in self.table.records.values())
 
 
 _lock = threading.RLock()
@@ -807,7 +816,7 @@ _limit = DEFAULT_IPC_LIMIT
 _atexit_registered = False
 
 
-def _get_producer(backend: Any) -> _Producer:
+def _get_producer(backend: Backend) -> _Producer:
     global _producer_state, _atexit_registered
     if _producer_state is None:
         _producer_state = _Producer(backend, _limit)
@@ -904,13 +913,13 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
         elif staged:
             # The copy was queued after the slot's event was recorded: record it again,
             # so that the consumer's wait (made once the message has arrived) covers it.
-            record = cast("_Sent", prod.table.records[entry[0]])
+            record = prod.table.records[entry[0]]
             if record.event is not None:
                 backend.record(record.event, dev)
             else:
                 backend.sync(dev)
         slot, event_handle = entry
-        cast("_Sent", prod.table.records[slot]).hold(keep)
+        prod.table.records[slot].hold(keep)
     meta = IpcArrayMeta(
         handle,
         size,
@@ -951,7 +960,7 @@ def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
 
 
 def _stage(
-    backend: Any, memo: dict[object, object], desc: Described, lo: int, hi: int
+    backend: Backend, memo: dict[object, object], desc: Described, lo: int, hi: int
 ) -> tuple[IpcBlock, int]:
     """Copy the bytes ``[lo, hi)`` of a small array into this message's IPC-safe staging
     block, on the producer's current stream; returns the block and element 0's offset.
@@ -990,7 +999,7 @@ def _send_block(
     try:
         _lease.hold(handoff_fd, slot, 1)
     except BaseException:
-        prod._free(prod.table.discard(slot))  # type: ignore[arg-type]
+        prod._free(prod.table.discard(slot))
         raise
     return slot, event_handle
 
@@ -1086,7 +1095,7 @@ def _itemsize(dtype: str) -> int:
 
 def _import(
     cons: _Consumer,
-    backend: Any,
+    backend: Backend,
     meta: IpcArrayMeta,
     fd: int,
     ident: tuple[int, int],
@@ -1108,7 +1117,7 @@ def _import(
         ):
             # Sent to ourselves: the memory is ours already (a handle cannot be opened in
             # the process that exported it).
-            rec: _Sent = prod.table.records[meta.slot]  # type: ignore[assignment]
+            rec = prod.table.records[meta.slot]
             if rec.event is not None:
                 backend.wait_local(rec.event, rec.device)
             ref = _SlotRef(rec.base, rec.size, rec.device, list(rec.keep))
@@ -1181,7 +1190,7 @@ def _release(
 
 def _drop(
     cons: _Consumer,
-    backend: Any,
+    backend: Backend,
     ident: tuple[int, int],
     slot: int,
     mapping_key: tuple[bytes, int] | None,

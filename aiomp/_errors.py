@@ -19,7 +19,7 @@
 Every exception here pickles with its attributes, so a child can send it to its parent
 and a parent can hand it on to another process.
 
-This module is imported by every child: it imports nothing but the standard library.
+A *child* module: standard library only (see *Light children* in docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ other, and an fd passed with ``SCM_RIGHTS`` shares its sender's description. So:
   then closes the message's description.
 
 Used for shared-memory blocks (the segment itself is the file) and for CUDA IPC blocks
-(a small lease file per producer). Standard library only.
+(a small lease file per producer): see *Kernel leases* in docs/architecture.md. A *child*
+module (see *Light children*).
 """
 
 from __future__ import annotations
@@ -49,8 +50,19 @@ def release(fd: int, start: int, length: int) -> None:
 
 def is_held(fd: int, start: int, length: int) -> bool:
     """True if any *other* description holds a lease overlapping the range."""
-    kind: int = _FLOCK.unpack(_lock(fd, _GETLK, fcntl.F_WRLCK, start, length))[0]
-    return kind != fcntl.F_UNLCK
+    return a_holder(fd, start, length) is not None
+
+
+def a_holder(fd: int, start: int, length: int) -> tuple[int, int] | None:
+    """``(start, length)`` of one lease that another description holds in the range, or None.
+
+    ``F_OFD_GETLK`` names one conflicting lock, not necessarily the lowest; a length of 0
+    means "to the end of the file".
+    """
+    kind, _whence, lstart, llength, _pid = _FLOCK.unpack(
+        _lock(fd, _GETLK, fcntl.F_WRLCK, start, length)
+    )
+    return None if kind == fcntl.F_UNLCK else (lstart, llength)
 
 
 class exclusive:

@@ -1,34 +1,21 @@
 """Children's output, forwarded to the parent line by line with a label: ``[rank N] line``.
 
-Each child's fd 1 and fd 2 become the write ends of two unix stream sockets whose read
-ends the parent holds in one :class:`Forwarder` per child. Output is caught at the fd
-level, so C extensions and subprocesses are caught too. The parent reads on its event
-loop with no thread and no polling: an ``add_reader`` callback on asyncio and uvloop,
-a system task under trio (which has no reader callbacks); a read waits
-:data:`COALESCE` after readiness, so many small writes cost one wake-up. Neither touches anyio: a
-callback of a plain ``asyncio.run`` loop cannot use it.
+One :class:`Forwarder` per child holds the read ends of the unix sockets that are the
+child's fd 1 and fd 2, and of a third (datagrams) for its logging records, and reads them
+on the parent's loop with no thread and no polling (see *Output forwarding* and *Nothing
+anyio in loop callbacks* in docs/architecture.md).
 
 Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
 parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirections and
 pytest's capture see it); a callable receives ``(rank, stream, line)``. Bytes that are
-not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated.
+not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated. A
+logging record is re-emitted with ``logging.getLogger(record.name).handle(record)``, with
+``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` set; the child's side is
+:func:`aiomp._child.forward_logging`.
 
-Logging records travel as records: unless the child's code configures logging itself,
-a record at the parent's effective root level or above goes (pickled, its message
-already formatted, exception info as text) over a third socket (datagrams) and is re-emitted with
-``logging.getLogger(record.name).handle(record)``, so the parent's handlers, formatters
-and filters apply; ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` are
-set. See :func:`aiomp._child.forward_logging` for the child's side.
-
-Nothing is lost: when the child has exited, :meth:`Forwarder.close` reads what is left
-in the socket (what a child wrote just before a SIGSEGV or SIGKILL included) and flushes
-a last partial line. Buffering is bounded by the kernel's socket buffer: while the
-parent's loop is blocked, a child that writes more than that waits in ``write()`` until
-the loop runs again, and goes on then. The child's end asks for a 4 MiB buffer.
-
-The Pool reuses this with ``label="worker"``: a Forwarder per worker, its
-:meth:`child_ends` passed to ``_context.launch(..., output=...)``, and
-:func:`aiomp._child.redirect_output` called first thing in the worker.
+Nothing is lost: :meth:`Forwarder.close`, once the child has exited, reads what is left
+(what it wrote just before a SIGSEGV or SIGKILL included) and flushes a last partial
+line. The Pool uses one Forwarder per worker, with ``label="worker"``.
 """
 
 from __future__ import annotations
@@ -38,9 +25,12 @@ import pickle
 import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _transport
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger("aiomp")
 
@@ -82,9 +72,10 @@ class Forwarder:
         self._parent: list[socket.socket | None] = []
         self._child: list[socket.socket] = []
         self._partial = [b"", b""]
-        self._loop: Any = None
-        self._timers: list[Any] = [None, None, None]  # asyncio: pending coalescing reads
-        self._trio_scopes: list[Any] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # None: trio
+        #: asyncio: pending coalescing reads
+        self._timers: list[asyncio.TimerHandle | None] = [None, None, None]
+        self._trio_scopes: list[Any] = []  # trio.CancelScope (trio is optional)
         try:
             # stdout, stderr (byte streams), then logging records (one datagram each;
             # SOCK_DGRAM, not SEQPACKET: a child tells its control socket, the one
@@ -153,18 +144,20 @@ class Forwarder:
                 await trio.sleep(COALESCE)
 
     def _on_readable(self, i: int) -> None:
-        s = self._parent[i]
+        s, loop = self._parent[i], self._loop
+        assert loop is not None  # reader callbacks exist on asyncio only
         if s is not None and self._timers[i] is None:
-            self._loop.remove_reader(s.fileno())
-            self._timers[i] = self._loop.call_later(COALESCE, self._read_batch, i)
+            loop.remove_reader(s.fileno())
+            self._timers[i] = loop.call_later(COALESCE, self._read_batch, i)
 
     def _read_batch(self, i: int) -> None:
         self._timers[i] = None
-        s = self._parent[i]
+        s, loop = self._parent[i], self._loop
         if s is None:
             return
+        assert loop is not None  # timers exist on asyncio only
         if self._read(i, drain=True):
-            self._loop.add_reader(s.fileno(), self._on_readable, i)
+            loop.add_reader(s.fileno(), self._on_readable, i)
         else:
             self._detach(i)
 

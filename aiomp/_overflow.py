@@ -1,91 +1,20 @@
 """A queue's overflow: a log in shared memory that belongs to the queue, not to a producer.
 
-A :class:`~aiomp.Queue` sends an item on its socket while the socket buffer has room
-(the fast path: one ``sendmsg``, one ``recvmsg``). When the buffer is full, the item is
-appended to the overflow instead, and ``put`` returns: nothing waits, nothing is buffered
-in the producer. The overflow is made of two things every holder of the queue holds:
+When a :class:`~aiomp.Queue`'s socket buffer is full (and for every item of a bounded
+queue), ``put`` appends the item here and returns: nothing waits, nothing is buffered in
+the producer. The *log* is an anonymous memfd every holder maps: a header page, then
+records ``[length, nfds, nonce, pickle bytes]`` from ``head`` to ``tail``, grown with
+``posix_fallocate``. An item's fds are parked in the *vault*, the reverse direction of the
+queue's own socket pair. Every access holds a process-shared robust mutex in the header
+page, and every operation commits with one one-byte store.
 
-- the *log*: an anonymous memfd (no name anywhere, so nothing to clean up), a header page
-  and a data area of records ``[length, nfds, nonce, pickle bytes]`` from ``head`` to
-  ``tail``. The data area grows with ``posix_fallocate`` (no memory: an error at ``put``,
-  never a SIGBUS later) and is truncated away once the log is drained, or compacted when
-  most of it has been consumed;
-- the *vault*: the reverse direction of the queue's own socket pair (consumers' end ->
-  producers' end; nothing else ever travels that way, and its buffer is accounted apart
-  from the forward one). A record whose item carries fds (a ``file_descriptor`` array's
-  segment, a queue inside an item) parks them there as a datagram ``[nonce] + fds``: fds
-  cannot live in shared memory, but an in-flight ``SCM_RIGHTS`` message keeps them open
-  in the kernel for as long as any process holds the socket. The array data itself stays
-  in its shared segment; only its handle is in the log.
+Why no item is lost or duplicated when any process dies at any instruction, how each
+producer's order is kept (*Order*) and how bounded queues count (*Bounded queues*): the
+section "Queue overflow: no loss or duplication at any instruction" in
+docs/reliability.md.
 
-Every access to the log holds a process-shared *robust* mutex in the header page
-(``pthread_mutex_lock`` through ctypes: an uncontended lock is one atomic instruction, a
-third of the cost of an fcntl lock's two syscalls). Robust: the kernel walks a dying
-thread's list of held robust mutexes (SIGKILL included) and marks them; the next locker
-gets ``EOWNERDEAD`` and marks the mutex consistent, which it is (see below).
-
-Why no item is lost or duplicated when any process dies at any instruction
----------------------------------------------------------------------------
-The committed state is ``(head, tail, count)``. The header holds two copies and a selector
-byte; a writer fills the copy not selected and then stores the selector: a one-byte store
-is the only commit point of every operation. A process that dies leaves every store it
-made visible (the machine does not die with it), so the state is either before or after
-its commit, and the kernel has released its mutex.
-
-A producer, holding the mutex: (1) parks the fds in the vault under a fresh random nonce,
-(2) writes the record past ``tail``, (3) sets the "maybe not empty" hint, (4) commits
-``tail += size, count += 1``. Dying before (4) leaves no record (``put`` had not returned),
-at most an orphan vault datagram; dying after (4) leaves the item in the queue, in memory
-and in a socket that outlive the producer.
-
-A consumer, holding the mutex: (1) tries the socket once more (see "Order"), (2) copies
-the head record out, (3) *peeks* the vault (``MSG_PEEK`` gives it its own duplicates of
-the fds and leaves the datagram in place), discarding datagrams whose nonce is not the
-record's, (4) commits ``head += size, count -= 1``, (5) receives and closes the matched
-datagram. Dying before (4) leaves the record and its fds where they were, for the next
-consumer; its duplicates die with it. Dying after (4) means the item was received (like a
-consumer dying right after ``recvmsg``), and leaves a stale vault datagram.
-
-Discarding a vault datagram whose nonce is not the head record's is safe: records and
-their datagrams are appended in the same order under the mutex, and a record's datagram
-is destroyed only after the record is committed away, so every datagram ahead of the head
-record's is an orphan (a producer that died before committing) or stale (a consumer that
-died after committing). Nonces are 64 random bits. No record is read by two consumers:
-reading and committing happen under one mutex. The hint is set before a commit that makes
-the log non-empty and cleared only after the commit that empties it, so it is never 0
-while an item is committed: readers that skip the log on a 0 hint skip nothing.
-
-Order
------
-A producer uses the socket only while the log is empty (checked under the mutex once the
-hint is set), so every earlier item of its own has already left the log. A consumer reads
-the log only after finding the socket empty *under the mutex*: a producer's socket items
-were sent before any later item of its joined the log, so they are still in the socket,
-and are taken first. Items of one producer are therefore received in the order put;
-across producers nothing is promised, as in ``multiprocessing``.
-
-Looking at the socket costs a syscall per get, so a consumer that finds it empty sets the
-``drained`` flag, and later consumers skip the look while it is set. A producer that has
-sent on the socket since its last append clears the flag in that append (under the
-mutex), before its item joins the log: so no consumer reads that item while an earlier
-one of the same producer may still be in the socket. (A producer that read the hint as 0,
-stalled, and sent on the socket once the log had filled again leaves its item in the
-socket until the log is empty: that reorders it only against other producers' items.)
-
-Bounded queues
---------------
-A bounded queue (``maxsize > 0``) puts every item through the log, so that its bound is
-the committed count, exact whatever process dies where: a consumer dying between taking
-an item and giving back its slot (issue 9) has nothing to give back. Its socket is not
-used for items; consumers wait for an eventfd of *tokens* instead, which a producer
-increments before its commit and a consumer decrements after its commit. So there are
-never fewer tokens than items (a death leaves an extra token: a spurious wake-up, and the
-extra tokens are dropped whenever a consumer finds the log empty), and a consumer never
-sleeps while an item is in the log. Likewise a consumer wakes producers waiting for room
-before its commit, never after.
-
-Standard library only (and ctypes for the mutex, on first use): children import this
-module.
+A *child* module (see *Light children* in docs/architecture.md): standard library only,
+ctypes for the mutex on first use.
 """
 
 from __future__ import annotations
@@ -112,7 +41,7 @@ if TYPE_CHECKING:
 PAGE = mmap.PAGESIZE
 _HINT = 8  # 1 while the log may hold an item; never 0 while it does
 _CLOSED = 9  # 1 once the queue is closed (written under the lock)
-_DRAINED = 10  # 1: the socket was found empty, and no producer has used it since (see Order)
+_DRAINED = 10  # 1: the socket was found empty, and no producer has used it since (see *Order*)
 _SELECT = 16  # which state copy is committed: storing this byte is the commit
 _SIZE = 24  # bytes of data area allocated; never more than the file has (see _mapped)
 _COPIES = (64, 96)
@@ -192,8 +121,8 @@ class _Mutex:
         rc = self._lock(self.addr)
         if rc:
             if rc == errno.EOWNERDEAD:
-                # Its holder died. The log is consistent at every instruction (the module
-                # docstring says why): only the mutex needs marking so.
+                # Its holder died. The log is consistent at every instruction (see *Queue
+                # overflow* in docs/reliability.md): only the mutex needs marking so.
                 libc: Any = _Mutex._libc
                 rc = libc.pthread_mutex_consistent(self.addr)
             _check(rc)
@@ -349,7 +278,7 @@ class Overflow:
         """Duplicates of the fds parked for the record ``nonce``; the datagram stays."""
         while True:
             got = self._peek_vault()
-            if got is None:  # cannot happen: see the module docstring
+            if got is None:  # cannot happen: see docs/reliability.md
                 raise TransportError(
                     0,
                     "the file descriptors of an item in the queue's "
@@ -374,8 +303,8 @@ class Overflow:
         """Append an item (its pickle and fds), or send it on the socket if the log is empty.
 
         ``try_socket()`` sends the item on the socket: True if sent. ``used_socket``: this
-        producer has sent on the socket since its last append (see Order). A bounded
-        queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (see Bounded):
+        producer has sent on the socket since its last append (see *Order*). A bounded
+        queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (*Bounded queues*):
         False then also means that the log holds ``limit`` items. Returns False if the
         item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
         carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or

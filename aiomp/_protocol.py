@@ -1,8 +1,8 @@
 """The wire format between :class:`aiomp.Pool` and its workers, used by both sides.
 
 Every message, both ways, is one ``_transport`` datagram framed on the worker's
-:class:`_transport.Stream` (a stream socket: a worker blocked in ``recvmsg`` on one wakes
-far sooner than on a datagram socket; see ``_transport``). Its body is a 10-byte header
+:class:`_transport.Stream` (a stream socket: see *Stream wake-ups* in docs/architecture.md
+for why). Its body is a 10-byte header
 followed by a pickle made with ``_reduction`` (so fds of shared arrays ride in the same
 datagram)::
 
@@ -23,7 +23,7 @@ method or a partial, whose state may change between calls.
 The fused structs below pack a stream frame header, the transport's kind byte and the
 message header in one call: the ``apply`` round trip packs each message once.
 
-Standard library and aiomp's small modules only: every worker imports this module.
+A *child* module: every worker imports it (see *Light children* in docs/architecture.md).
 """
 
 from __future__ import annotations

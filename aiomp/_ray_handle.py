@@ -5,11 +5,10 @@ An :class:`ActorHandle` is the second kind of worker handle behind the Pool's sc
 ``send_exit``, ``cancel``, ``kill``), the same ``dead`` event, and the same report upward,
 ``on_exit(handle, exitcode, unsent)``, once, after the actor is gone.
 
-Nothing here waits on a thread or polls. Each ref the handle makes (the actor's
-``init``, each task's ``run``, and ``alive``, which returns only when the actor dies) gets a
-done-callback; Ray runs it on its own thread, and it hands the outcome to the pool's event
-loop with ``call_soon_threadsafe``. There, in a loop callback, the result goes to the
-scheduler (``on_result``), which resolves the caller's future: no anyio, no task woken.
+Each ref the handle makes (the actor's ``init``, each task's ``run``, and ``alive``, which
+returns only when the actor dies) gets a done-callback that Ray runs on its thread and
+that hands the outcome to the pool's loop; each ref is held until then (see *Ray workers*
+and *Nothing anyio in loop callbacks* in docs/architecture.md).
 
 :meth:`run` is the *watcher*, one task in the pool's task group per actor. It waits until
 the actor must go (:meth:`kill`, :meth:`send_exit`) or has gone (``alive`` failed, or a
@@ -18,26 +17,22 @@ grace period plus :data:`CONFIRM` seconds) until Ray confirms the death and ever
 sent has settled, so that a task that finished just before the death keeps its result, and
 reports the exit. Every ref still unsettled then belonged to a dead actor: the scheduler
 fails those tasks with :class:`aiomp.BrokenWorkerError`.
-
-Each ref is held until its callback has run: Ray aborts the process when it resolves an
-object in its store whose ref nobody holds (``ray.ObjectRef.future`` holds it the same
-way).
-
-A task sent to an actor that has died but whose death the pool has not seen yet fails with
-the others it held: Ray cannot tell whether the actor started it.
 """
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ._protocol import ErrorPayload
 from ._scheduler import Task
 from ._wakeup import Signal
+
+if TYPE_CHECKING:
+    import asyncio
 
 #: The exit code reported for an actor the pool killed (``ray.kill`` sends SIGKILL).
 KILLED = -signal.SIGKILL
@@ -53,8 +48,8 @@ class ActorHandle:
     def __init__(
         self,
         slot: int,
-        actor: Any,
-        loop: Any,
+        actor: Any,  # a Ray ActorHandle (ray ships no types)
+        loop: asyncio.AbstractEventLoop,  # Ray's asyncio integration: asyncio only
         grace: float,
         on_result: Callable[[ActorHandle, int, bool, Any], None],
         on_ready: Callable[[ActorHandle, tuple[Any, ...]], None],

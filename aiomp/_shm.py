@@ -1,51 +1,20 @@
 """Shared-memory segments, the per-process pool that recycles them, and the janitor.
 
 A *segment* is a shared file mapped once per process: an anonymous memfd (strategy
-``"file_descriptor"``, the default: its fd travels inside the message with SCM_RIGHTS) or
-a named file ``/dev/shm/aiomp-<pid>-<random>`` (strategy ``"file_system"``: its name
-travels). A segment is cut into equal *blocks*; one array lives in one block. Small blocks
-share 8 MiB slabs, so thousands of arrays need a handful of fds; a large array has a
-segment of its own.
+``"file_descriptor"``, the default: its fd travels inside the message) or a named file
+``/dev/shm/aiomp-<pid>-<random>`` (``"file_system"``: its name travels). A segment is cut
+into equal *blocks*, one array per block; small blocks share 8 MiB slabs, a large array
+has a segment of its own.
 
-Who may reuse a block is decided by leases (:mod:`aiomp._lease`): every process that holds
-a view of a block holds a read lock on the block's byte range, and so does every message in
-flight that names it. The process that created the segment reuses a block once its own
-views are gone and the kernel reports no lease on it. A SIGKILLed holder loses its leases
-with its fds. Nothing is counted by hand.
+A block is reused once its creator's own views are gone and the kernel reports no lease
+on it (see *Kernel leases* in docs/architecture.md). Segments are recycled, allocated in
+full up front and pre-faulted (*Recycled segments*), and a segment holds one fd however
+many arrays were sent (*One fd per segment*). Under ``"file_system"`` a message holds no
+lease while in flight, so the segment's header page counts the references sent and opened
+per block, and names the creator and its *process tree*; who removes a name, and when, is
+"``file_system`` names do not outlive their users" in docs/reliability.md.
 
-Fresh segments cost page faults (about 0.7 s/GiB here, against 13 GiB/s for memcpy into
-mapped memory), so blocks are recycled instead of freed, and a new segment is allocated
-in full up front (``posix_fallocate``: an exhausted ``/dev/shm`` or memory is a
-:class:`~aiomp.SharedMemoryError` at the call, never a SIGBUS later) and mapped with
-``MAP_POPULATE``. Idle segments beyond :data:`POOL_LIMIT` bytes are released.
-
-File descriptors stay bounded however many arrays were ever sent. A mapping holds no fd
-(it is made with libc's ``mmap``; Python's ``mmap`` would keep a ``dup`` of the fd for its
-whole life): a segment has one fd, kept because it is needed to send the segment again and
-to test or hold leases. A process keeps at most :data:`IDLE_SEGMENTS` segments with none of
-its own arrays in them; past that the oldest is *given away*: closed here, its memory freed
-by the kernel once the last message or receiver holding it lets go. A process that runs out
-of fds gives away its idle segments and tries again; if it still cannot open one, it raises
-:class:`~aiomp.TransportError` saying how many fds it has open, its limit and what to do.
-
-Under ``"file_system"`` a message carries no fd, so nothing can hold a block while the
-message is in flight: a block that was sent is not reused until a receiver has opened it
-(a counter in the segment's header page) and released it. The header page also names the
-creator and the *process tree* (the root process and its descendants, the only processes
-that can hold the tree's queues), and says whether the creator has let the name go
-(*abandoned*: at its exit, or when it gave the segment away). The name is removed by
-whoever sees last, under the header's lock, that
-
-- its creator has let go of it or is dead (SIGKILL included),
-- no process holds a lease in it, and
-- no message naming it can still be read: every reference sent has been opened, or the
-  tree is gone (no live process can hold the queue it is in), or nothing was sent naming
-  it for :data:`STALE_IN_FLIGHT` seconds.
-
-That is: the creator at its exit, the last receiver when it drops its arrays, the root of
-the tree at its exit (once no child is left), and :func:`janitor`, which the first segment
-of every new process tree runs (sweeping what dead trees left) and which runs when a child
-exits abnormally.
+A *child* module (see *Light children*).
 """
 
 from __future__ import annotations
@@ -84,7 +53,7 @@ STALE_IN_FLIGHT = 60.0
 #: Bytes of idle pooled segments a process keeps for reuse.
 POOL_LIMIT = 1 << 30
 #: Segments with no array of this process in them that a process keeps (one fd each);
-#: past that the oldest is given away (see the module docstring).
+#: past that the oldest is given away (see *One fd per segment* in docs/architecture.md).
 IDLE_SEGMENTS = 32
 SHM_DIR = "/dev/shm"
 PREFIX = "aiomp-"
@@ -298,7 +267,8 @@ def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     exporter = (ctypes.c_char * segment.block_size).from_address(
         segment.address + segment.offset(index)
     )
-    exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]  # outlives views
+    # A ctypes array takes attributes its type does not declare: the mapping outlives views.
+    exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]
     _info[id(exporter)] = (segment, index)
     _blocks[(segment.key, index)] = exporter
     weakref.finalize(exporter, _drop_block, segment, index, id(exporter))
@@ -782,7 +752,7 @@ def janitor(*, _ending: tuple[int, int] | None = None) -> list[str]:
     """Remove ``/dev/shm/aiomp-*`` names that nothing can need any more.
 
     A name goes once its creator has let go of it or died (SIGKILL included), no process
-    holds it, and no message naming it can still be read (see the module docstring).
+    holds it, and no message naming it can still be read (see docs/reliability.md).
     Returns the names removed. Safe to call at any time from any process; aiomp calls it
     when the first segment of a process tree is made, when a child exits abnormally, and
     when the root of a tree exits.
@@ -812,14 +782,12 @@ def _tree_is_ending() -> bool:
         return False
     from multiprocessing import forkserver, resource_tracker
 
-    helpers = {
-        forkserver._forkserver._forkserver_pid,  # type: ignore[attr-defined]
-        resource_tracker._resource_tracker._pid,  # type: ignore[attr-defined]
-    }
+    # The helpers' pids are private attributes of multiprocessing, absent from typeshed.
+    server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    helpers = {server, resource_tracker._resource_tracker._pid}  # type: ignore[attr-defined]
     others = set()
     try:
         others = _children() - helpers
-        server = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
         if server and _alive(server):
             with open(f"/proc/{server}/task/{server}/children") as f:
                 others.update(int(p) for p in f.read().split())

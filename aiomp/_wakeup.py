@@ -1,10 +1,10 @@
 """Wake-ups that loop callbacks may set.
 
 The Pool completes tasks from an asyncio reader callback (``loop.add_reader``), where no
-task runs. anyio cannot tell which library runs there (under a plain ``asyncio.run`` it
-finds none), so nothing reached from a callback may create an anyio object or call anyio.
-These wake-ups obey that rule: ``set()`` touches only a future (asyncio) or an event made
-earlier (trio); the waiting side, always a task, makes what it waits on.
+task runs, so nothing reached from a callback may create an anyio object or call anyio
+(see *Nothing anyio in loop callbacks* in docs/architecture.md). These wake-ups obey it:
+``set()`` touches only a future (asyncio) or an event made earlier (trio); the waiting
+side, always a task, makes what it waits on.
 """
 
 from __future__ import annotations

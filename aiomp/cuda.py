@@ -1,116 +1,49 @@
 """CuPy arrays between processes, as CUDA IPC handles: ``aiomp.cuda``.
 
 A ``cupy.ndarray`` anywhere in an aiomp message (a :class:`aiomp.Queue` item,
-``aiomp.spawn(args=...)``, a Pool task's arguments or result) travels as a CUDA IPC handle
-of the allocation holding it, plus its offset, shape, strides, dtype and device, and an
-event recorded on the sender's current stream. The receiver gets a ``cupy.ndarray`` on
-the *same device memory* (no copy), and its current stream waits for that event, so
-kernels the sender launched before ``put`` have finished before the receiver's work on
-the array runs. Importing aiomp never imports cupy: this machinery loads the first time a
-message is pickled after your program has imported cupy.
+``aiomp.spawn(args=...)``, a Pool task's arguments or result) arrives as a
+``cupy.ndarray`` on the *same device memory*, and the receiver's current stream waits for
+an event recorded on the sender's current stream at ``put``. Importing aiomp never
+imports cupy. How it works: *CUDA IPC blocks* and *CUDA lifetime* in docs/architecture.md.
 
-Which arrays travel in place: the 2 MiB rule
---------------------------------------------
-A CUDA IPC handle shares the *whole* memory block under an allocation, and the driver
-packs small cudaMallocs (CuPy rounds requests to 512 bytes) side by side into shared
-blocks: a consumer of one small array would map its neighbours too, and two small
-arrays could need two handles backed by one block. The CUDA programming guide
-recommends sharing only allocations of whole 2 MiB multiples. So:
+What travels in place, and what as a copy:
 
-- Arrays from :func:`empty` / :func:`zeros` live in **IPC-safe blocks** (whole,
-  2 MiB-multiple allocations, outside CuPy's pool) and always travel **in place**:
-  the consumer's writes are seen by the producer, as with ``aiomp.zeros`` on the host.
-  Blocks are pooled and reused once neither the producer nor any consumer holds them.
-- Any other CuPy array whose bytes span less than :data:`IPC_BLOCK` (2 MiB) travels as
-  a **copy**: at ``put``, aiomp copies it (device to device, on the producer's current
-  stream, before the event is recorded) into an IPC-safe staging block that the small
-  arrays of one message share. The consumer gets the copy; its writes are not seen by
-  the producer, and views of one small buffer arrive as separate copies.
-- Larger arrays travel in place, in their CuPy allocation (2 MiB or more, which the
-  driver does not pack with others).
+- arrays from :func:`empty` / :func:`zeros` (IPC-safe blocks, whole multiples of
+  :data:`IPC_BLOCK`, 2 MiB): always in place, so a consumer's writes are seen by the
+  producer. Build arrays that are written by consumers, or sent often, this way;
+- other arrays of 2 MiB or more: in place, in their CuPy allocation;
+- smaller arrays from CuPy's pool: as a copy made at ``put`` on the producer's stream
+  (the driver shares whole blocks, neighbours included); writes are not seen back, and
+  views of one small buffer arrive as separate copies.
 
-Build arrays that consumers should write into, or that you send often, with
-:func:`empty`; small scratch arrays can stay in CuPy's pool and be copied.
+Rules:
 
-Out of memory
--------------
-When an IPC-safe block cannot be allocated (by :func:`empty`, or for a staging copy
-at ``put``), aiomp frees sent blocks that every consumer has released
-(:func:`ipc_collect`), its idle IPC-safe blocks and CuPy's cached blocks
-(``free_all_blocks``), and retries once; a second failure raises CuPy's error.
-torch does the same from its allocator's out-of-memory callback. CuPy's own
-allocations (``cupy.empty``) do not call back into aiomp: if they run out while
-released blocks await collection, call :func:`ipc_collect` and retry.
+- **Keep the producer alive** until its consumers are done: what it sent is valid only
+  while it lives (it warns at exit with the count still held). Do not *return* a CuPy
+  array from a spawned function or a Pool task; return ``cupy.asnumpy(x)``, or keep the
+  process alive until the receiver replies.
+- **Consumers drop received arrays promptly** (or copy them): a held view pins the
+  producer's memory. Past :func:`get_ipc_limit` blocks (1000 by default) outstanding per
+  producer, ``put`` raises :class:`IpcLimitError`; a request/reply window keeps it bounded.
+- **Stream order**: ``put`` inside ``with stream:`` if the array was filled on a
+  non-current stream. A consumer using it on another stream makes that stream wait on the
+  current one, and synchronises it before dropping the array.
+- A received array cannot be sent onward (:class:`CudaIpcError`): send a copy.
+- ``start_method="fork"`` raises in a process that has initialised CUDA: use ``"spawn"``
+  or ``"forkserver"`` and create CUDA state in the children.
+- Every receiver must see the device (matched by PCI bus id, so device order may differ);
+  otherwise ``get`` raises :class:`CudaIpcError`, as do ``put``, ``get`` and
+  :func:`empty` without a usable GPU. ``cudaMallocAsync`` pools, managed and virtual
+  memory cannot be exported in place (:class:`CudaIpcError`): copy into :func:`empty`.
+- Out of device memory in :func:`empty` or a copy at ``put``, aiomp frees released sent
+  blocks, its idle blocks and CuPy's cache, and retries once. CuPy's own allocations do
+  not call back into aiomp: call :func:`ipc_collect` and retry.
 
-Lifetime: who keeps what alive
--------------------------------
-CUDA requires an exported allocation to stay valid while other processes use it. aiomp
-handles that for you, with reference counts kept by the kernel:
+Limits: :data:`DEFAULT_IPC_LIMIT` outstanding blocks per producer (:func:`set_ipc_limit`);
+:data:`MAX_IPC_EVENTS` live IPC events per producer (past it, a send synchronises the
+stream instead of recording an event).
 
-- The **producer** (the sending process) keeps every block it sent alive, even when you
-  drop your own array, until every process that received it has released it; that
-  is every array's own memory, even when CuPy's pool split several of them from one
-  allocation. Blocks
-  whose consumers have released them are freed at the next send, or when you call
-  :func:`ipc_collect`.
-- A **consumer** releases a block when the last array view it got from it is garbage
-  collected, or when it exits (SIGKILL included: the kernel drops its references).
-  Before releasing, it synchronises its current stream, so that kernels still reading
-  the memory finish before the producer may reuse it, and closes its IPC mapping
-  (the driver forbids freeing memory that an importer still maps).
-
-Best practices
---------------
-- **Keep the producer alive** until its consumers are done with what it sent. If a
-  producer exits first, the consumers' arrays become invalid (aiomp warns at exit with
-  the number of blocks still held). In particular, do not *return* a CuPy array from a
-  spawned function or a Pool task whose process then exits: return ``cupy.asnumpy(x)``,
-  or send the array on a queue and keep the process alive until the receiver replies.
-- **Consumers: drop received arrays promptly** (``del batch`` once used), or copy what
-  you keep (``x.copy()``). A held view pins the producer's memory. At most
-  :func:`get_ipc_limit` blocks (1000 by default) may be outstanding per producer; past
-  that, ``put`` raises :class:`IpcLimitError` rather than letting GPU memory grow
-  without bound. A request/reply protocol (send the result back, and let the producer
-  wait for it before sending more than a window of batches) keeps this bounded.
-- **Stream order**: the event is recorded on the producer's *current stream* at ``put``;
-  if you filled the array on another stream, ``put`` inside ``with that_stream:`` (or
-  synchronise it first). The consumer's *current stream* waits for that event; if you
-  use the array on another stream, make that stream wait on the current one first, and
-  synchronise any non-current stream that used the array before dropping it (aiomp
-  synchronises only the current stream before releasing).
-- **Do not send a received array onward** (a pipeline stage forwarding its input):
-  the memory belongs to the original producer, which tracks only the consumers it sent
-  to. aiomp raises :class:`CudaIpcError` (before any CUDA call); send a copy, or have
-  the producer send it.
-- **Never fork with CUDA initialised**: ``start_method="fork"`` raises in a process that
-  has initialised CUDA. Use ``"spawn"`` (the default) or ``"forkserver"``, and create
-  CUDA state in the children.
-- **Every receiver must see the device**: arrays are matched to devices by PCI bus id,
-  so different ``CUDA_VISIBLE_DEVICES`` orders are fine, but a process that cannot see
-  the device raises :class:`CudaIpcError` on ``get``.
-- Only memory from ``cudaMalloc`` can be exported in place: CuPy's default
-  ``MemoryPool`` and :func:`empty` work; arrays of 2 MiB or more from
-  ``MemoryAsyncPool`` (``cudaMallocAsync``), managed memory and virtual-memory
-  allocators cannot (``put`` raises :class:`CudaIpcError`); copy them into
-  :func:`empty` first. (Smaller ones are copied anyway.)
-- **No usable GPU** (no driver, no device visible): ``put`` and ``get`` of CuPy arrays
-  and :func:`empty` raise :class:`CudaIpcError` with the runtime's reason.
-- Sending the same large array again costs an IPC handle and an event, not a copy;
-  a consumer opens each allocation once however many arrays in it arrive, and several
-  arrays from one allocation in one message share one lease slot.
-
-Limits
-------
-- :data:`DEFAULT_IPC_LIMIT` outstanding blocks per producer (change with
-  :func:`set_ipc_limit`).
-- :data:`MAX_IPC_EVENTS` live interprocess events per producer (as torch): past it a
-  send synchronises the producer's current stream instead of recording an event.
-- :data:`IPC_BLOCK` (2 MiB): the unit of IPC-safe blocks and the size under which
-  arrays from CuPy's pool travel as copies.
-
-Errors
-------
-::
+Errors::
 
     RuntimeError
      +-- CudaIpcError      an array could not be sent (put) or received (get)
@@ -119,7 +52,7 @@ Errors
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._cuda import (
     DEFAULT_IPC_LIMIT,
@@ -134,6 +67,9 @@ from ._cuda import get_ipc_limit as _get_ipc_limit
 from ._cuda import ipc_collect as _ipc_collect
 from ._cuda import set_ipc_limit as _set_ipc_limit
 from ._cuda import statistics as _statistics
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = (
     "DEFAULT_IPC_LIMIT",
@@ -151,7 +87,10 @@ __all__ = (
 )
 
 
-def empty(shape: Any, dtype: Any = float) -> Any:
+# ``Any`` results: a ``cupy.ndarray`` (cupy ships no type information).
+
+
+def empty(shape: int | tuple[int, ...], dtype: DTypeLike = float) -> Any:
     """A ``cupy.ndarray`` in an IPC-safe block: it travels in place, whatever its size.
 
     The block is a whole cudaMalloc of a multiple of :data:`IPC_BLOCK` (2 MiB) bytes,
@@ -165,7 +104,7 @@ def empty(shape: Any, dtype: Any = float) -> Any:
     return _empty(shape, dtype)
 
 
-def zeros(shape: Any, dtype: Any = float) -> Any:
+def zeros(shape: int | tuple[int, ...], dtype: DTypeLike = float) -> Any:
     """:func:`empty`, filled with zeros on the current stream."""
     return _empty(shape, dtype, zero=True)
 

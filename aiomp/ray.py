@@ -6,54 +6,27 @@
         y = await pool.apply(f, (x,))
         ys = await pool.map(f, xs)
 
-The parts are the local Pool's (see ``aiomp._pool``): the calls (``_calls``) pickle in the
-caller and wait; the same synchronous scheduler (``_scheduler``) decides which task runs
-where, when workers are replaced, and what a cancellation does. Only the worker handle
-differs: an :class:`~aiomp._ray_handle.ActorHandle` drives one async Ray actor
-(``aiomp._ray_actor.Worker``) where a ``WorkerHandle`` drives one process. Ray is the engine:
-it places the actors, carries the messages and stores the arrays; aiomp adds the Pool's
-dispatch, chunking, back-pressure and failure semantics.
+The calls and the scheduler are the local Pool's; only the worker handle differs (an
+:class:`~aiomp._ray_handle.ActorHandle` drives one ``aiomp._ray_actor.Worker`` actor).
+Ray places the actors, carries the messages and stores the arrays; how a call travels and
+why nothing polls: *Ray workers* in docs/architecture.md. What differs from
+:class:`aiomp.Pool`:
 
-How a call travels
-------------------
-The caller pickles each task into one blob, ``(tid, flags, function, items, kwds)``: the
-function pickled once per function with Ray's cloudpickle (so a lambda or a function of
-``__main__`` works on a remote node), the arguments with pickle, except that every numpy
-array of at least :data:`ARRAY_THRESHOLD` bytes is ``ray.put`` into the object store, once
-per distinct array per call (a ``map``'s chunks share one put), and named in the blob by
-its index among the task's ``ObjectRef`` arguments. The scheduler sends it with
-``actor.run.remote(blob, *refs)``; Ray hands the actor the arrays zero-copy from its
-object store, **read-only**. Results come back the way Ray returns values: large arrays
-through the object store, also read-only, zero-copy where the caller shares the node.
-
-Waiting happens on the caller's event loop: each ref gets a done-callback (Ray calls it on
-its own thread) that hands the outcome to the loop with ``call_soon_threadsafe``; there the
-scheduler completes the task and resolves the caller's future. No thread per task, no
-polling. Ray's asyncio integration is asyncio's: the pool runs on asyncio and uvloop, and
-raises ``RuntimeError`` under trio.
-
-Semantics (as ``aiomp.Pool``)
------------------------------
-* An exception is raised as its own type, the actor's traceback as its ``__cause__``.
+* Functions are pickled with Ray's cloudpickle, so lambdas and functions of ``__main__``
+  work. numpy arrays of :data:`ARRAY_THRESHOLD` bytes or more go through Ray's object
+  store (once per array per call) and arrive **read-only**, in arguments and in results.
+* Runs on asyncio and uvloop (Ray's asyncio integration); ``RuntimeError`` under trio.
 * An actor (or its node) that dies fails the tasks it held with
-  :class:`aiomp.BrokenWorkerError` and is replaced (Ray places the replacement). A task
-  not sent to it yet goes to another actor. A task sent in the moment between the death
-  and the pool learning of it fails too: Ray cannot say whether the actor started it.
-* ``timeout=`` or cancelling a running sync task kills its actor (``ray.kill``) and
-  replaces it; a running async task is first cancelled inside the actor (its coroutine sees
-  ``CancelledError``), and its actor killed only if it has not finished within
-  ``grace_period``. A queued task that is cancelled never starts.
+  :class:`aiomp.BrokenWorkerError` and is replaced; a task sent in the moment between the
+  death and the pool learning of it fails too (Ray cannot say whether it started).
+* ``timeout=`` or cancelling a running sync task kills its actor (``ray.kill``); a running
+  async task is first cancelled inside the actor, and its actor killed only if it has not
+  finished within ``grace_period``. A queued task that is cancelled never starts.
 * ``map``'s default chunk size is ``ceil(n / processes)`` (times ``concurrency`` for an
-  async function), one chunk per slot rather than multiprocessing's four: a Ray call costs
-  about a millisecond, far more than a local round trip.
-* ``maxtasksperchild`` replaces an actor after that many tasks; ``initializer`` runs once
-  in each actor (an async one on the actor's loop, which its async tasks share).
-
-Start-up: an actor starts in about a second on an idle node (a process, then Ray's
-imports), against milliseconds for a local worker. ``address=None`` connects to the Ray
-instance already initialised in this process or running on this machine, or starts a local
-one (seconds) and shuts it down when the pool closes. A session the caller opened with
-``ray.init`` is used and left running.
+  async function): a Ray call costs about a millisecond, far more than a local one.
+* An actor starts in about a second. ``address=None`` uses the Ray instance initialised
+  in this process or running on this machine, or starts a local one (seconds) and shuts
+  it down when the pool closes; a session opened with ``ray.init`` is left running.
 """
 
 from __future__ import annotations
@@ -113,8 +86,8 @@ class _Puts:
 
 
 class _Call:
-    """A task's message: its blob and the refs of the arrays it names (see the module
-    docstring). Dropping the refs lets Ray free the arrays once the actor has them."""
+    """A task's message: its blob and the refs of the arrays it names (see *Ray workers* in
+    docs/architecture.md). Dropping the refs lets Ray free the arrays once the actor has them."""
 
     __slots__ = ("_done", "blob", "refs")
 
@@ -271,6 +244,7 @@ class Pool(_pool.Pool):
         """The live actors that take tasks: their ids, nodes and process ids."""
         out = []
         for w in self._sched.live_workers():
+            # The scheduler types handles by its Handle protocol; this pool makes ActorHandles.
             h: ActorHandle = w.handle  # type: ignore[assignment]
             out.append(ActorInfo(h.slot, h.actor_id, h.node_id, h.pid))
         return out
@@ -351,6 +325,7 @@ class Pool(_pool.Pool):
         h = ActorHandle(
             slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
         )
+        # The base Pool types this table for process handles; here it holds ActorHandles.
         self._handles[h] = None  # type: ignore[index]
         self._sched.add(h)
         h.init(self._init_blob)

@@ -162,7 +162,7 @@ def section(result: dict[str, object], when: str, facts: str) -> str:
 TEMPLATE = f"""# aiomp benchmark results
 
 Every figure is a median, and every ratio is aiomp's time over a baseline's time measured
-in the same run (DESIGN.md section 4). The sections between the `results:` markers are
+in the same run (targets: docs/architecture.md). The sections between the `results:` markers are
 rewritten by `python -m benchmarks.run`; everything else here is kept.
 
 ## Results

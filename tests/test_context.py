@@ -1,6 +1,6 @@
 """Contract tests for spawning: ``aiomp.spawn`` / ``start_processes`` / ``ProcessContext``.
 
-DESIGN.md section 1 "Spawning" and R7-R10, R12-R14, through the public API only, on
+README "Spawning" and R7-R10 (docs/architecture.md), R12-R14, through the public API only, on
 asyncio, uvloop and trio. Children never get slept on: each one that must be waited for
 meets the test at a :class:`Gate` (a unix socket), and every await on a child is bounded
 by ``anyio.fail_after``.

@@ -1,4 +1,4 @@
-"""Contract tests for ``aiomp.Pool`` (DESIGN.md section 1 "Pool"), through the public API.
+"""Contract tests for ``aiomp.Pool`` (README "Pool"), through the public API.
 
 Tests whose subject is the event-loop plumbing (results, crashes, timeouts, cancellation,
 imap back-pressure) run on asyncio, uvloop and trio; the rest run on asyncio only, to keep

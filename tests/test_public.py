@@ -1,7 +1,8 @@
 """The public surface: ``aiomp.__all__``, public names, and what importing aiomp costs.
 
-Only ``aiomp`` is public (STYLE.md): every name resolves from it, prints and pickles under
-it, and importing it (or starting a sync child) loads none of the heavy modules.
+Only ``aiomp`` is public (*Layers* in docs/architecture.md): every name resolves from it,
+prints and pickles under it, and importing it (or starting a sync child) loads none of the
+heavy modules.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def test_spawning_names_are_public(name: str) -> None:
 
 
 def test_spawn_signature() -> None:
-    """DESIGN.md pins spawn's signature; start_processes has the same one."""
+    """spawn's signature is the public contract (torch names); start_processes has the same one."""
     for fn in (aiomp.spawn, aiomp.start_processes):
         params = inspect.signature(fn).parameters
         assert list(params) == [
@@ -85,7 +86,7 @@ def test_spawn_signature() -> None:
             "grace_period",
             "output",
         ]
-        assert params["output"].default == "prefix"  # DESIGN.md "Children's output"
+        assert params["output"].default == "prefix"  # the README's default
         assert params["nprocs"].default == 1
         assert params["args"].default == ()
         assert params["start_method"].default == "spawn"

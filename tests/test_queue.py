@@ -1,5 +1,5 @@
-"""Contract tests for ``aiomp.Queue`` and ``aiomp.Event`` (DESIGN.md section 1 "Queues and
-events", R11), through the public API, on asyncio, uvloop and trio.
+"""Contract tests for ``aiomp.Queue`` and ``aiomp.Event`` (README "Queues, events and
+shared memory", R11), through the public API, on asyncio, uvloop and trio.
 
 Most behaviour is visible in one process (a queue put to and read from by tasks and
 threads of this process); a few tests start children to show that the same holds across
@@ -1037,7 +1037,7 @@ def _item_parts(obj: object) -> tuple[bytes, list[int]]:
 _PARTS: list[Any] = []
 
 
-# -- async calls where no loop runs (DESIGN.md "Event loops") -------------------------------
+# -- async calls where no loop runs ----------------------------------------------------------
 
 
 def test_async_calls_without_a_loop_raise_at_once_in_a_thread() -> None:
@@ -1065,7 +1065,7 @@ def test_async_calls_without_a_loop_raise_at_once_in_a_thread() -> None:
 
 @pytest.mark.anyio
 async def test_async_calls_without_a_loop_raise_at_once_in_a_sync_child() -> None:
-    """DESIGN.md: torch-style ``q.put(x)`` in a sync child returned a coroutine that was
+    """Regression: torch-style ``q.put(x)`` in a sync child returned a coroutine that was
     never awaited: the item silently never arrived."""
     q, e = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):

@@ -1,4 +1,4 @@
-"""Contract tests for ``aiomp.ray.Pool`` (DESIGN.md "Beyond one machine"), on real Ray.
+"""Contract tests for ``aiomp.ray.Pool`` (README "Beyond one machine"), on real Ray.
 
 One Ray instance serves the whole module: a ``ray.cluster_utils.Cluster`` head node
 (Ray's processes start in seconds, not per test); the two-node test adds a second raylet

@@ -1,7 +1,7 @@
 """Pickling aiomp messages: fds carried by index, cleanups, errors in the caller.
 
 Pure: ``dumps`` and ``loads`` are called in this process, with ``os.dup`` standing in for
-the fds that ``SCM_RIGHTS`` would deliver. DESIGN.md R1 and R11 (errors at the call site,
+the fds that ``SCM_RIGHTS`` would deliver. R1 and R11 (errors at the call site,
 no fd leaked on any path).
 """
 

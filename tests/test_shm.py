@@ -1,5 +1,5 @@
-"""Shared memory: numpy arrays as zero-copy handles (DESIGN.md section 1 "Shared memory
-(numpy)", R1-R5), leases, the segment pool and the janitor.
+"""Shared memory: numpy arrays as zero-copy handles (README "Queues, events
+and shared memory", R1-R5), leases, the segment pool and the janitor.
 
 Pure parts first (leases, constructors, arrays through a queue read back in this
 process), then a few contract tests with children. Arrays are checked by value, by

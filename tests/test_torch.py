@@ -1,4 +1,4 @@
-"""torch tensors in aiomp messages (DESIGN.md "torch tensors", issue 12).
+"""torch tensors in aiomp messages (README "Coming from torch.multiprocessing", issue 12).
 
 CPU tensors travel as torch.multiprocessing shares them: an already shared storage as its
 fd inside the message, a non-shared storage of 64 KiB or more moved into shared memory in
@@ -130,7 +130,7 @@ def test_small_views_of_one_small_storage_stay_views() -> None:
 def test_many_tensors_on_one_storage_send_one_fd() -> None:
     x = torch.zeros(1000, 100).share_memory_()
     out = _reduction.dumps([x[i] for i in range(1000)])
-    assert len(out.fds) == 1, "DESIGN R1: one fd per storage, not per tensor"
+    assert len(out.fds) == 1, "R1: one fd per storage, not per tensor"
     out.close()
 
 

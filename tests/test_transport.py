@@ -2,7 +2,7 @@
 
 No child processes: the kernel behaviour the queue relies on (one datagram to one reader,
 fds riding with it, EOF after shutdown, truncation) is all visible on an in-process
-``socketpair()``. DESIGN.md R1 (typed errors, bounded fds).
+``socketpair()``. R1 in docs/architecture.md (typed errors, bounded fds).
 """
 
 from __future__ import annotations
