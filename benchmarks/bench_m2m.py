@@ -51,11 +51,13 @@ ARRAY_BYTES = ARRAY_LEN * 4
 RING_BYTES = 64 << 20
 
 
-def items(kind: str) -> int:
-    """Items per producer per round."""
+def items(kind: str, variant: Variant | None = None) -> int:
+    """Items per producer per round (torch's queue takes about 30x as long per array:
+    it gets a tenth of the arrays, so that a run stays within the runner's time limit)."""
     if kind == "small":
-        return c.reps(20_000, 1_000)
-    return c.reps(500, 40)
+        return c.reps(10_000, 1_000)
+    n = c.reps(500, 40)
+    return n // 10 if isinstance(variant, MpVariant) and variant.use_torch else n
 
 
 class Variant:
@@ -65,6 +67,9 @@ class Variant:
     kinds: tuple[str, ...] = ("small", "array")
 
     async def start(self) -> None:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
         raise NotImplementedError
 
     async def round(self, kind: str, n: int) -> float:
@@ -100,6 +105,9 @@ class AiompVariant(Variant):
         with anyio.fail_after(120):
             for _ in range(PRODUCERS + CONSUMERS):
                 assert await self.done.get() == "ready"
+
+    def pids(self) -> list[int]:
+        return [pid for ctx in self.ctxs for pid in ctx.pids()]
 
     async def round(self, kind: str, n: int) -> float:
         import anyio
@@ -164,6 +172,9 @@ class MpVariant(Variant):
         for _ in range(PRODUCERS + CONSUMERS):
             assert self.done.get(timeout=120) == "ready"
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
     async def round(self, kind: str, n: int) -> float:
         t0 = c.now()
         for g in self.cgos:
@@ -189,6 +200,19 @@ class MpVariant(Variant):
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user and system, every thread) the live processes ``pids`` have used."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS
 
 
 def memcpy_per_array(passes: int = 3) -> float:
@@ -232,7 +256,7 @@ async def main() -> None:
             await v.start()
             started.append(v)
             for kind in v.kinds:  # warm up: segments pooled, pages faulted in, caches warm
-                await v.round(kind, max(1, items(kind) // 10))
+                await v.round(kind, max(1, items(kind, v) // 10))
         for r in range(c.reps(RUNS, 1)):
             loads.append(os.getloadavg()[0])
             samples: dict[str, list[float]] = {}
@@ -241,9 +265,12 @@ async def main() -> None:
                 memcpy.append(memcpy_per_array())
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
-                        n = items(kind)
+                        n = items(kind, v)
+                        cpu0 = cpu_seconds(v.pids())
                         per = await v.round(kind, n) / (PRODUCERS * n)
+                        used = (cpu_seconds(v.pids()) - cpu0) / (PRODUCERS * n)
                         samples.setdefault(f"{v.name}|{kind}", []).append(per)
+                        samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
             run = {k: c.median(s) for k, s in samples.items()}
             run["memcpy"] = c.median(memcpy)
             runs.append(run)
@@ -252,6 +279,7 @@ async def main() -> None:
                 + "; ".join(
                     f"{k} {rates(x, 64 if k.endswith('small') else ARRAY_BYTES)}"
                     for k, x in run.items()
+                    if not k.endswith("cpu")
                 ),
                 flush=True,
             )
@@ -266,12 +294,14 @@ async def main() -> None:
             return None, None, missing or "not measured"
         ratios = sorted((run[key] / run[base], i) for i, run in enumerate(runs))
         _, i = ratios[len(ratios) // 2]
+        spread = "runs " + ", ".join(f"{x:.2f}x" for x, _ in ratios)
+        if key.endswith("cpu"):
+            return runs[i][key], runs[i][base], spread
         nbytes = 64 if key.endswith("small") else ARRAY_BYTES
-        spread = ", ".join(f"{x:.2f}x" for x, _ in ratios)
         return (
             runs[i][key],
             runs[i][base],
-            f"runs {spread}; {rates(runs[i][key], nbytes)} vs {rates(runs[i][base], nbytes)}",
+            f"{spread}; {rates(runs[i][key], nbytes)} vs {rates(runs[i][base], nbytes)}",
         )
 
     rows: list[dict[str, Any]] = []
@@ -288,6 +318,19 @@ async def main() -> None:
                     ref,
                     f"{base}, sync children",
                     target,
+                    note,
+                )
+            )
+    for v in ("async children", "sync children (q.sync)"):
+        for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
+            got, ref, note = median_run(f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
+            rows.append(
+                c.row(
+                    f"{shape}, CPU time per {what}, all six children, {v}",
+                    got,
+                    ref,
+                    f"{mp}, sync children",
+                    None,
                     note,
                 )
             )
@@ -322,11 +365,13 @@ async def main() -> None:
     notes = [
         f"m2m: {len(runs)} runs; in each, {c.reps(ROUNDS, 1)} rounds per library and kind, "
         f"alternating; a round: {items('small'):,} small items or {items('array')} arrays "
-        f"per producer, timed from the first go to the fourth producer's end mark reaching "
-        f"the parent through a consumer; figures are medians within a run; each row is the "
-        f"run with the median ratio; children started once (spawn), unpinned; consumers "
-        f"count items without reading the arrays; the memcpy baseline: np.copyto of "
-        f"100 KiB into a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent.",
+        f"({items('array') // 10} through torch's queue) per producer, timed from the "
+        "first go to the fourth producer's end mark reaching the parent through a "
+        "consumer; figures are medians within a run; each row is the run with the median "
+        "ratio; children started once (spawn), unpinned; consumers count items without "
+        "reading the arrays; CPU time: the six children's user and system time (every "
+        "thread) over a round, per item; the memcpy baseline: np.copyto of 100 KiB into "
+        f"a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent.",
         "1-min load average at the start of each run and at the end: "
         + ", ".join(f"{x:.2f}" for x in loads),
     ]
@@ -334,7 +379,12 @@ async def main() -> None:
         notes.append(
             f"run {i + 1}: "
             + "; ".join(
-                f"{k.replace('|', ', ')}: {rates(x, 64 if k.endswith('small') else ARRAY_BYTES)}"
+                f"{k.replace('|', ', ')}: "
+                + (
+                    f"{x * 1e6:.1f} µs CPU per item"
+                    if k.endswith("cpu")
+                    else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
+                )
                 for k, x in run.items()
             )
         )
