@@ -234,7 +234,7 @@ def memcpy_per_array(passes: int = 3) -> float:
 
 def rates(per_item: float, nbytes: int) -> str:
     """Messages/s (and GB/s for arrays) of a time per item."""
-    text = f"{1 / per_item / 1e3:,.0f}k msg/s"
+    text = f"{1 / per_item:,.0f} msg/s"
     if nbytes > 64:
         text += f", {nbytes / per_item / 1e9:.2f} GB/s"
     return text
