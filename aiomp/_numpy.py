@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -68,7 +69,9 @@ def _new_like(
     dtype = np.dtype(dtype)
     if dtype.hasobject:
         raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    # math.prod, not np.prod: exact Python ints, and about 0.1 µs against 3 to 12 µs
+    # (np.prod builds an array first), per aiomp.empty of every batch a worker fills.
+    nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
     exporter = _shm.allocate(nbytes, zero=zero)
     return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[arg-type]
 

@@ -1,6 +1,7 @@
 """Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
 
-    python -m benchmarks.run [spawn queue arrays torch pool loader cuda ray] [--quick] [--no-write]
+    python -m benchmarks.run [spawn queue m2m arrays torch pool loader cuda ray]
+                             [--quick] [--no-write]
     python benchmarks/run.py ...
 
 Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
@@ -25,10 +26,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
-NAMES = ("spawn", "queue", "arrays", "torch", "pool", "loader", "cuda", "ray")
+NAMES = ("spawn", "queue", "m2m", "arrays", "torch", "pool", "loader", "cuda", "ray")
 TITLES = {
     "spawn": "Spawn and failure propagation",
     "queue": "Small-message round trip",
+    "m2m": "Many-to-many throughput (4 producers, 2 consumers)",
     "arrays": "Arrays through a queue",
     "torch": "torch tensors through a queue",
     "pool": "Pool",

@@ -1,0 +1,159 @@
+"""Children for the many-to-many comparison (``bench_m2m``): 4 producers, 2 consumers.
+
+Module level, standard library only at import time (see ``_targets``): numpy, torch and
+aiomp are imported inside the functions that need them. Unpinned: this is throughput of
+six processes on the machine's cores, for every library alike.
+
+One protocol for every queue, so that no library's own flush or count is needed:
+
+- a producer waits for ``(kind, n)`` on its own ``go`` queue, puts ``n`` items of that
+  kind on ``data``, then one :data:`MARK`; ``n == 0`` ends it;
+- a consumer waits for ``True`` on its own ``go`` queue, then takes items off ``data``,
+  counting them; on a :data:`MARK` it reports ``"mark"`` on ``done`` (a producer's items
+  all came before its mark, so the fourth mark means every item was taken); on ``None``
+  it reports its count on ``done`` and waits for its next ``go`` (so the parent's two
+  ``None``s reach both consumers); ``False`` ends it.
+
+Every child reports ``"ready"`` on ``done`` once it has imported what it needs.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+#: A producer's last item of a round.
+MARK = 1
+SMALL = b"x" * 64
+#: float32 elements of a 100 KiB array
+ARRAY_LEN = 100 * 1024 // 4
+
+
+def _source() -> Any:
+    import numpy as np
+
+    return np.arange(ARRAY_LEN, dtype=np.float32)
+
+
+# -- multiprocessing.Queue and torch.multiprocessing.Queue ---------------------------------
+
+
+def produce_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> None:
+    """A producer for ``multiprocessing.Queue`` (or torch's, whose arrays go as tensors:
+    each a fresh ``torch.from_numpy`` tensor, which ``put`` moves into shared memory)."""
+    if use_torch:
+        import torch
+    src = _source()
+    go, put = gos[rank], data.put
+    done.put("ready")
+    while (msg := go.get())[1] > 0:
+        kind, n = msg
+        if kind == "small":
+            for _ in range(n):
+                put(SMALL)
+        elif use_torch:
+            for _ in range(n):
+                put(torch.from_numpy(src.copy()))
+        else:
+            for _ in range(n):
+                put(src.copy())
+        put(MARK)
+
+
+def consume_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> None:
+    if use_torch:
+        import torch  # noqa: F401  (rebuilding the tensors needs it)
+    go, get, report = gos[rank], data.get, done.put
+    report("ready")
+    while go.get():
+        count = 0
+        while (x := get()) is not None:
+            if x.__class__ is int:
+                report("mark")
+            else:
+                count += 1
+        report(count)
+
+
+# -- aiomp.Queue ----------------------------------------------------------------------------
+
+
+def produce_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
+    """A producer through ``q.sync``. Kinds: ``small``; ``array`` (a fresh numpy array
+    per item, which ``put`` copies into shared memory, as for the baselines); ``empty``
+    (the array built straight into an ``aiomp.empty`` block: ``put`` sends a handle)."""
+    import numpy as np
+
+    import aiomp
+
+    src = _source()
+    go, put = gos[rank].sync, data.sync.put
+    done.sync.put("ready")
+    while (msg := go.get())[1] > 0:
+        kind, n = msg
+        if kind == "small":
+            for _ in range(n):
+                put(SMALL)
+        elif kind == "array":
+            for _ in range(n):
+                put(src.copy())
+        else:
+            for _ in range(n):
+                a = aiomp.empty(ARRAY_LEN, np.float32)
+                np.copyto(a, src)
+                put(a)
+                del a  # the block is reused once the consumer drops it too
+        put(MARK)
+
+
+def consume_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
+    go, get, report = gos[rank].sync, data.sync.get, done.sync.put
+    report("ready")
+    while go.get():
+        count = 0
+        while (x := get()) is not None:
+            if x.__class__ is int:
+                report("mark")
+            else:
+                count += 1
+        report(count)
+
+
+async def produce_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None:
+    """:func:`produce_aiomp_sync` with ``await q.put``."""
+    import numpy as np
+
+    import aiomp
+
+    src = _source()
+    go, put = gos[rank], data.put
+    await done.put("ready")
+    while (msg := await go.get())[1] > 0:
+        kind, n = msg
+        if kind == "small":
+            for _ in range(n):
+                await put(SMALL)
+        elif kind == "array":
+            for _ in range(n):
+                await put(src.copy())
+        else:
+            for _ in range(n):
+                a = aiomp.empty(ARRAY_LEN, np.float32)
+                np.copyto(a, src)
+                await put(a)
+                del a
+        await put(MARK)
+
+
+async def consume_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None:
+    go, get, report = gos[rank], data.get, done.put
+    await report("ready")
+    while await go.get():
+        count = 0
+        while (x := await get()) is not None:
+            if x.__class__ is int:
+                await report("mark")
+            else:
+                count += 1
+        await report(count)

@@ -1,0 +1,398 @@
+"""Many-to-many throughput: 4 producer processes and 2 consumer processes on one queue.
+
+Run as ``python -m benchmarks.bench_m2m``. Two kinds of item:
+
+- small: 64-byte ``bytes``;
+- arrays: 100 KiB float32 numpy arrays, a fresh one per item (``src.copy()`` in the
+  producer, for every library alike). ``multiprocessing.Queue`` pickles the bytes through
+  its pipe; ``torch.multiprocessing.Queue`` gets ``torch.from_numpy(src.copy())``, which
+  its ``put`` moves into a new shared-memory storage (torch's way); ``aiomp.Queue``'s
+  ``put`` copies the array into a pooled shared-memory block and sends a handle. aiomp is
+  also run with the array built straight into an ``aiomp.empty`` block (one copy of
+  ``src``, then a handle): its best idiom for data made fresh per item.
+
+Variants, each with its six children started once (spawn) and kept for the whole run:
+``aiomp.Queue`` with async children (``await q.put/get``) and with sync children
+(``q.sync``), ``multiprocessing.Queue`` and ``torch.multiprocessing.Queue`` (sync
+children). Consumers only count what they take (they do not read the arrays). The
+protocol is in :mod:`benchmarks._targets_m2m`: a round is timed from the parent's first
+"go" to the consumers' report of the fourth producer's end mark, so every item has been
+taken by then.
+
+Baseline for arrays: the memory bandwidth of this machine in the same run, one
+``np.copyto`` of 100 KiB into a ring of pre-faulted buffers (64 MiB, beyond the caches)
+in the parent. Targets: aiomp at least 2x ``multiprocessing.Queue``'s messages/s for
+small items, and arrays at memory bandwidth (time per array at most one memcpy of it).
+
+A run is :data:`ROUNDS` rounds of every variant and kind, alternating, so that a burst of
+load from the machine's other users lands on all of them alike; each figure is a median
+within a run. Every ratio is taken within one run; the rows show the run with the median
+ratio, and the notes give all :data:`RUNS` runs and the load average. Unpinned: this is
+throughput of six processes on the machine's cores, for every library alike.
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks import _common as c
+from benchmarks._targets_m2m import ARRAY_LEN
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+PRODUCERS = 4
+CONSUMERS = 2
+RUNS = 3
+ROUNDS = 3
+ARRAY_BYTES = ARRAY_LEN * 4
+#: bytes of the memcpy baseline's ring of destinations: well beyond the caches
+RING_BYTES = 64 << 20
+
+
+def items(kind: str, variant: Variant | None = None) -> int:
+    """Items per producer per round (torch's queue takes about 30x as long per array:
+    it gets a tenth of the arrays, so that a run stays within the runner's time limit)."""
+    if kind == "small":
+        return c.reps(10_000, 1_000)
+    n = c.reps(500, 40)
+    return n // 10 if isinstance(variant, MpVariant) and variant.use_torch else n
+
+
+class Variant:
+    """One queue library with its 4 producers and 2 consumers, started once."""
+
+    name = "?"
+    kinds: tuple[str, ...] = ("small", "array")
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    async def round(self, kind: str, n: int) -> float:
+        """Seconds for every producer to put ``n`` items and the consumers to take them."""
+        raise NotImplementedError
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+
+class AiompVariant(Variant):
+    kinds = ("small", "array", "empty")
+
+    def __init__(self, sync: bool) -> None:
+        self.sync = sync
+        self.name = f"aiomp.Queue, {'sync children (q.sync)' if sync else 'async children'}"
+
+    async def start(self) -> None:
+        import anyio
+
+        import aiomp
+        from benchmarks import _targets_m2m as t
+
+        self.data, self.done = aiomp.Queue(), aiomp.Queue()
+        self.pgos = [aiomp.Queue() for _ in range(PRODUCERS)]
+        self.cgos = [aiomp.Queue() for _ in range(CONSUMERS)]
+        produce = t.produce_aiomp_sync if self.sync else t.produce_aiomp_async
+        consume = t.consume_aiomp_sync if self.sync else t.consume_aiomp_async
+        self.ctxs = []
+        for fn, n, gos in ((consume, CONSUMERS, self.cgos), (produce, PRODUCERS, self.pgos)):
+            ctx = await aiomp.spawn(fn, n, args=(self.data, gos, self.done), grace_period=1.0)
+            self.ctxs.append(ctx)
+        with anyio.fail_after(120):
+            for _ in range(PRODUCERS + CONSUMERS):
+                assert await self.done.get() == "ready"
+
+    def pids(self) -> list[int]:
+        return [pid for ctx in self.ctxs for pid in ctx.pids()]
+
+    async def round(self, kind: str, n: int) -> float:
+        import anyio
+
+        with anyio.fail_after(300):
+            t0 = c.now()
+            for g in self.cgos:
+                g.put_nowait(True)
+            for g in self.pgos:
+                g.put_nowait((kind, n))
+            for _ in range(PRODUCERS):
+                assert await self.done.get() == "mark"
+            elapsed = c.now() - t0
+            for _ in range(CONSUMERS):
+                self.data.put_nowait(None)
+            counts = [await self.done.get() for _ in range(CONSUMERS)]
+        assert sum(counts) == PRODUCERS * n, counts
+        return elapsed
+
+    async def stop(self) -> None:
+        import anyio
+
+        for g in self.pgos:
+            g.put_nowait(("stop", 0))
+        for g in self.cgos:
+            g.put_nowait(False)
+        for ctx in self.ctxs:
+            with anyio.move_on_after(10):
+                await ctx.join()
+            await ctx.terminate()
+
+
+class MpVariant(Variant):
+    """``multiprocessing.Queue`` (or torch's, ``use_torch``); the parent blocks on it."""
+
+    def __init__(self, use_torch: bool) -> None:
+        self.use_torch = use_torch
+        self.name = "torch.multiprocessing.Queue" if use_torch else "multiprocessing.Queue"
+
+    async def start(self) -> None:
+        from benchmarks import _targets_m2m as t
+
+        if self.use_torch:
+            import torch.multiprocessing as mp
+        else:
+            import multiprocessing as mp
+        ctx: Any = mp.get_context("spawn")
+        self.data, self.done = ctx.Queue(), ctx.Queue()
+        self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
+        self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
+        self.procs = []
+        for fn, n, gos in (
+            (t.consume_mp, CONSUMERS, self.cgos),
+            (t.produce_mp, PRODUCERS, self.pgos),
+        ):
+            for rank in range(n):
+                p = ctx.Process(
+                    target=fn, args=(rank, self.data, gos, self.done, self.use_torch), daemon=True
+                )
+                p.start()
+                self.procs.append(p)
+        for _ in range(PRODUCERS + CONSUMERS):
+            assert self.done.get(timeout=120) == "ready"
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    async def round(self, kind: str, n: int) -> float:
+        t0 = c.now()
+        for g in self.cgos:
+            g.put(True)
+        for g in self.pgos:
+            g.put((kind, n))
+        for _ in range(PRODUCERS):
+            assert self.done.get(timeout=300) == "mark"
+        elapsed = c.now() - t0
+        for _ in range(CONSUMERS):
+            self.data.put(None)
+        counts = [self.done.get(timeout=60) for _ in range(CONSUMERS)]
+        assert sum(counts) == PRODUCERS * n, counts
+        return elapsed
+
+    async def stop(self) -> None:
+        for g in self.pgos:
+            g.put(("stop", 0))
+        for g in self.cgos:
+            g.put(False)
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user and system, every thread) the live processes ``pids`` have used."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS
+
+
+def memcpy_per_array(passes: int = 3) -> float:
+    """Seconds for one ``np.copyto`` of 100 KiB into memory already mapped, beyond the
+    caches (a ring of destinations), median over ``passes`` passes of the ring."""
+    import numpy as np
+
+    ring = np.zeros((RING_BYTES // ARRAY_BYTES, ARRAY_LEN), np.float32)  # faulted in
+    src = np.arange(ARRAY_LEN, dtype=np.float32)
+    copyto = np.copyto
+    per = []
+    for _ in range(passes + 1):  # the first pass warms up
+        t0 = c.now()
+        for dst in ring:
+            copyto(dst, src)
+        per.append((c.now() - t0) / len(ring))
+    return c.median(per[1:])
+
+
+def rates(per_item: float, nbytes: int) -> str:
+    """Messages/s (and GB/s for arrays) of a time per item."""
+    text = f"{1 / per_item:,.0f} msg/s"
+    if nbytes > 64:
+        text += f", {nbytes / per_item / 1e9:.2f} GB/s"
+    return text
+
+
+async def main() -> None:
+    c.unpin_parent()
+    missing = c.aiomp_missing("_context", "_queue")
+    variants: list[Variant] = [MpVariant(False)]
+    if c.have("torch"):
+        variants.append(MpVariant(True))
+    if missing is None:
+        variants += [AiompVariant(False), AiompVariant(True)]
+    runs: list[dict[str, float]] = []
+    loads: list[float] = []
+    started: list[Variant] = []
+    try:
+        for v in variants:
+            await v.start()
+            started.append(v)
+            for kind in v.kinds:  # warm up: segments pooled, pages faulted in, caches warm
+                await v.round(kind, max(1, items(kind, v) // 10))
+        for r in range(c.reps(RUNS, 1)):
+            loads.append(os.getloadavg()[0])
+            samples: dict[str, list[float]] = {}
+            memcpy: list[float] = []
+            for i in range(c.reps(ROUNDS, 1)):
+                memcpy.append(memcpy_per_array())
+                for v in variants if i % 2 == 0 else variants[::-1]:
+                    for kind in v.kinds:
+                        n = items(kind, v)
+                        cpu0 = cpu_seconds(v.pids())
+                        per = await v.round(kind, n) / (PRODUCERS * n)
+                        used = (cpu_seconds(v.pids()) - cpu0) / (PRODUCERS * n)
+                        samples.setdefault(f"{v.name}|{kind}", []).append(per)
+                        samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
+            run = {k: c.median(s) for k, s in samples.items()}
+            run["memcpy"] = c.median(memcpy)
+            runs.append(run)
+            print(
+                f"run {r + 1}: "
+                + "; ".join(
+                    f"{k} {rates(x, 64 if k.endswith('small') else ARRAY_BYTES)}"
+                    for k, x in run.items()
+                    if not k.endswith("cpu")
+                ),
+                flush=True,
+            )
+        loads.append(os.getloadavg()[0])
+    finally:
+        for v in reversed(started):
+            await v.stop()
+
+    def median_run(key: str, base: str) -> tuple[float | None, float | None, str]:
+        """(aiomp, baseline) of the run with the median ratio, and every run's figures."""
+        if not runs or key not in runs[0] or base not in runs[0]:
+            return None, None, missing or "not measured"
+        ratios = sorted((run[key] / run[base], i) for i, run in enumerate(runs))
+        _, i = ratios[len(ratios) // 2]
+        spread = "runs " + ", ".join(f"{x:.2f}x" for x, _ in ratios)
+        if key.endswith("cpu"):
+            return runs[i][key], runs[i][base], spread
+        nbytes = 64 if key.endswith("small") else ARRAY_BYTES
+        return (
+            runs[i][key],
+            runs[i][base],
+            f"{spread}; {rates(runs[i][key], nbytes)} vs {rates(runs[i][base], nbytes)}",
+        )
+
+    rows: list[dict[str, Any]] = []
+    mp, tq = "multiprocessing.Queue", "torch.multiprocessing.Queue"
+    shape = f"{PRODUCERS} producers x {CONSUMERS} consumers"
+    for v in ("async children", "sync children (q.sync)"):
+        a = f"aiomp.Queue, {v}"
+        for base, target in ((mp, c.faster(2)), (tq, None)):
+            got, ref, note = median_run(f"{a}|small", f"{base}|small")
+            rows.append(
+                c.row(
+                    f"{shape}, 64 B items, time per item, {v}",
+                    got,
+                    ref,
+                    f"{base}, sync children",
+                    target,
+                    note,
+                )
+            )
+    for v in ("async children", "sync children (q.sync)"):
+        for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
+            got, ref, note = median_run(f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
+            rows.append(
+                c.row(
+                    f"{shape}, CPU time per {what}, all six children, {v}",
+                    got,
+                    ref,
+                    f"{mp}, sync children",
+                    None,
+                    note,
+                )
+            )
+    for v in ("async children", "sync children (q.sync)"):
+        a = f"aiomp.Queue, {v}"
+        for kind, how in (("array", "numpy arrays copied at put"), ("empty", "aiomp.empty")):
+            got, ref, note = median_run(f"{a}|{kind}", "memcpy")
+            rows.append(
+                c.row(
+                    f"{shape}, 100 KiB {how}, time per array, {v}",
+                    got,
+                    ref,
+                    "one np.copyto of 100 KiB into mapped memory",
+                    c.at_most(1.0),
+                    note,
+                )
+            )
+        for base in (mp, tq):
+            got, ref, note = median_run(f"{a}|array", f"{base}|array")
+            rows.append(
+                c.row(
+                    f"{shape}, 100 KiB numpy arrays, time per array, {v}",
+                    got,
+                    ref,
+                    f"{base}, sync children" + (", torch.from_numpy tensors" if base == tq else ""),
+                    None,
+                    note,
+                )
+            )
+    if not c.have("torch"):
+        rows = [r for r in rows if tq not in r["baseline_name"]]
+    notes = [
+        f"m2m: {len(runs)} runs; in each, {c.reps(ROUNDS, 1)} rounds per library and kind, "
+        f"alternating; a round: {items('small'):,} small items or {items('array')} arrays "
+        f"({items('array') // 10} through torch's queue) per producer, timed from the "
+        "first go to the fourth producer's end mark reaching the parent through a "
+        "consumer; figures are medians within a run; each row is the run with the median "
+        "ratio; children started once (spawn), unpinned; consumers count items without "
+        "reading the arrays; CPU time: the six children's user and system time (every "
+        "thread) over a round, per item; the memcpy baseline: np.copyto of 100 KiB into "
+        f"a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent.",
+        "1-min load average at the start of each run and at the end: "
+        + ", ".join(f"{x:.2f}" for x in loads),
+    ]
+    for i, run in enumerate(runs):
+        notes.append(
+            f"run {i + 1}: "
+            + "; ".join(
+                f"{k.replace('|', ', ')}: "
+                + (
+                    f"{x * 1e6:.1f} µs CPU per item"
+                    if k.endswith("cpu")
+                    else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
+                )
+                for k, x in run.items()
+            )
+        )
+    c.emit("m2m", rows, notes)
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)
