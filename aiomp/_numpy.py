@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import math
+import operator
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -71,7 +72,10 @@ def _new_like(
         raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
     # math.prod, not np.prod: exact Python ints, and about 0.1 µs against 3 to 12 µs
     # (np.prod builds an array first), per aiomp.empty of every batch a worker fills.
-    nbytes = math.prod(int(n) for n in shape) * dtype.itemsize
+    dims = [operator.index(n) for n in shape]  # TypeError for 2.5, as numpy's
+    if min(dims, default=0) < 0:  # numpy would infer a -1 from the buffer's size instead
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    nbytes = math.prod(dims) * dtype.itemsize
     exporter = _shm.allocate(nbytes, zero=zero)
     return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[arg-type]
 

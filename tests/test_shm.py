@@ -1454,3 +1454,14 @@ def test_names_of_unread_messages_go_with_the_root() -> None:
     for name in left:
         _shm._unlink(name)  # (the leak check must see a clean /dev/shm either way)
     assert not left
+
+
+@pytest.mark.parametrize("shape", [-1, (4, -1), (-1, -1), (2.5,)])
+def test_empty_and_zeros_refuse_bad_shapes(shape: Any) -> None:
+    """``aiomp.empty(-1)`` returned 8192 elements (numpy inferred the -1 from the buffer),
+    and ``(-1, -1)`` multiplied to a positive size: they raise as numpy's own do."""
+    for make in (aiomp.empty, aiomp.zeros):
+        with pytest.raises((ValueError, TypeError)) as numpy_err:
+            np.empty(shape)
+        with pytest.raises(numpy_err.type):
+            make(shape)
