@@ -506,7 +506,7 @@ class Pool:
         op, tid, _, payload, fds = P.unpack(*got)
         if op == P.OP_OK:
             try:
-                value: Any = _reduction.loads(payload, fds)
+                value: Any = _reduction.loads(payload, fds) if fds else pickle.loads(payload)
             except Exception as exc:  # noqa: BLE001
                 task = self._sched.task(h, tid)
                 err = pickle.UnpicklingError(

@@ -322,7 +322,8 @@ class Scheduler:
             return
         self.unfinished += 1
         if not self.queued:
-            w = self._pick(task)
+            idle = self.idle
+            w = idle.popitem()[0] if idle else self._pick(task)
             while w is not None:
                 if self._start(w, task):
                     return
