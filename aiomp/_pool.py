@@ -49,12 +49,14 @@ one ready-to-send message, then placed by a synchronous scheduler that never awa
   "sent" means "started", and cancelling a task that is still in the pool's queue simply
   drops it: it never starts. With no idle worker, an async task goes to the least loaded
   worker that has a free slot.
-* **One exception, for throughput: a map's next chunk may wait in a busy worker.** A sync
-  chunk of a ``map`` / ``imap`` may be sent to a worker that is running a sync chunk of
-  the *same* call (one such chunk per worker at most). The worker starts it the moment
-  the first ends, so it computes while the parent is still unpickling the previous
-  result, as multiprocessing's workers do. Only the call's own chunks share a worker
-  that way, so cancelling or failing that call can never hurt another caller's task.
+* **One exception, for throughput: a map's next chunks may wait in a busy worker.** Up
+  to two sync chunks of a ``map`` / ``imap`` may be sent to a worker that is running a
+  sync chunk of the *same* call. The worker starts each the moment the one before ends,
+  so it computes while the parent is still unpickling earlier results, as
+  multiprocessing's workers do, and it runs dry only if the parent takes longer than two
+  chunks to answer (see *Map chunks ahead* in docs/architecture.md). Only the call's own
+  chunks share a worker that way, so cancelling or failing that call can never hurt
+  another caller's task.
 * **FIFO otherwise.** Tasks that find no room wait in one queue, in submission order;
   each freed slot (a result, a new or replacement worker saying READY) dispatches from its
   head. The head is never overtaken, so a sync task waiting for a whole worker is not
