@@ -170,6 +170,9 @@ def _encode(
             body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
             if P.fits_inline(body):
                 return P.task_frame(tid, flags, fid, body)
+    elif fid and type(items) is range and not kwds:
+        # A chunk of map(f, range(n)): a few bytes, and no fd or array can be in it.
+        return P.task_frame(tid, flags, fid, pickle.dumps((items, None), protocol=5))
     return P.Message(
         P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
     )
