@@ -110,7 +110,7 @@ import os
 import pickle
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar, cast, overload
 
 import anyio
 import anyio.abc
@@ -120,7 +120,7 @@ from . import _calls, _context, _output, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
-from ._scheduler import QUEUED, RUNNING, Scheduler, Task, fresh
+from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
 from ._wakeup import Wakeup, running_asyncio_loop
 
 __all__ = ("Pool", "PoolStatistics")
@@ -156,6 +156,17 @@ class PoolStatistics:
     replaced: int
 
 
+class _Handle(Handle, Protocol):
+    """What the pool needs of a worker's handle, beyond what its scheduler needs: a
+    :class:`~aiomp._handle.WorkerHandle`, or ``aiomp.ray``'s ``ActorHandle``."""
+
+    #: Set once the worker has exited and its handle is closed.
+    dead: anyio.Event
+
+    def cancel(self, tid: int) -> None:
+        """Ask the worker to cancel async task ``tid``."""
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -164,7 +175,7 @@ def _cpu_count() -> int:
 
 
 async def _reap(
-    handles: list[WorkerHandle], interrupted: BaseException | None = None
+    handles: list[_Handle], interrupted: BaseException | None = None
 ) -> BaseException | None:
     """Wait until every watcher of ``handles`` has finished (bounded: each one's
     termination is). A cancellation or KeyboardInterrupt meanwhile cannot cut this short,
@@ -265,7 +276,7 @@ class Pool:
         self._init: P.Message | None = None
         self._init_sends = 0
         self._sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)
-        self._handles: dict[WorkerHandle, None] = {}
+        self._handles: dict[_Handle, None] = {}
         self._wake: Wakeup | None = None  # the supervisor's: workers to start
         self._supervisor: anyio.CancelScope | None = None
         self._iterators: dict[_calls.ResultIterator[Any], None] = {}
@@ -284,7 +295,7 @@ class Pool:
 
     def pids(self) -> list[int]:
         """Process ids of the live workers that take tasks."""
-        return [w.handle.pid for w in self._sched.live_workers()]  # type: ignore[misc]
+        return [pid for w in self._sched.live_workers() if (pid := w.handle.pid) is not None]
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""
@@ -537,7 +548,9 @@ class Pool:
         self, h: WorkerHandle, payload: bytes | memoryview, fds: list[int]
     ) -> BaseException:
         try:
-            error: P.ErrorPayload = _reduction.loads(payload, fds)  # type: ignore[assignment]
+            error = _reduction.loads(payload, fds)
+            if not isinstance(error, P.ErrorPayload):
+                raise TypeError(f"an ErrorPayload was expected, not {type(error).__name__}")
         except Exception as err:  # noqa: BLE001
             return ProcessRaisedException(
                 f"{h.name} raised an exception that could not be unpickled: {err!r}", h.slot, h.pid
@@ -569,14 +582,15 @@ class Pool:
         ones that did not finish in time, are terminated and replaced.
         """
         coop: list[Task] = []
-        kill: dict[WorkerHandle, None] = {}
+        kill: dict[_Handle, None] = {}
         for task in tasks:
             if task.state == QUEUED:
                 self._sched.drop(task)
             elif task.state == RUNNING and not self._sched.recall(task):
                 assert task.worker is not None
                 w = task.worker
-                h: WorkerHandle = w.handle  # type: ignore[assignment]
+                # (The pool's scheduler holds only the handles this pool made.)
+                h = cast(_Handle, w.handle)
                 if task.is_async and not w.killed:
                     coop.append(task)
                     h.cancel(task.tid)
@@ -593,7 +607,7 @@ class Pool:
             for task in coop:
                 if task.state == RUNNING:
                     assert task.worker is not None
-                    kill[task.worker.handle] = None  # type: ignore[index]
+                    kill[cast(_Handle, task.worker.handle)] = None  # (as above)
         for h in kill:
             self._sched.kill(h, " (the pool terminated it to cancel a task)")
             if interrupted is not None:

@@ -179,7 +179,9 @@ class Worker:
         try:
             fid = P.function_id(payload)
             if not fid:
-                return _reduction.loads(payload[4:], fds)  # type: ignore[return-value]
+                whole: Any = _reduction.loads(payload[4:], fds)
+                fn, items, kwds = whole
+                return fn, items, kwds
             fn = self.fns[fid]
             if type(fn) is _BadDef:
                 _transport.close_fds(fds)

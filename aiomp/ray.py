@@ -351,7 +351,7 @@ class Pool(_pool.Pool):
         h = ActorHandle(
             slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
         )
-        self._handles[h] = None  # type: ignore[index]
+        self._handles[h] = None
         self._sched.add(h)
         h.init(self._init_blob)
         self._tg.start_soon(h.run)
