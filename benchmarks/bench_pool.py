@@ -152,7 +152,10 @@ async def main() -> None:
     rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
 
     # -- map ------------------------------------------------------------------------------
-    mb = c.reps(15, 3)
+    # Many maps: each takes a few ms, and under load one in three or so meets a stall of
+    # several ms (a wake-up that waits for a core); with 15 the same tree's ratio to
+    # multiprocessing ranged 0.76x-1.82x over runs at a 1-min load of 10-16.
+    mb = c.reps(61, 3)
     maps: list[h.Variant] = [MpPoolMap()]
     if missing is None:
         maps.insert(0, AiompMap())
