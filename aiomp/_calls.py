@@ -38,6 +38,8 @@ from ._scheduler import DONE, QUEUED, Task, fresh
 from ._wakeup import Signal, Wakeup
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._pool import Pool
 
 T = TypeVar("T")
@@ -178,7 +180,7 @@ def _encode(
     )
 
 
-async def wait_done(task: Task, loop: Any) -> None:
+async def wait_done(task: Task, loop: asyncio.AbstractEventLoop | None) -> None:
     """Wait until ``task`` is done (for :meth:`Pool._abandon`)."""
     if task.state < DONE:
         signal = Signal(loop)
@@ -282,7 +284,7 @@ async def apply(
     raise task.value
 
 
-def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
+def _anyio_scope_cancelled(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
     """Whether an anyio cancel scope around ``task`` is cancelled or past its deadline:
     with ``Task.cancelling()``, what tells apply a cancellation may be pending. (An
     ``asyncio.timeout`` whose deadline has passed but whose callback has not run yet
@@ -303,7 +305,7 @@ def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
         ref = weakref.ref
         inf = math.inf
 
-        def fast(task: Any, loop: Any) -> bool:
+        def fast(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
             state = states.get(ref(task))
             if state is None:
                 return False  # no anyio scope around it
@@ -323,14 +325,14 @@ def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
         fast(task, loop)
     except Exception:  # noqa: BLE001 - anyio changed: its public call
 
-        def fast(task: Any, loop: Any) -> bool:
+        def fast(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
             return bool(anyio.current_effective_deadline() <= loop.time())
 
     _anyio_scope_cancelled = fast
     return fast(task, loop)
 
 
-def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:
+def _submit_unless_cancelled(pool: Pool, task: Task, waiter: asyncio.Future[None]) -> None:
     if waiter.done():  # cancelled before the task could start: it never does
         task.drop()
         return

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -35,6 +35,9 @@ from . import _context, _transport
 from . import _protocol as P
 from ._scheduler import Task
 from ._wakeup import Signal, Wakeup
+
+if TYPE_CHECKING:
+    import asyncio
 
 _EXIT = P.control(P.OP_EXIT)
 _NO_FDS: list[int] = []  # never changed: try_send only reads it
@@ -47,7 +50,7 @@ class WorkerHandle:
         self,
         slot: int,
         child: _context._Child,
-        loop: Any,
+        loop: asyncio.AbstractEventLoop | None,
         grace: float,
         on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
         on_lost: Callable[[WorkerHandle, BaseException], None],

@@ -123,6 +123,9 @@ from ._handle import WorkerHandle
 from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
 from ._wakeup import Wakeup, running_asyncio_loop
 
+if TYPE_CHECKING:
+    import asyncio
+
 __all__ = ("Pool", "PoolStatistics")
 
 log = logging.getLogger("aiomp")
@@ -272,7 +275,7 @@ class Pool:
 
         self._state = _NEW
         self._tg: anyio.abc.TaskGroup | None = None
-        self._loop: Any = None  # the asyncio loop we run on; None on trio
+        self._loop: asyncio.AbstractEventLoop | None = None  # None on trio
         self._init: P.Message | None = None
         self._init_sends = 0
         self._sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)

@@ -31,9 +31,12 @@ from __future__ import annotations
 import collections
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import BrokenPoolError, BrokenWorkerError, exit_description
+
+if TYPE_CHECKING:
+    import asyncio
 
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
@@ -110,7 +113,7 @@ class Task:
         self.on_done = on_done
         # An asyncio future the caller awaits (apply's hot path: resolved here, with no
         # callback in between), or None.
-        self.waiter: Any = None
+        self.waiter: asyncio.Future[None] | None = None
         self.state = QUEUED
         self.worker: Worker | None = None
         self.ok = False

@@ -480,6 +480,10 @@ async def test_timeout_cancels_an_async_task_in_its_worker(gate: Gate, tmp_path:
     marker = tmp_path / "cancelled"
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p:
+            # The worker's event loop first: starting it (importing asyncio) can take
+            # longer than the timeout below on a busy machine, and a task cancelled
+            # before it starts never reaches the gate (it failed so at a load of 15).
+            assert await p.apply(funcs.pool_async_square, (2,)) == 4
             with pytest.raises(TimeoutError):
                 await p.apply(funcs.pool_async_block, (0, gate.address, str(marker)), timeout=0.5)
             await gate.ready(1)
