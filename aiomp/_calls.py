@@ -25,7 +25,7 @@ import pickle
 import sys
 import types
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
@@ -38,6 +38,8 @@ from ._scheduler import DONE, QUEUED, Task, fresh
 from ._wakeup import Signal, Wakeup
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._pool import Pool
 
 T = TypeVar("T")
@@ -64,18 +66,27 @@ class _Fn:
         self.checked: set[str] = set()  # start methods whose children can import it
 
 
-#: fn -> _Fn. Weak: a cached function must not be kept alive by the cache.
-_fn_cache: weakref.WeakKeyDictionary[object, _Fn] = weakref.WeakKeyDictionary()
+#: A weak reference to fn -> its _Fn (a cached function must not be kept alive by the
+#: cache). A plain dict read with ``get(ref(fn))`` rather than a WeakKeyDictionary: no
+#: Python frame on the call's hot path. A dead reference removes its own entry.
+_fn_cache: dict[weakref.ref[Any], _Fn] = {}
 _fids = itertools.count(1)
 _tids = itertools.count(1)
+_ref = weakref.ref
+
+
+def _forget(ref: weakref.ref[Any]) -> None:
+    _fn_cache.pop(ref, None)
 
 
 def fn_info(fn: object) -> _Fn:
     """``fn``'s :class:`_Fn` (cached: it is asked on every call)."""
     try:
-        return _fn_cache[fn]
-    except (KeyError, TypeError):  # TypeError: unhashable or not weakly referenceable
-        pass
+        info = _fn_cache.get(_ref(fn))
+    except TypeError:  # not weakly referenceable (a builtin function), or unhashable
+        info = None
+    if info is not None:
+        return info
     if not callable(fn):
         _context.check_function(fn, "fork")  # raises the right TypeError
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
@@ -91,7 +102,7 @@ def fn_info(fn: object) -> _Fn:
             fid = next(_fids)
             info = _Fn(info.name, is_async, fid, P.framed(P.OP_DEF, fid, 0, pickled))
     try:
-        _fn_cache[fn] = info
+        _fn_cache[_ref(fn, _forget)] = info
     except TypeError:
         pass
     return info
@@ -152,20 +163,24 @@ def _encode(
     kwds: dict[str, object] | None,
 ) -> Any:
     """A task's message: a small frame (bytes), or a :class:`_protocol.Message`."""
-    if not kwds and type(items) is tuple:
-        # apply(f, (1, "a")): nothing in it can carry an fd or an array.
+    if flags & P.F_APPLY and not kwds:
+        # apply(f, (1, "a")): nothing in it can carry an fd or an array. (Not for a map's
+        # chunk: looking at each of thousands of items costs more than the pickler does.)
         if fid and not items:
             return P.task_frame(tid, flags | P.F_NOARGS, fid, b"")
         if (fid or type(fn) in _BUILTIN_FUNCTIONS) and all(type(x) in P.PLAIN for x in items):
             body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
             if P.fits_inline(body):
                 return P.task_frame(tid, flags, fid, body)
+    elif fid and type(items) is range and not kwds:
+        # A chunk of map(f, range(n)): a few bytes, and no fd or array can be in it.
+        return P.task_frame(tid, flags, fid, pickle.dumps((items, None), protocol=5))
     return P.Message(
         P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
     )
 
 
-async def wait_done(task: Task, loop: Any) -> None:
+async def wait_done(task: Task, loop: asyncio.AbstractEventLoop | None) -> None:
     """Wait until ``task`` is done (for :meth:`Pool._abandon`)."""
     if task.state < DONE:
         signal = Signal(loop)
@@ -269,7 +284,7 @@ async def apply(
     raise task.value
 
 
-def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
+def _anyio_scope_cancelled(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
     """Whether an anyio cancel scope around ``task`` is cancelled or past its deadline:
     with ``Task.cancelling()``, what tells apply a cancellation may be pending. (An
     ``asyncio.timeout`` whose deadline has passed but whose callback has not run yet
@@ -280,21 +295,29 @@ def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
     fraction of that, and the public call stands in if anyio ever moves it."""
     global _anyio_scope_cancelled
     try:
-        from anyio._backends._asyncio import _task_states
+        from anyio._backends._asyncio import CancelScope, TaskState, _task_states
 
-        states = _task_states.data  # type: ignore[attr-defined]  # its dict: no Python frame
+        read = {"_cancel_called", "_deadline", "_parent_scope", "_shield"}
+        if not read <= set(CancelScope.__slots__) or "cancel_scope" not in TaskState.__slots__:
+            raise LookupError("anyio's record of a task's scopes has changed")
+        # The WeakKeyDictionary's own dict, read with get(ref(task)): no Python frame.
+        states: dict[Any, Any] = vars(_task_states)["data"]
         ref = weakref.ref
+        inf = math.inf
 
-        def fast(task: Any, loop: Any) -> bool:
+        def fast(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
             state = states.get(ref(task))
             if state is None:
                 return False  # no anyio scope around it
             scope = state.cancel_scope
-            now = loop.time()
             while scope is not None:
-                if scope._cancel_called or scope.deadline <= now:
+                # Its attributes, not its properties: no Python frame per scope.
+                if scope._cancel_called:
                     return True
-                if scope.shield:
+                deadline = scope._deadline
+                if deadline != inf and deadline <= loop.time():
+                    return True
+                if scope._shield:
                     return False
                 scope = scope._parent_scope
             return False
@@ -302,14 +325,14 @@ def _anyio_scope_cancelled(task: Any, loop: Any) -> bool:
         fast(task, loop)
     except Exception:  # noqa: BLE001 - anyio changed: its public call
 
-        def fast(task: Any, loop: Any) -> bool:
+        def fast(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
             return bool(anyio.current_effective_deadline() <= loop.time())
 
     _anyio_scope_cancelled = fast
     return fast(task, loop)
 
 
-def _submit_unless_cancelled(pool: Pool, task: Task, waiter: Any) -> None:
+def _submit_unless_cancelled(pool: Pool, task: Task, waiter: asyncio.Future[None]) -> None:
     if waiter.done():  # cancelled before the task could start: it never does
         task.drop()
         return
@@ -337,8 +360,10 @@ async def map_(
         raise TypeError(f"on_progress must be callable, not {type(on_progress).__name__}")
     pool._check_open()
     info = fn_info(fn)
-    if isinstance(iterable, (list, tuple)):
-        items: list[Any] | tuple[Any, ...] = iterable
+    if isinstance(iterable, (list, tuple, range)):
+        # Sliced chunk by chunk, never copied whole; a range's chunks stay ranges (a few
+        # bytes to pickle, and no int objects made in the parent at all).
+        items: Sequence[Any] = iterable
     elif hasattr(iterable, "__aiter__"):
         items = [x async for x in iterable]
     else:
@@ -354,7 +379,7 @@ async def map_(
     if n == 0:
         return []
     flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)
-    gather = _Gather(pool, math.ceil(n / chunksize))
+    gather = _Gather(pool, n, chunksize)
     tasks = gather.tasks
     try:
         for i, start in enumerate(range(0, n, chunksize)):
@@ -364,7 +389,7 @@ async def map_(
                     fn,
                     info,
                     flags,
-                    list(items[start : start + chunksize]),
+                    items[start : start + chunksize],
                     None,
                     group=gather,
                     index=i,
@@ -383,7 +408,7 @@ async def map_(
         await _wait_reporting(pool, gather, n, on_progress)
     if gather.error is not None:
         raise gather.error
-    return list(itertools.chain.from_iterable(gather.results))
+    return gather.results
 
 
 async def _wait_reporting(
@@ -408,15 +433,31 @@ async def _wait_reporting(
 
 
 class _Gather:
-    """Collects a map's chunks; its signal fires when all are done or one has failed."""
+    """Collects a map's chunks; its signal fires when all are done or one has failed.
 
-    __slots__ = ("done", "error", "pool", "progress", "remaining", "results", "signal", "tasks")
+    Each chunk's results are copied into their place in the map's result list as they
+    come (in the reader callback, while the workers compute the next chunks), so nothing
+    is left to assemble after the last one.
+    """
 
-    def __init__(self, pool: Pool, n: int) -> None:
+    __slots__ = (
+        "chunksize",
+        "done",
+        "error",
+        "pool",
+        "progress",
+        "remaining",
+        "results",
+        "signal",
+        "tasks",
+    )
+
+    def __init__(self, pool: Pool, n: int, chunksize: int) -> None:
         self.pool = pool
         self.tasks: list[Task] = []
         self.results: list[Any] = [None] * n
-        self.remaining = n
+        self.chunksize = chunksize
+        self.remaining = math.ceil(n / chunksize)
         self.error: BaseException | None = None
         self.signal = Signal(pool._loop)
         self.done = 0  # inputs whose results have come
@@ -425,10 +466,17 @@ class _Gather:
     def __call__(self, task: Task) -> None:
         if self.progress is not None:
             self.progress.set()
-        if task.ok:
+        if task.ok and len(task.value) == task.size:
             self.done += task.size
-            self.results[task.index] = task.value
+            start = task.index * self.chunksize
+            self.results[start : start + task.size] = task.value
         elif self.error is None:
+            if task.ok:  # cannot happen unless a worker is broken; never a shifted list
+                task.ok = False
+                task.value = RuntimeError(
+                    f"a chunk of {task.name} came back with {len(task.value)} results "
+                    f"for {task.size} inputs"
+                )
             self.error = task.value
             self.signal.set()
             for other in self.tasks:  # now, before the freed worker takes the next one

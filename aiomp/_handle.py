@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import signal
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -36,7 +36,11 @@ from . import _protocol as P
 from ._scheduler import Task
 from ._wakeup import Signal, Wakeup
 
+if TYPE_CHECKING:
+    import asyncio
+
 _EXIT = P.control(P.OP_EXIT)
+_NO_FDS: list[int] = []  # never changed: try_send only reads it
 
 
 class WorkerHandle:
@@ -46,7 +50,7 @@ class WorkerHandle:
         self,
         slot: int,
         child: _context._Child,
-        loop: Any,
+        loop: asyncio.AbstractEventLoop | None,
         grace: float,
         on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
         on_lost: Callable[[WorkerHandle, BaseException], None],
@@ -103,16 +107,23 @@ class WorkerHandle:
             self._outbox.append(task)
             return True
         msg = task.message
-        sent = (
-            self._try_send(msg, None) if type(msg) is bytes else self._try_send(msg.frame, msg.fds)
-        )
-        if sent is None:
+        small = type(msg) is bytes  # (the round trip's hot path: no _try_send frame)
+        data = msg if small else msg.frame
+        try:
+            n = self.chan.try_send(data, _NO_FDS if small else msg.fds)
+        except _transport.Closed:
             return False
-        if sent == 0:
+        if n == len(data):
+            if not small:
+                msg.close()  # its fds are in the socket now
+            return True
+        if n == 0:
             self._outbox.append(task)
-            self._more.set()
-        elif type(msg) is not bytes:
-            msg.close()  # its fds are in the socket now (and its rest in _partial)
+        else:
+            self._partial = memoryview(data)[n:]
+            if not small:
+                msg.close()  # its fds went with the first part
+        self._more.set()
         return True
 
     def unsend(self, task: Task) -> bool:

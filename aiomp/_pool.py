@@ -49,12 +49,14 @@ one ready-to-send message, then placed by a synchronous scheduler that never awa
   "sent" means "started", and cancelling a task that is still in the pool's queue simply
   drops it: it never starts. With no idle worker, an async task goes to the least loaded
   worker that has a free slot.
-* **One exception, for throughput: a map's next chunk may wait in a busy worker.** A sync
-  chunk of a ``map`` / ``imap`` may be sent to a worker that is running a sync chunk of
-  the *same* call (one such chunk per worker at most). The worker starts it the moment
-  the first ends, so it computes while the parent is still unpickling the previous
-  result, as multiprocessing's workers do. Only the call's own chunks share a worker
-  that way, so cancelling or failing that call can never hurt another caller's task.
+* **One exception, for throughput: a map's next chunks may wait in a busy worker.** Up
+  to two sync chunks of a ``map`` / ``imap`` may be sent to a worker that is running a
+  sync chunk of the *same* call. The worker starts each the moment the one before ends,
+  so it computes while the parent is still unpickling earlier results, as
+  multiprocessing's workers do, and it runs dry only if the parent takes longer than two
+  chunks to answer (see *Map chunks ahead* in docs/architecture.md). Only the call's own
+  chunks share a worker that way, so cancelling or failing that call can never hurt
+  another caller's task.
 * **FIFO otherwise.** Tasks that find no room wait in one queue, in submission order;
   each freed slot (a result, a new or replacement worker saying READY) dispatches from its
   head. The head is never overtaken, so a sync task waiting for a whole worker is not
@@ -108,7 +110,7 @@ import os
 import pickle
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar, cast, overload
 
 import anyio
 import anyio.abc
@@ -118,8 +120,11 @@ from . import _calls, _context, _output, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
-from ._scheduler import QUEUED, RUNNING, Scheduler, Task, fresh
+from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
 from ._wakeup import Wakeup, running_asyncio_loop
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ("Pool", "PoolStatistics")
 
@@ -154,6 +159,17 @@ class PoolStatistics:
     replaced: int
 
 
+class _Handle(Handle, Protocol):
+    """What the pool needs of a worker's handle, beyond what its scheduler needs: a
+    :class:`~aiomp._handle.WorkerHandle`, or ``aiomp.ray``'s ``ActorHandle``."""
+
+    #: Set once the worker has exited and its handle is closed.
+    dead: anyio.Event
+
+    def cancel(self, tid: int) -> None:
+        """Ask the worker to cancel async task ``tid``."""
+
+
 def _cpu_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -162,7 +178,7 @@ def _cpu_count() -> int:
 
 
 async def _reap(
-    handles: list[WorkerHandle], interrupted: BaseException | None = None
+    handles: list[_Handle], interrupted: BaseException | None = None
 ) -> BaseException | None:
     """Wait until every watcher of ``handles`` has finished (bounded: each one's
     termination is). A cancellation or KeyboardInterrupt meanwhile cannot cut this short,
@@ -259,11 +275,11 @@ class Pool:
 
         self._state = _NEW
         self._tg: anyio.abc.TaskGroup | None = None
-        self._loop: Any = None  # the asyncio loop we run on; None on trio
+        self._loop: asyncio.AbstractEventLoop | None = None  # None on trio
         self._init: P.Message | None = None
         self._init_sends = 0
         self._sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)
-        self._handles: dict[WorkerHandle, None] = {}
+        self._handles: dict[_Handle, None] = {}
         self._wake: Wakeup | None = None  # the supervisor's: workers to start
         self._supervisor: anyio.CancelScope | None = None
         self._iterators: dict[_calls.ResultIterator[Any], None] = {}
@@ -282,7 +298,7 @@ class Pool:
 
     def pids(self) -> list[int]:
         """Process ids of the live workers that take tasks."""
-        return [w.handle.pid for w in self._sched.live_workers()]  # type: ignore[misc]
+        return [pid for w in self._sched.live_workers() if (pid := w.handle.pid) is not None]
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""
@@ -506,7 +522,7 @@ class Pool:
         op, tid, _, payload, fds = P.unpack(*got)
         if op == P.OP_OK:
             try:
-                value: Any = _reduction.loads(payload, fds)
+                value: Any = _reduction.loads(payload, fds) if fds else pickle.loads(payload)
             except Exception as exc:  # noqa: BLE001
                 task = self._sched.task(h, tid)
                 err = pickle.UnpicklingError(
@@ -535,7 +551,9 @@ class Pool:
         self, h: WorkerHandle, payload: bytes | memoryview, fds: list[int]
     ) -> BaseException:
         try:
-            error: P.ErrorPayload = _reduction.loads(payload, fds)  # type: ignore[assignment]
+            error = _reduction.loads(payload, fds)
+            if not isinstance(error, P.ErrorPayload):
+                raise TypeError(f"an ErrorPayload was expected, not {type(error).__name__}")
         except Exception as err:  # noqa: BLE001
             return ProcessRaisedException(
                 f"{h.name} raised an exception that could not be unpickled: {err!r}", h.slot, h.pid
@@ -567,14 +585,15 @@ class Pool:
         ones that did not finish in time, are terminated and replaced.
         """
         coop: list[Task] = []
-        kill: dict[WorkerHandle, None] = {}
+        kill: dict[_Handle, None] = {}
         for task in tasks:
             if task.state == QUEUED:
                 self._sched.drop(task)
             elif task.state == RUNNING and not self._sched.recall(task):
                 assert task.worker is not None
                 w = task.worker
-                h: WorkerHandle = w.handle  # type: ignore[assignment]
+                # (The pool's scheduler holds only the handles this pool made.)
+                h = cast(_Handle, w.handle)
                 if task.is_async and not w.killed:
                     coop.append(task)
                     h.cancel(task.tid)
@@ -591,7 +610,7 @@ class Pool:
             for task in coop:
                 if task.state == RUNNING:
                     assert task.worker is not None
-                    kill[task.worker.handle] = None  # type: ignore[index]
+                    kill[cast(_Handle, task.worker.handle)] = None  # (as above)
         for h in kill:
             self._sched.kill(h, " (the pool terminated it to cancel a task)")
             if interrupted is not None:

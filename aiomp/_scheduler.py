@@ -14,8 +14,8 @@ The rules (the why is in ``aiomp._pool``'s docstring):
   starts).
 * Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
-  (weight ``concurrency``), except that a sync chunk of a map may wait behind one other
-  sync chunk of the same call.
+  (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
+  wait behind a running sync chunk of the same call.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
   the head of the queue. Tasks still in a dead worker's outbox go back the same way.
@@ -31,13 +31,19 @@ from __future__ import annotations
 import collections
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ._errors import BrokenPoolError, BrokenWorkerError, exit_description
+
+if TYPE_CHECKING:
+    import asyncio
 
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
+#: Sync chunks of one map that may wait in a worker behind the one it runs (see *Map
+#: chunks ahead* in docs/architecture.md).
+CHUNKS_AHEAD = 2
 
 
 def fresh(exc: BaseException) -> BaseException:
@@ -107,7 +113,7 @@ class Task:
         self.on_done = on_done
         # An asyncio future the caller awaits (apply's hot path: resolved here, with no
         # callback in between), or None.
-        self.waiter: Any = None
+        self.waiter: asyncio.Future[None] | None = None
         self.state = QUEUED
         self.worker: Worker | None = None
         self.ok = False
@@ -322,7 +328,8 @@ class Scheduler:
             return
         self.unfinished += 1
         if not self.queued:
-            w = self._pick(task)
+            idle = self.idle
+            w = idle.popitem()[0] if idle else self._pick(task)
             while w is not None:
                 if self._start(w, task):
                     return
@@ -459,12 +466,19 @@ class Scheduler:
             return best
         if task.group is None or task.is_async:
             return None
-        for w in self.workers.values():  # a sync chunk: behind one of its own call's chunks
-            if len(w.running) == 1 and w.usable:
-                (other,) = w.running.values()
-                if other.group is task.group and not other.is_async:
-                    return w
-        return None
+        # A sync chunk: behind chunks of its own call only, to the worker holding fewest.
+        group = task.group
+        best = None
+        fewest = CHUNKS_AHEAD + 1
+        for w in self.workers.values():
+            n = len(w.running)
+            if 0 < n < fewest and w.usable:
+                for other in w.running.values():
+                    if other.group is not group or other.is_async:
+                        break
+                else:
+                    best, fewest = w, n
+        return best
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:

@@ -379,7 +379,8 @@ class Stream:
             return None
         except ConnectionResetError as exc:
             raise Closed from exc
-        if not anc and not mflags and len(data) >= FRAME_SIZE:
+        # (msg_flags echoes MSG_CMSG_CLOEXEC back on Linux: only truncation matters here.)
+        if not anc and not mflags & _TRUNCATED and len(data) >= FRAME_SIZE:
             n, nfds = FRAME.unpack_from(data)
             if not nfds and n + FRAME_SIZE == len(data):
                 return data[FRAME_SIZE:], []

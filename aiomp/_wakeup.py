@@ -10,20 +10,24 @@ side, always a task, makes what it waits on.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 
+if TYPE_CHECKING:
+    import asyncio
 
-def running_asyncio_loop() -> Any:
+
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
     """The running asyncio loop, or None on another library (trio)."""
-    asyncio = sys.modules.get("asyncio")
-    if asyncio is None:
+    module = sys.modules.get("asyncio")
+    if module is None:
         return None
     try:
-        return asyncio.get_running_loop()
+        loop: asyncio.AbstractEventLoop = module.get_running_loop()
     except RuntimeError:
         return None
+    return loop
 
 
 class Signal:
@@ -34,11 +38,12 @@ class Signal:
     waiter. A cancelled wait leaves the signal as it was.
     """
 
-    __slots__ = ("_loop", "_set", "_waiter")
+    __slots__ = ("_event", "_future", "_loop", "_set")
 
-    def __init__(self, loop: Any) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self._loop = loop
-        self._waiter: Any = None
+        self._future: asyncio.Future[None] | None = None  # asyncio: the waiter's
+        self._event: anyio.Event | None = None  # trio: made by the waiter
         self._set = False
 
     def is_set(self) -> bool:
@@ -47,25 +52,26 @@ class Signal:
     def set(self) -> None:
         if not self._set:
             self._set = True
-            waiter = self._waiter
-            if waiter is not None:
-                if self._loop is None:
-                    waiter.set()
-                elif not waiter.done():
-                    waiter.set_result(None)
+            future = self._future
+            if future is not None:
+                if not future.done():
+                    future.set_result(None)
+            elif self._event is not None:
+                self._event.set()
 
     async def wait(self) -> None:
         if self._set:
             return
-        if self._loop is None:
-            if self._waiter is None:
-                self._waiter = anyio.Event()
-            await self._waiter.wait()
+        loop = self._loop
+        if loop is None:
+            if self._event is None:
+                self._event = anyio.Event()
+            await self._event.wait()
             return
-        waiter = self._waiter
-        if waiter is None or waiter.done():  # done: a cancelled earlier wait
-            waiter = self._waiter = self._loop.create_future()
-        await waiter
+        future = self._future
+        if future is None or future.done():  # done: a cancelled earlier wait
+            future = self._future = loop.create_future()
+        await future
 
 
 class Wakeup:
@@ -73,7 +79,7 @@ class Wakeup:
 
     __slots__ = ("_signal",)
 
-    def __init__(self, loop: Any) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None) -> None:
         self._signal = Signal(loop)
 
     def set(self) -> None:

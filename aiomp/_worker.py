@@ -179,7 +179,9 @@ class Worker:
         try:
             fid = P.function_id(payload)
             if not fid:
-                return _reduction.loads(payload[4:], fds)  # type: ignore[return-value]
+                whole: Any = _reduction.loads(payload[4:], fds)
+                fn, items, kwds = whole
+                return fn, items, kwds
             fn = self.fns[fid]
             if type(fn) is _BadDef:
                 _transport.close_fds(fds)
@@ -219,8 +221,6 @@ class Worker:
             else:
                 # A loop in C, as multiprocessing's mapstar: a chunk may hold thousands.
                 result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
-                if _Coroutine in set(map(type, result)):  # a sync fn made coroutines
-                    result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
@@ -231,9 +231,15 @@ class Worker:
         if result is None:
             self.chan.send_sync(P.framed(P.OP_OK, tid, 0, _NONE), [])
         else:
-            self.reply(tid, fn, result)
+            self.reply(tid, fn, result, chunk=not flags & P.F_APPLY)
 
-    def reply(self, tid: int, fn: object, result: object) -> None:
+    def reply(self, tid: int, fn: object, result: object, chunk: bool = False) -> None:
+        """Send ``result`` (OK), or why it cannot be sent (ERR).
+
+        ``chunk``: ``result`` is a map chunk's list. A sync function that returned
+        coroutines for it (a partial of an ``async def``, say) cannot be pickled; they are
+        awaited then, and the list sent again: no scan of every chunk for the rare case.
+        """
         try:
             send(self.chan, P.OP_OK, tid, result)
         except _transport.Closed:
@@ -241,6 +247,16 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
+            if chunk and type(result) is list and _Coroutine in set(map(type, result)):
+                try:
+                    result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as run_exc:  # noqa: BLE001
+                    send(self.chan, P.OP_ERR, tid, error_payload(run_exc))
+                    return
+                self.reply(tid, fn, result)
+                return
             if isinstance(exc, OSError):  # e.g. SharedMemoryError: keep its type
                 err: BaseException = exc
             else:

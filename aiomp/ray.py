@@ -320,13 +320,12 @@ class Pool(_pool.Pool):
     # -- workers -----------------------------------------------------------------------
     def _spawn(self, slot: int) -> None:
         """Start an actor for ``slot`` and its watcher (from a task, never a callback)."""
-        assert self._tg is not None
+        assert self._tg is not None and self._loop is not None
         actor = self._actor_cls.options(**self._options).remote()
         h = ActorHandle(
             slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
         )
-        # The base Pool types this table for process handles; here it holds ActorHandles.
-        self._handles[h] = None  # type: ignore[index]
+        self._handles[h] = None
         self._sched.add(h)
         h.init(self._init_blob)
         self._tg.start_soon(h.run)

@@ -16,6 +16,7 @@ import operator
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +31,8 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _calls
+from aiomp import _calls, _transport
+from aiomp import _protocol as P
 from tests import _funcs as funcs
 from tests._gate import Gate
 
@@ -333,9 +335,10 @@ async def test_map_raises_the_first_failure_and_drops_the_rest(tmp_path: Path) -
                     chunksize=1,
                 )
             await p.apply(funcs.pool_pid)  # the worker has finished what it held
-            # The chunk sent ahead behind the failing one (one per worker) still ran;
-            # the rest were dropped when the failure came back.
-            assert log.read_text().split() in (["1", "-1"], ["1", "-1", "2"])
+            # The chunks sent ahead behind the failing one (CHUNKS_AHEAD per worker: 2 and,
+            # sent when 1 came back, 3) still ran; the rest were dropped when the failure
+            # came back.
+            assert log.read_text().split() == ["1", "-1", "2", "3"]
 
 
 @asyncio_only
@@ -477,6 +480,10 @@ async def test_timeout_cancels_an_async_task_in_its_worker(gate: Gate, tmp_path:
     marker = tmp_path / "cancelled"
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p:
+            # The worker's event loop first: starting it (importing asyncio) can take
+            # longer than the timeout below on a busy machine, and a task cancelled
+            # before it starts never reaches the gate (it failed so at a load of 15).
+            assert await p.apply(funcs.pool_async_square, (2,)) == 4
             with pytest.raises(TimeoutError):
                 await p.apply(funcs.pool_async_block, (0, gate.address, str(marker)), timeout=0.5)
             await gate.ready(1)
@@ -869,3 +876,63 @@ async def test_other_callables_travel_with_their_current_state() -> None:
             assert await p.starmap(funcs.pool_add, [(1, 2), (3, 4)]) == [3, 7]
             with pytest.raises(Exception, match=r"local object|Can't pickle"):
                 await p.apply(Box().get)  # a local class: not by reference, and says so
+
+
+# -- the hot paths (issue 17) ------------------------------------------------------------
+
+
+def test_a_whole_frame_is_read_without_buffering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 17 (the ``apply`` round trip): a frame that arrives whole and without fds is
+    returned as read. Linux echoes ``MSG_CMSG_CLOEXEC`` back in ``recvmsg``'s flags, and
+    the fast path took any flag for trouble, so every message of the round trip, in the
+    pool and in the worker, went through the stream's buffer."""
+    a, b = socket.socketpair()
+    chan = _transport.Stream(a)
+
+    def absorb(*_: object) -> None:
+        raise AssertionError("a whole frame went through the buffer")
+
+    monkeypatch.setattr(_transport.Stream, "_absorb", absorb)
+    try:
+        for tid, recv in ((1, chan.try_recv), (2, chan.recv_sync)):
+            b.send(P.framed(P.OP_OK, tid, 0, pickle.dumps(None)))
+            got = recv()
+            assert got is not None
+            assert P.unpack(*got)[:2] == (P.OP_OK, tid)
+    finally:
+        chan.close()
+        b.close()
+
+
+@asyncio_only
+async def test_map_slices_its_input_and_places_each_chunks_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list, tuple or range is sliced chunk by chunk, never copied whole, and a range's
+    chunks stay ranges (a few bytes each on the wire); each chunk's results land in their
+    place in the result list as they come, whatever order the chunks finish in."""
+    sent: list[type] = []
+    make_task = _calls.make_task
+
+    def spy(pool: Any, fn: Any, info: Any, flags: int, items: Any, *args: Any, **kw: Any) -> Any:
+        sent.append(type(items))
+        return make_task(pool, fn, info, flags, items, *args, **kw)
+
+    monkeypatch.setattr(_calls, "make_task", spy)
+    r = range(3, 3000, 7)
+    squares = [x * x for x in r]
+    with anyio.fail_after(TIMEOUT):
+        async with pool(2) as p:
+            assert await p.map(funcs.pool_square, r) == squares
+            assert set(sent) == {range} and len(sent) == 8
+            assert await p.map(funcs.pool_square, tuple(r), chunksize=13) == squares
+            assert await p.map(funcs.pool_square, list(r), chunksize=100) == squares
+            assert await p.starmap(funcs.pool_add, [(x, 1) for x in r]) == [x + 1 for x in r]
+            # A sync function that returns coroutines: each is awaited in the worker.
+            assert await p.map(funcs.pool_returns_coroutine, range(5), chunksize=2) == [
+                0,
+                1,
+                4,
+                9,
+                16,
+            ]

@@ -137,16 +137,39 @@ def test_async_tasks_go_to_the_least_loaded_worker_with_room() -> None:
     assert extra.state == QUEUED
 
 
-def test_a_maps_next_sync_chunk_may_wait_behind_its_own_chunk() -> None:
+def test_a_maps_next_sync_chunks_may_wait_behind_its_own_chunk() -> None:
     r = Rig(1)
     (w,) = r.handles
     group, other = object(), object()
-    c1, c2, c3 = (r.task(group=group) for _ in range(3))
-    r.submit(c1, c2, c3)
-    assert w.sent == [c1.tid, c2.tid]  # one chunk of the same call waits in the worker
+    c1, c2, c3, c4 = (r.task(group=group) for _ in range(4))
+    r.submit(c1, c2, c3, c4)
+    # CHUNKS_AHEAD (2) chunks of the same call wait in the worker; the rest in the pool.
+    assert w.sent == [c1.tid, c2.tid, c3.tid]
+    assert c4.state == QUEUED
     x = r.task(group=other)
     r.submit(x)
     assert x.state == QUEUED
+    r.sched.complete(w, c1.tid, True, [None])
+    assert w.sent[-1] == c4.tid  # the freed place goes to the head of the queue
+
+
+def test_chunks_ahead_go_to_the_worker_holding_fewest_of_them() -> None:
+    """Two workers: a map's chunks beyond the first two spread over both, never three
+    deep in one while the other holds one."""
+    r = Rig(2)
+    group = object()
+    chunks = [r.task(group=group) for _ in range(6)]
+    r.submit(*chunks)
+    assert sorted(len(h.sent) for h in r.handles) == [3, 3]
+
+
+def test_chunks_never_wait_behind_another_calls_chunk() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    a, b = object(), object()
+    first, second = r.task(group=a), r.task(group=b)
+    r.submit(first, second)
+    assert w.sent == [first.tid] and second.state == QUEUED
 
 
 def test_dropped_tasks_never_start() -> None:
