@@ -321,18 +321,10 @@ class Overflow:
             data, anc, flags, _ = self._vault_out.recvmsg(16, _ANC, _PEEK_FLAGS)
         except BlockingIOError:
             return None
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        fds = _transport.fds_in(anc)
         if flags & _TRUNCATED:
             _transport.close_fds(fds)
-            raise TransportError(
-                24,
-                "an item in the queue's overflow could not be received with its file "
-                f"descriptors: this process is at its fd limit (RLIMIT_NOFILE="
-                f"{_transport._nofile()}). The item stays in the queue.",
-            )
+            raise _transport.fds_dropped("The item stays in the queue's overflow.")
         return data, fds
 
     def _drop_vault_head(self) -> None:
