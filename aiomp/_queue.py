@@ -2,8 +2,8 @@
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair that every process holding the
 queue shares (producers send on one end, consumers receive on the other), an overflow
-log in shared memory (:mod:`aiomp._overflow`), and two eventfds: a count of the items in
-the socket (for ``qsize``) and a wake-up for producers that wait. A datagram is delivered
+log in shared memory (:mod:`aiomp._overflow`), and two eventfds: wake-up tokens for the
+consumers of a bounded queue, and a wake-up for producers that wait. A datagram is delivered
 whole to exactly one receiver with its fds, so any number of producers and consumers need
 no lock and no feeder thread: an item is in the kernel when ``put`` returns, and an
 unpicklable item fails in ``put``, in the caller.
@@ -70,10 +70,9 @@ __all__ = ("Empty", "Event", "Full", "Queue")
 
 _EFD = os.EFD_NONBLOCK | os.EFD_CLOEXEC
 _ONE = (1).to_bytes(8, "little")
-# qsize() never reports more than this (an eventfd counts up to 2**64 - 2).
-_FLOOD = 1 << 60
 _MISSING = object()
 _HINT = _overflow._HINT
+_U64 = _overflow._U64
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 
@@ -84,14 +83,6 @@ def _eventfd_take(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _eventfd_count(fd: int) -> int:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("eventfd-count:"):
-                return int(line.split()[1], 16)
-    return 0  # pragma: no cover
 
 
 def _loop_running() -> bool:
@@ -190,8 +181,8 @@ class Queue:
         self._maxsize = maxsize
         self._send = send
         self._recv = recv
-        # Unbounded: a count of the items in the socket (for qsize). Bounded: wake-up
-        # tokens for consumers, never fewer than the items (see _overflow, "Bounded").
+        # Bounded: wake-up tokens for consumers, never fewer than the items (see
+        # _overflow, "Bounded"). Unbounded: unused (qsize counts in the log's header).
         self._items = items
         # Written when an item that frees room is taken: a put waiting for a slot
         # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
@@ -202,6 +193,8 @@ class Queue:
         self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
         self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
         self._used_socket = True  # sent on the socket since this process last overflowed
+        self._slot = -1  # this process's slot of socket counts, claimed on first use
+        self._counts: dict[int, int] = {}
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
@@ -228,11 +221,14 @@ class Queue:
     # -- state --------------------------------------------------------------------
     def qsize(self) -> int:
         """Items put and not yet taken, across all processes: exact for a bounded queue;
-        for an unbounded one, those in the socket (approximate while puts and gets are
-        under way) and in the overflow (exact)."""
+        for an unbounded one, approximate like ``multiprocessing.Queue.qsize``: those in
+        the socket, by counts each process keeps (exact once puts and gets have returned,
+        unless a process was killed between sending or receiving an item and counting it,
+        or two threads of one process raced on one count) and those in the overflow
+        (exact)."""
         if self._maxsize:
             return self._ovf.count()
-        return min(_eventfd_count(self._items), _FLOOD - 1) + self._ovf.count()
+        return self._ovf.socket_count() + self._ovf.count()
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -259,15 +255,12 @@ class Queue:
     # -- the non-waiting core -------------------------------------------------------
     def _send_now(self, msg: _reduction.Message) -> bool:
         """Send on the socket if its buffer has room: True if sent."""
-        os.eventfd_write(self._items, 1)
-        sent = False
         try:
             sent = _transport.try_send(self._send, *msg.datagram())
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
-        finally:
-            if not sent:  # not sent, for whatever reason: give the count back
-                _eventfd_take(self._items)
+        if sent:
+            self._count(_overflow.SENT)
         self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
@@ -354,7 +347,16 @@ class Queue:
         return body, fds, True
 
     def _took(self) -> None:
-        _eventfd_take(self._items)
+        self._count(_overflow.RECEIVED)
+
+    def _count(self, field: int) -> None:
+        """One more item sent or received on the socket by this process (for qsize: a
+        store in shared memory, no syscall; see *Queue counts* in docs/architecture.md)."""
+        if self._slot < 0:
+            self._slot, sent, received = self._ovf.claim_slot()
+            self._counts = {_overflow.SENT: sent, _overflow.RECEIVED: received}
+        n = self._counts[field] = self._counts[field] + 1
+        _U64.pack_into(self._hint, self._slot + field, n)
 
     def _took_from_log(self, had_fds: bool) -> None:
         if had_fds:
@@ -660,6 +662,15 @@ def _rebuild_event(token: bytes, fd: int) -> Event:
     e._setup(token, _reduction.take_fd(fd))
     return e
 
+
+def _after_fork_in_child() -> None:
+    # A forked child counts in a slot of its own (claimed with its pid on first use).
+    for obj in list(_live.values()):
+        if isinstance(obj, Queue):
+            obj._slot = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 for _cls in (Queue, Event, SyncQueue, SyncEvent):
     _cls.__module__ = "aiomp"
