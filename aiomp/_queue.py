@@ -404,9 +404,16 @@ class Queue:
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
         unbounded, if the overflow cannot park any more fds: see the module docstring)."""
-        with _message(obj) as msg:
-            if not self._try_put(msg):
-                raise Full
+        msg = _message(obj)
+        try:  # not `with`: this is the hot path of a producer that never waits
+            if self._try_put(msg):
+                msg.close()
+                return
+        except BaseException:
+            msg.discard()
+            raise
+        msg.discard()
+        raise Full
 
     def get_nowait(self) -> Any:
         """Remove and return an item if one is there, else raise :class:`aiomp.Empty`."""
@@ -554,7 +561,8 @@ def _check_exceptions(obj: object) -> None:
 def _message(obj: object) -> _reduction.Message:
     """``obj`` pickled for the queue: errors (an exception that could not be rebuilt
     included) raise here, in the caller."""
-    _check_exceptions(obj)
+    if type(obj) not in _reduction.PLAIN:
+        _check_exceptions(obj)
     return _reduction.dumps(obj)
 
 

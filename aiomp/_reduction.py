@@ -47,6 +47,10 @@ _dispatch: dict[type, object] = dict(copyreg.dispatch_table)
 REDUCERS = {"numpy": "aiomp._numpy", "torch": "aiomp._torch", "cupy": "aiomp._cuda"}
 _hooked: set[str] = set()
 _NO_FDS: list[int] = []  # shared by messages without fds; never mutated
+if TYPE_CHECKING:
+    _Hooks = tuple[
+        list[Callable[[], object]], list[Callable[[], object]], list[Callable[[], object]]
+    ]
 
 
 class Message:
@@ -64,7 +68,7 @@ class Message:
     the block raises (cancellation included). A message dropped without either is closed.
     """
 
-    __slots__ = ("_again", "_cleanups", "_memfd", "_unsent", "_wire", "body", "fds")
+    __slots__ = ("_hooks", "_memfd", "_wire", "body", "fds")
 
     def __init__(
         self,
@@ -76,9 +80,10 @@ class Message:
     ) -> None:
         self.body = body
         self.fds = fds
-        self._cleanups = cleanups
-        self._unsent = unsent
-        self._again = again
+        # (cleanups, unsent, again) until closed; None when pickling asked for nothing
+        self._hooks: _Hooks | None = (
+            None if cleanups is None else (cleanups, unsent or [], again or [])
+        )
         self._wire: tuple[bytes, list[int]] | None = None
         self._memfd = -1
 
@@ -107,25 +112,26 @@ class Message:
     def sent_again(self) -> None:
         """The message goes to one more receiver than it was pickled for: objects that
         count their sends (a ``file_system`` storage's reference count) count one more."""
-        for fn in self._again or ():
-            fn()
+        if self._hooks is not None:
+            for fn in self._hooks[2]:
+                fn()
 
     def close(self) -> None:
         """Sent (or given up after sending): release what this process held for it."""
         memfd, self._memfd = self._memfd, -1
         if memfd >= 0:
             _transport.close_fds((memfd,))
-        cleanups, self._cleanups = self._cleanups, None
-        self._unsent = self._again = None
-        if cleanups:
-            for fn in reversed(cleanups):
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            for fn in reversed(hooks[0]):
                 fn()
 
     def discard(self) -> None:
         """Never to be sent: undo what pickling promised receivers, then :meth:`close`."""
-        unsent, self._unsent = self._unsent, None
+        hooks = self._hooks
         try:
-            if unsent:
+            if hooks is not None:
+                unsent, hooks[1][:] = hooks[1][:], []
                 for fn in reversed(unsent):
                     fn()
         finally:
@@ -141,7 +147,7 @@ class Message:
             self.discard()
 
     def __del__(self) -> None:
-        if self._cleanups or self._memfd >= 0:
+        if self._hooks is not None or self._memfd >= 0:
             self.close()
 
 
@@ -223,7 +229,7 @@ class _Pickler(pickle.Pickler):
 
 _PENDING = object()  # a message is being pickled; its scratchpad is made on first use
 #: Types pickled with plain ``pickle.dumps``: no reducer and no fd can be involved.
-_PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
+PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
 
 
 def dumps(obj: object, prefix: bytes = b"") -> Message:
@@ -232,10 +238,10 @@ def dumps(obj: object, prefix: bytes = b"") -> Message:
     Raises in the caller if it cannot be pickled, with everything pickling made undone.
     """
     cls = type(obj)
-    if cls in _PLAIN or (
+    if cls in PLAIN or (
         cls is tuple
         and len(obj) <= 8  # type: ignore[arg-type]
-        and all(type(x) in _PLAIN for x in obj)  # type: ignore[attr-defined]
+        and all(type(x) in PLAIN for x in obj)  # type: ignore[attr-defined]
     ):
         # The common small item: ten times cheaper than the reducing pickler.
         body = pickle.dumps(obj, 5)

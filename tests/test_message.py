@@ -147,7 +147,7 @@ def test_dumps_prefix_comes_before_the_pickle() -> None:
 def test_plain_items_skip_the_reducing_pickler() -> None:
     msg = _reduction.dumps((1, "two", b"three", None))
     assert msg.body == pickle.dumps((1, "two", b"three", None), 5)
-    assert (msg.fds, msg._cleanups) == ([], None)
+    assert (msg.fds, msg._hooks) == ([], None)
 
 
 # -- the scratchpad ------------------------------------------------------------------------
