@@ -12,8 +12,9 @@ A message is one byte of kind followed by its body. A body larger than
 aiomp never changes a socket's blocking mode (the flag is shared by every process holding
 it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
 ``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async
-callers wait for readiness through anyio, so asyncio, uvloop and trio all work. anyio is
-imported only by the async functions: a child running a sync function never loads it.
+callers wait for readiness on the running loop (:func:`wait_readable`, or anyio), so
+asyncio, uvloop and trio all work; neither anyio nor trio is imported by a child that runs
+a sync function.
 
 Point-to-point channels: :class:`Stream`
 -----------------------------------------
@@ -322,9 +323,15 @@ async def wait_readable(fd: int) -> None:
         await trio.lowlevel.wait_readable(fd)
         return
     reader = _readers.get(fd)
-    if reader is None or reader.loop is not loop:
-        if reader is not None:
-            reader.remove()
+    if reader is not None and reader.loop is not loop:
+        if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
+            import anyio
+
+            await anyio.wait_readable(fd)
+            return
+        reader.remove()
+        reader = None
+    if reader is None:
         reader = _readers[fd] = _Reader(loop, fd)
     fut = loop.create_future()
     reader.waiters.append(fut)

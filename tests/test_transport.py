@@ -560,3 +560,70 @@ async def test_stream_async_recv_eof(stream_pair: tuple[t.Stream, t.Stream]) -> 
             tg.start_soon(receive)
             await anyio.wait_all_tasks_blocked()
             a.sock.shutdown(socket.SHUT_WR)
+
+
+# -- the reader kept on an asyncio loop (see *Queue wake-ups*) ----------------------------
+
+asyncio_only = pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
+
+
+@pytest.mark.anyio
+@asyncio_only
+async def test_kept_reader_wakes_each_wait_and_stops_when_nobody_waits() -> None:
+    import asyncio
+
+    a, b = t.socketpair()
+    fd = b.fileno()
+    try:
+
+        async def get() -> tuple[bytes, list[int]] | None:
+            await t.wait_readable(fd)
+            return t.try_recv(b)  # as a queue's get does: read in the step that woke
+
+        readers = []
+        for i in range(3):
+            waiter = asyncio.ensure_future(get())
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not waiter.done(), "nothing to read yet"
+            assert t.try_send(a, bytes([0, i]), [])
+            got = await asyncio.wait_for(waiter, 30)
+            assert got is not None and got[0] == bytes([0, i])
+            for _ in range(3):  # a stale report of the datagram just read wakes nobody
+                await asyncio.sleep(0)
+            readers.append(t._readers[fd])
+        assert readers[0] is readers[1] is readers[2], "one reader for every wait"
+        assert t.try_send(a, b"\x00x", [])
+        for _ in range(5):  # readable, and nobody waits: it stops watching
+            await asyncio.sleep(0)
+        assert fd not in t._readers
+        assert t.try_recv(b) is not None
+    finally:
+        t.forget(fd)
+        a.close()
+        b.close()
+
+
+@pytest.mark.anyio
+@asyncio_only
+async def test_forget_stops_watching_and_closes_the_duplicate() -> None:
+    import asyncio
+
+    a, b = t.socketpair()
+    fd = b.fileno()
+    try:
+        waiter = asyncio.ensure_future(t.wait_readable(fd))
+        await asyncio.sleep(0)
+        waiter.cancel()  # a cancelled wait leaves only the idle watch
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        watched = t._readers[fd].watched
+        assert is_open(watched) and same_file(watched, fd)
+        t.forget(fd)
+        assert fd not in t._readers and not is_open(watched)
+        t.forget(fd)  # idempotent
+    finally:
+        a.close()
+        b.close()
