@@ -97,7 +97,7 @@ class Message:
         if wire is None:
             body = self.body
             if len(body) <= _transport.MAX_INLINE:
-                wire = self._wire = (b"\x00" + body, self.fds)
+                wire = self._wire = (b"\x00" + body, self.fds)  # KIND_DATA
             else:
                 self._memfd = _transport.memfd_with(body)
                 wire = self._wire = (_transport.large_header(len(body)), [*self.fds, self._memfd])
@@ -131,8 +131,7 @@ class Message:
         hooks = self._hooks
         try:
             if hooks is not None:
-                unsent, hooks[1][:] = hooks[1][:], []
-                for fn in reversed(unsent):
+                for fn in reversed(hooks[1]):
                     fn()
         finally:
             self.close()
