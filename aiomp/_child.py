@@ -298,14 +298,9 @@ def _inherited_report_socket() -> socket.socket | None:
     return None
 
 
-def send_message(sock: socket.socket, out: _reduction.Outgoing) -> None:
+def send_message(sock: socket.socket, out: _reduction.Message) -> None:
     try:
-        datagram, fds, extra = _transport.encode(out.body, out.fds)
-        try:
-            _transport.send_sync(sock, datagram, fds)
-        finally:
-            if extra >= 0:
-                os.close(extra)
+        _transport.send_sync(sock, *out.datagram())
     except _transport.Closed:
         pass  # the parent stopped listening: it is terminating us
     finally:

@@ -635,13 +635,9 @@ async def start_children(
         check_fork_safe()
     # Pickle once, before any process starts: an unpicklable argument raises here.
     payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
-    try:
-        datagram, fds, extra = _transport.encode(payload.body, payload.fds)
-    except BaseException:
-        payload.close()
-        raise
     children: list[_Child] = []
     try:
+        datagram, fds = payload.datagram()
         if start_method == "forkserver":
             await prepare_forkserver()
         for rank in range(nprocs):
@@ -650,7 +646,8 @@ async def start_children(
             children.append(
                 launch(_child.main, rank, start_method, daemon, extra=(target_fn,), output=fw)
             )
-        payload.copies(len(children))  # one message, sent to every child
+        for _ in children[1:]:
+            payload.sent_again()  # one message, sent to every child
         for c in children:
             assert c.sock is not None
             try:
@@ -661,8 +658,6 @@ async def start_children(
         await terminate_all(children, 0)  # not started yet: nothing to wait for
         raise
     finally:
-        if extra >= 0:
-            os.close(extra)
         payload.close()
     return ProcessContext(children, grace_period)
 

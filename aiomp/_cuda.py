@@ -846,12 +846,22 @@ def _at_exit() -> None:
             )
 
 
-_MEMO = "aiomp._cuda"
+class _Sending:
+    """What one message's CuPy arrays share (its scratchpad entry): the handoff
+    description holding the leases of all its blocks, the blocks sent in it, and the
+    staging block per device its small arrays are copied into."""
+
+    __slots__ = ("blocks", "handoff", "stages")
+
+    def __init__(self) -> None:
+        self.handoff: tuple[int, int] | None = None  # (fd, index in the message)
+        self.blocks: dict[tuple[int, int], tuple[int, bytes | None]] = {}  # (dev, base) -> slot
+        self.stages: dict[int, list[Any]] = {}  # device -> [staging block, bytes used]
 
 
 def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
     """Reducer for ``cupy.ndarray`` in aiomp messages (see the module docstring)."""
-    state = _reduction.current()
+    pad = _reduction.current()
     backend = get_backend()
     desc = backend.describe(arr)
     # Before any CUDA call: the driver may refuse to export imported memory, and that
@@ -882,15 +892,15 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
         return _rebuild, (meta,)
     with _lock:
         prod = _get_producer(backend)
-        memo = state.memo
-        handoff = _handoff(prod, memo)
+        sending = pad.once(_Sending, _Sending)
+        handoff = _handoff(prod, sending)
         staged = False
         if isinstance(desc.owner, IpcBlock):
             block: IpcBlock | None = desc.owner
         elif hi - lo < IPC_BLOCK:
             # The driver sub-allocates small cudaMallocs from shared blocks and a handle
             # shares the whole block: send a copy in an IPC-safe block of this message.
-            block, offset = _stage(backend, memo, desc, lo, hi)
+            block, offset = _stage(backend, sending, desc, lo, hi)
             staged = True
         else:
             block = None
@@ -906,10 +916,9 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
             keep = desc.keep
         if not staged:
             offset = locate(desc.ptr, base, size, desc.shape, desc.strides, desc.itemsize)
-        key = (_MEMO, dev, base)
-        entry = cast("tuple[int, bytes | None] | None", memo.get(key))
+        entry = sending.blocks.get((dev, base))
         if entry is None:
-            entry = memo[key] = _send_block(prod, dev, base, size, handoff[0])
+            entry = sending.blocks[dev, base] = _send_block(prod, dev, base, size, handoff[0])
         elif staged:
             # The copy was queued after the slot's event was recorded: record it again,
             # so that the consumer's wait (made once the message has arrived) covers it.
@@ -937,13 +946,13 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
     return _rebuild, (meta,)
 
 
-def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
+def _handoff(prod: _Producer, sending: _Sending) -> tuple[int, int]:
     """The message's handoff description (fd, index), made on its first block.
 
     One description per message holds the leases of all its blocks; making it is also
     the collection cadence (once per message).
     """
-    handoff = cast("tuple[int, int] | None", memo.get((_MEMO, "handoff")))
+    handoff = sending.handoff
     if handoff is None:
         prod.collect()
         fd = _lease.reopen(prod.table.fd)
@@ -953,26 +962,23 @@ def _handoff(prod: _Producer, memo: dict[object, object]) -> tuple[int, int]:
         except BaseException:
             prod.close_handoff(fd)
             raise
-        _reduction.on_sent(lambda fd=fd: prod.close_handoff(fd))
-        handoff = (fd, index)
-        memo[(_MEMO, "handoff")] = handoff
+        _reduction.on_sent(lambda: prod.close_handoff(fd))
+        handoff = sending.handoff = (fd, index)
     return handoff
 
 
 def _stage(
-    backend: Backend, memo: dict[object, object], desc: Described, lo: int, hi: int
+    backend: Backend, sending: _Sending, desc: Described, lo: int, hi: int
 ) -> tuple[IpcBlock, int]:
     """Copy the bytes ``[lo, hi)`` of a small array into this message's IPC-safe staging
     block, on the producer's current stream; returns the block and element 0's offset.
 
     Small arrays of one message share staging blocks (512-byte aligned, as cudaMalloc).
     """
-    key = (_MEMO, "stage", desc.device)
-    stage = cast("list[Any] | None", memo.get(key))
+    stage = sending.stages.get(desc.device)
     n = hi - lo
     if stage is None or stage[1] + n > stage[0].size:
-        stage = [_block_pool.take(backend, desc.device, IPC_BLOCK), 0]
-        memo[key] = stage
+        stage = sending.stages[desc.device] = [_block_pool.take(backend, desc.device, IPC_BLOCK), 0]
     block, pos = stage
     backend.copy(desc.device, block.ptr + pos, desc.ptr + lo, n)
     stage[1] = pos + -(-n // _STAGE_ALIGN) * _STAGE_ALIGN
@@ -1239,7 +1245,7 @@ def _after_fork_in_child() -> None:
     cons, _consumer_state = _consumer_state, None
     fds: list[int] = []
     if prod is not None:
-        # Cleared, so that a stale Outgoing collected in this child closes nothing.
+        # Cleared, so that a stale Message collected in this child closes nothing.
         fds.extend(prod.handoffs)
         prod.handoffs.clear()
         fds.append(prod.table.fd)
@@ -1261,10 +1267,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def reducers() -> dict[type, object]:
-    """Called by :mod:`aiomp._reduction` once cupy has been imported."""
+def init_reductions() -> None:
+    """Register aiomp's reducer for ``cupy.ndarray`` (called by
+    :func:`aiomp._reduction.init_reductions` once cupy has been imported)."""
     cupy: Any = sys.modules["cupy"]
-    return {cupy.ndarray: reduce_array}
+    _reduction.register(cupy.ndarray, reduce_array)
 
 
 def cuda_initialized() -> bool:

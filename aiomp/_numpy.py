@@ -152,11 +152,8 @@ def _reduce(arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
         return _by_handle(arr, *shared)
     if arr.dtype.hasobject or arr.nbytes == 0:
         return cast("tuple[Any, ...]", arr.__reduce_ex__(5))
-    state = _reduction.current()
-    message = cast("_Message | None", state.memo.get(_Message))
-    if message is None:
-        message = state.memo[_Message] = _Message(state.first)
-    return message.reduce(arr)
+    pad = _reduction.current()
+    return pad.once(_Message, lambda: _Message(pad.first)).reduce(arr, pad)
 
 
 def _by_handle(arr: np.ndarray[Any, Any], ref: _shm.BlockRef, exporter: object) -> tuple[Any, ...]:
@@ -218,31 +215,29 @@ class _Message:
     cluster once.
     """
 
-    __slots__ = ("clusters", "conflict", "groups", "keep", "seen", "starts")
+    __slots__ = ("clusters", "conflict", "groups", "seen", "starts")
 
-    def __init__(self, first: dict[object, object] | None) -> None:
+    def __init__(self, first: _reduction.Scratchpad | None) -> None:
         self.starts: list[int] = []
         self.groups: list[_Group] = []
         self.seen: list[tuple[int, int]] = []
-        # The arrays themselves, so that no address is reused while the message is pickled.
-        self.keep: list[object] = []
         self.conflict = False
         self.clusters: dict[int, _Cluster] | None = None
         previous = None if first is None else cast("_Message | None", first.get(_Message))
         if previous is not None:
             self.clusters = _clusters(previous.seen)
 
-    def reduce(self, arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+    def reduce(self, arr: np.ndarray[Any, Any], pad: _reduction.Scratchpad) -> tuple[Any, ...]:
         lo, hi = _bounds(arr)
         self.seen.append((lo, hi))
-        self.keep.append(arr)
+        pad.keep_alive(arr)  # no address seen here is reused while pickling
         if self.clusters is not None:
             cluster = self.clusters.get(lo)
             if cluster is not None and cluster.count > 1 and cluster.hi >= hi:
                 if cluster.group is None:
                     cluster.group = _Group.copy(cluster.lo, cluster.hi)
                 return cluster.group.view(arr)
-            return self._alone(arr, lo, hi)
+            return self._alone(arr, lo, hi, pad)
         i = bisect.bisect_right(self.starts, lo) - 1
         for j in (i, i + 1):
             if 0 <= j < len(self.groups):
@@ -255,9 +250,11 @@ class _Message:
                     return _SKIP
         if self.conflict:
             return _SKIP  # this pass is discarded: spare the copies
-        return self._alone(arr, lo, hi)
+        return self._alone(arr, lo, hi, pad)
 
-    def _alone(self, arr: np.ndarray[Any, Any], lo: int, hi: int) -> tuple[Any, ...]:
+    def _alone(
+        self, arr: np.ndarray[Any, Any], lo: int, hi: int, pad: _reduction.Scratchpad
+    ) -> tuple[Any, ...]:
         if arr.nbytes < INLINE_THRESHOLD:
             reduced, group = cast("tuple[Any, ...]", arr.__reduce_ex__(5)), _Group(lo, hi, None)
         elif hi - lo <= VIEW_SLACK * arr.nbytes:
@@ -265,7 +262,7 @@ class _Message:
             reduced = group.view(arr)
         else:  # a sparse view of much more memory: compacted
             copy = share_memory(arr)
-            self.keep.append(copy)
+            pad.keep_alive(copy)
             shared = _shared_block(copy)
             assert shared is not None
             reduced, group = _by_handle(copy, *shared), _Group(lo, hi, None)

@@ -89,7 +89,7 @@ class Forwarder:
                 theirs.shutdown(socket.SHUT_RD)
                 # Room for a few thousand small writes (each costs ~1 KiB of kernel
                 # accounting) while the parent is busy or coalescing.
-                _transport._grow_buffers(theirs)
+                _transport.grow_buffers(theirs)
         except BaseException:
             self.close()
             raise

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import mmap
 import os
 import select
@@ -58,6 +59,13 @@ _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXE
 _ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
 _U64 = struct.Struct("<Q")
+#: Per-process counts of the items sent and received on the socket (see *Queue counts*
+#: in docs/architecture.md): slots of ``[pid, sent, received]`` to the header's end.
+_SLOTS = 256
+_SLOT = struct.Struct("<QQQ")
+_NSLOTS = (PAGE - _SLOTS) // _SLOT.size
+_TABLE = struct.Struct(f"<{3 * _NSLOTS}Q")
+SENT, RECEIVED = 8, 16  # a count's offset in its slot
 
 #: Test hook: called with the name of each step of an overflow operation, to kill the
 #: process there (tests/_funcs_queue.py). None in normal use.
@@ -240,6 +248,38 @@ class Overflow:
                 self._data.close()
                 self._data = None
 
+    # -- counting the socket's items -----------------------------------------------------
+    def claim_slot(self) -> tuple[int, int, int]:
+        """This process's slot of socket counts: ``(offset, sent, received)``.
+
+        Claimed once per process (and again after a fork) under a POSIX record lock on the
+        log (a lock of this process, unlike the fds' shared open file description); a
+        slot found with this pid is taken over, counts included (a dead process's pid
+        reused: the sums stay right). With every slot taken, the last one is shared.
+        """
+        pid = os.getpid()
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1, 0)
+        try:
+            table = _TABLE.unpack_from(self._header, _SLOTS)
+            owners = table[0::3]
+            if pid in owners:
+                i = owners.index(pid)
+            elif 0 in owners:
+                i = owners.index(0)
+                _U64.pack_into(self._header, _SLOTS + i * _SLOT.size, pid)
+            else:
+                i = _NSLOTS - 1
+        finally:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 0)
+        sent: int = table[3 * i + 1]
+        received: int = table[3 * i + 2]
+        return _SLOTS + i * _SLOT.size, sent, received
+
+    def socket_count(self) -> int:
+        """Items sent on the socket and not yet received, by every process's counts."""
+        table: tuple[int, ...] = _TABLE.unpack_from(self._header, _SLOTS)
+        return max(0, sum(table[1::3]) - sum(table[2::3]))
+
     def socket_empty(self) -> bool:
         """Whether the queue's socket holds no datagram (and is not at EOF)."""
         return not self._poll.poll(0)
@@ -250,18 +290,10 @@ class Overflow:
             data, anc, flags, _ = self._vault_out.recvmsg(16, _ANC, _PEEK_FLAGS)
         except BlockingIOError:
             return None
-        fds: list[int] = []
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
+        fds = _transport.fds_in(anc)
         if flags & _TRUNCATED:
             _transport.close_fds(fds)
-            raise TransportError(
-                24,
-                "an item in the queue's overflow could not be received with its file "
-                f"descriptors: this process is at its fd limit (RLIMIT_NOFILE="
-                f"{_transport._nofile()}). The item stays in the queue.",
-            )
+            raise _transport.fds_dropped("The item stays in the queue's overflow.")
         return data, fds
 
     def _drop_vault_head(self) -> None:

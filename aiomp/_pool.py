@@ -276,7 +276,7 @@ class Pool:
         self._state = _NEW
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # None on trio
-        self._init: P.Message | None = None
+        self._init: _reduction.Message | None = None
         self._init_sends = 0
         self._sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)
         self._handles: dict[_Handle, None] = {}
@@ -350,7 +350,9 @@ class Pool:
 
     async def _prepare(self) -> None:
         """What must be done before the first worker starts (``aiomp.ray.Pool`` has its own)."""
-        self._init = P.Message(P.OP_INIT, 0, 0, b"", (self._initializer, self._initargs))
+        self._init = _reduction.dumps(
+            (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
+        )
         if self._start_method == "fork":
             _context.check_fork_safe()
         elif self._start_method == "forkserver":
@@ -495,7 +497,7 @@ class Pool:
         if self._init_sends:
             self._init.sent_again()
         self._init_sends += 1
-        h.send_frame(self._init.frame, self._init.fds)
+        h.send_frame(*self._init.framed())
         self._tg.start_soon(h.run)
 
     def _on_exit(self, h: WorkerHandle, exitcode: int | None, unsent: list[int]) -> None:

@@ -28,7 +28,6 @@ A *child* module: every worker imports it (see *Light children* in docs/architec
 
 from __future__ import annotations
 
-import os
 import pickle
 import struct
 
@@ -120,56 +119,38 @@ def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryvi
 
 
 class Message:
-    """One encoded message that may carry fds: owns its datagram, fds and extra memfd.
+    """One encoded message that may carry fds: ``obj`` pickled after its header, framed.
 
     ``close()`` releases what this process holds for it, whether it was sent or not;
     ``discard()`` also undoes what pickling promised to receivers that will never come
-    (a ``file_system`` send count).
+    (a ``file_system`` send count). Both are those of the :class:`aiomp._reduction.Message`
+    it wraps.
     """
 
-    __slots__ = ("_extra", "_out", "fds", "frame")
+    __slots__ = ("_msg", "fds", "frame")
 
     def __init__(self, op: int, tid: int, flags: int, prefix: bytes, obj: object) -> None:
         from . import _reduction
 
-        out = _reduction.dumps(obj)
+        self._msg = _reduction.dumps(obj, header(op, tid, flags) + prefix)
         try:
-            datagram, fds, extra = _transport.encode(
-                header(op, tid, flags) + prefix + out.body, out.fds
-            )
+            self.frame, self.fds = self._msg.framed()
         except BaseException:
-            out.close()
+            self._msg.close()
             raise
-        self._out: _reduction.Outgoing | None = out
-        self._extra = extra
-        self.fds = fds
-        self.frame = _transport.frame(datagram, len(fds))
 
     def sent_again(self) -> None:
         """The message goes to one more receiver than it was pickled for."""
-        if self._out is not None:
-            self._out.copies(2)
+        self._msg.sent_again()
 
     def close(self) -> None:
-        self._release(discard=False)
+        self.frame, self.fds = b"", []
+        self._msg.close()
 
     def discard(self) -> None:
         """Never to be sent: undo what pickling promised, then close."""
-        self._release(discard=True)
-
-    def _release(self, discard: bool) -> None:
-        out, self._out = self._out, None
-        if out is None:
-            return
-        if self._extra >= 0:
-            os.close(self._extra)
-            self._extra = -1
-        self.frame = b""
-        self.fds = []
-        if discard:
-            out.discard()
-        else:
-            out.close()
+        self.frame, self.fds = b"", []
+        self._msg.discard()
 
 
 class RemoteTraceback(Exception):

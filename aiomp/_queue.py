@@ -2,8 +2,8 @@
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair that every process holding the
 queue shares (producers send on one end, consumers receive on the other), an overflow
-log in shared memory (:mod:`aiomp._overflow`), and two eventfds: a count of the items in
-the socket (for ``qsize``) and a wake-up for producers that wait. A datagram is delivered
+log in shared memory (:mod:`aiomp._overflow`), and two eventfds: wake-up tokens for the
+consumers of a bounded queue, and a wake-up for producers that wait. A datagram is delivered
 whole to exactly one receiver with its fds, so any number of producers and consumers need
 no lock and no feeder thread: an item is in the kernel when ``put`` returns, and an
 unpicklable item fails in ``put``, in the caller.
@@ -70,10 +70,9 @@ __all__ = ("Empty", "Event", "Full", "Queue")
 
 _EFD = os.EFD_NONBLOCK | os.EFD_CLOEXEC
 _ONE = (1).to_bytes(8, "little")
-# qsize() never reports more than this (an eventfd counts up to 2**64 - 2).
-_FLOOD = 1 << 60
 _MISSING = object()
 _HINT = _overflow._HINT
+_U64 = _overflow._U64
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 
@@ -84,14 +83,6 @@ def _eventfd_take(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
-
-
-def _eventfd_count(fd: int) -> int:
-    with open(f"/proc/self/fdinfo/{fd}") as f:
-        for line in f:
-            if line.startswith("eventfd-count:"):
-                return int(line.split()[1], 16)
-    return 0  # pragma: no cover
 
 
 def _loop_running() -> bool:
@@ -144,7 +135,7 @@ class _Waiters:
             if write:
                 await anyio.wait_writable(fd)
             else:
-                await anyio.wait_readable(fd)
+                await _transport.wait_readable(fd)
         finally:
             event = self._events.pop(key)
             if event is not None:
@@ -190,8 +181,8 @@ class Queue:
         self._maxsize = maxsize
         self._send = send
         self._recv = recv
-        # Unbounded: a count of the items in the socket (for qsize). Bounded: wake-up
-        # tokens for consumers, never fewer than the items (see _overflow, "Bounded").
+        # Bounded: wake-up tokens for consumers, never fewer than the items (see
+        # _overflow, "Bounded"). Unbounded: unused (qsize counts in the log's header).
         self._items = items
         # Written when an item that frees room is taken: a put waiting for a slot
         # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
@@ -202,6 +193,8 @@ class Queue:
         self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
         self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
         self._used_socket = True  # sent on the socket since this process last overflowed
+        self._slot = -1  # this process's slot of socket counts, claimed on first use
+        self._counts: dict[int, int] = {}
         self._waiters = _Waiters()
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
@@ -228,11 +221,14 @@ class Queue:
     # -- state --------------------------------------------------------------------
     def qsize(self) -> int:
         """Items put and not yet taken, across all processes: exact for a bounded queue;
-        for an unbounded one, those in the socket (approximate while puts and gets are
-        under way) and in the overflow (exact)."""
+        for an unbounded one, approximate like ``multiprocessing.Queue.qsize``: those in
+        the socket, by counts each process keeps (exact once puts and gets have returned,
+        unless a process was killed between sending or receiving an item and counting it,
+        or two threads of one process raced on one count) and those in the overflow
+        (exact)."""
         if self._maxsize:
             return self._ovf.count()
-        return min(_eventfd_count(self._items), _FLOOD - 1) + self._ovf.count()
+        return self._ovf.socket_count() + self._ovf.count()
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -257,47 +253,44 @@ class Queue:
             os.eventfd_write(self._items, 1)  # wake consumers: a token no one takes
 
     # -- the non-waiting core -------------------------------------------------------
-    def _send_now(self, item: _Item) -> bool:
+    def _send_now(self, msg: _reduction.Message) -> bool:
         """Send on the socket if its buffer has room: True if sent."""
-        os.eventfd_write(self._items, 1)
-        sent = False
         try:
-            sent = _transport.try_send(self._send, item.datagram, item.fds)
+            sent = _transport.try_send(self._send, *msg.datagram())
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
-        finally:
-            if not sent:  # not sent, for whatever reason: give the count back
-                _eventfd_take(self._items)
+        if sent:
+            self._count(_overflow.SENT)
         self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
-    def _try_put(self, item: _Item) -> bool:
+    def _try_put(self, msg: _reduction.Message) -> bool:
         """Put if there is room: True if put (socket or overflow).
 
         False: a bounded queue is full, or the overflow cannot park the item's fds now;
         wait on ``_room``. Raises QueueClosed (or TransportError); nothing is put then.
         """
         if self._maxsize:  # every item through the log: the bound is its committed count
-            return self._ovf.append(
-                item.body, item.body_fds, None, False, self._maxsize, self._items
-            )
+            return self._ovf.append(msg.body, msg.fds, None, False, self._maxsize, self._items)
         # The socket while the overflow is empty; else the overflow, behind the items
         # already there (it tries the socket again once it finds itself empty).
-        if not self._hint[_HINT] and self._send_now(item):
+        if not self._hint[_HINT] and self._send_now(msg):
             return True
         used, self._used_socket = self._used_socket, False
-        return self._ovf.append(item.body, item.body_fds, lambda: self._send_now(item), used)
+        return self._ovf.append(msg.body, msg.fds, lambda: self._send_now(msg), used)
 
-    def _put_wait_fd(self, item: _Item) -> int:
+    def _put_wait_fd(self, msg: _reduction.Message) -> int:
         """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
         # Reset ``room`` first and try once more, so that a get between the failed put
         # and the wait is not missed.
         _eventfd_take(self._room)
-        if self._try_put(item):
+        if self._try_put(msg):
             return -1
         return self._room
 
-    def _try_get(self, blocking: bool = False) -> object:
+    def _try_get(self, blocking: bool = False, peek: bool = False) -> object:
+        """An item, or _MISSING. ``peek``: look with ``poll`` before reading, so that an
+        empty socket costs no exception (a get about to wait usually finds it empty)."""
         if self._maxsize:
             popped = self._ovf.pop(None, self._items, self._room)
             if popped is None:
@@ -314,6 +307,8 @@ class Queue:
                     if not from_socket:
                         self._took_from_log(bool(fds))
                     return _load(body, fds)
+            if peek and not hint[_HINT] and self._ovf.socket_empty():
+                return _MISSING
             # Blocking in recvmsg is safe only while the overflow is empty: it becomes
             # non-empty only when the socket is full, which wakes this recvmsg.
             try:
@@ -352,7 +347,16 @@ class Queue:
         return body, fds, True
 
     def _took(self) -> None:
-        _eventfd_take(self._items)
+        self._count(_overflow.RECEIVED)
+
+    def _count(self, field: int) -> None:
+        """One more item sent or received on the socket by this process (for qsize: a
+        store in shared memory, no syscall; see *Queue counts* in docs/architecture.md)."""
+        if self._slot < 0:
+            self._slot, sent, received = self._ovf.claim_slot()
+            self._counts = {_overflow.SENT: sent, _overflow.RECEIVED: received}
+        n = self._counts[field] = self._counts[field] + 1
+        _U64.pack_into(self._hint, self._slot + field, n)
 
     def _took_from_log(self, had_fds: bool) -> None:
         if had_fds:
@@ -371,9 +375,9 @@ class Queue:
         return self._put(obj)
 
     async def _put(self, obj: object) -> None:
-        with _Item(obj) as item:
-            while not self._try_put(item):
-                fd = self._put_wait_fd(item)
+        with _message(obj) as msg:
+            while not self._try_put(msg):
+                fd = self._put_wait_fd(msg)
                 if fd < 0:
                     break
                 await self._waiters.wait(fd)
@@ -391,21 +395,25 @@ class Queue:
         return self._get()
 
     async def _get(self) -> Any:
-        while (item := self._try_get()) is _MISSING:
+        item = self._try_get(peek=True)
+        while item is _MISSING:
             await self._waiters.wait(self._wait_fd)
+            item = self._try_get()
         return item
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
         unbounded, if the overflow cannot park any more fds: see the module docstring)."""
-        item = _Item(obj)
-        if item._out is None and item._extra < 0:  # nothing to undo or close: no `with`
-            if not self._try_put(item):
-                raise Full
-            return
-        with item:
-            if not self._try_put(item):
-                raise Full
+        msg = _message(obj)
+        try:  # not `with`: this is the hot path of a producer that never waits
+            if self._try_put(msg):
+                msg.close()
+                return
+        except BaseException:
+            msg.discard()
+            raise
+        msg.discard()
+        raise Full
 
     def get_nowait(self) -> Any:
         """Remove and return an item if one is there, else raise :class:`aiomp.Empty`."""
@@ -439,9 +447,9 @@ class SyncQueue:
         after ``timeout`` s."""
         q = self._q
         deadline = None if timeout is None else time.monotonic() + timeout
-        with _Item(obj) as item:
-            while not q._try_put(item):
-                fd = q._put_wait_fd(item)
+        with _message(obj) as msg:
+            while not q._try_put(msg):
+                fd = q._put_wait_fd(msg)
                 if fd < 0:
                     break
                 if not _transport.wait_fd_sync(fd, deadline=deadline):
@@ -550,65 +558,19 @@ def _check_exceptions(obj: object) -> None:
             ) from error
 
 
-#: Types pickled with plain ``pickle.dumps``: they hold no fds and need no reducer.
-_PLAIN = frozenset({bytes, str, int, float, bool, type(None)})
-
-
-class _Item:
-    """An item being put: pickled (errors raise in the caller) and framed.
-
-    ``with _Item(obj) as item:`` sends it, or else, leaving by an exception (Full, a
-    timeout, cancellation), discards it: what pickling promised is undone.
-    ``datagram``/``fds`` are what the socket carries; ``body``/``body_fds`` what the
-    overflow keeps (the pickle itself, however large, and the item's own fds).
-    """
-
-    __slots__ = ("_extra", "_out", "body", "body_fds", "datagram", "fds")
-
-    def __init__(self, obj: object) -> None:
-        cls = type(obj)
-        if cls in _PLAIN or (
-            cls is tuple
-            and len(obj) <= 8  # type: ignore[arg-type]
-            and all(type(x) in _PLAIN for x in obj)  # type: ignore[attr-defined]
-        ):
-            # The common small item: ten times cheaper than the reducing pickler.
-            self._out = None
-            self.body = pickle.dumps(obj, 5)
-            self.body_fds = self.fds = []  # type: list[int]
-            if len(self.body) <= _transport.MAX_INLINE:
-                self.datagram = b"\x00" + self.body
-                self._extra = -1
-                return
-        else:
-            _check_exceptions(obj)
-            self._out = _reduction.dumps(obj)
-            self.body = self._out.body
-            self.body_fds = self._out.fds
-        try:
-            self.datagram, self.fds, self._extra = _transport.encode(self.body, self.body_fds)
-        except BaseException:
-            if self._out is not None:
-                self._out.discard()
-            raise
-
-    def __enter__(self) -> _Item:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if self._extra >= 0:
-            os.close(self._extra)
-        if self._out is None:
-            return
-        if exc_type is None:
-            self._out.close()
-        else:
-            self._out.discard()
+def _message(obj: object) -> _reduction.Message:
+    """``obj`` pickled for the queue: errors (an exception that could not be rebuilt
+    included) raise here, in the caller."""
+    if type(obj) not in _reduction.PLAIN:
+        _check_exceptions(obj)
+    return _reduction.dumps(obj)
 
 
 def _close_all(
     send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow, *fds: int
 ) -> None:
+    for fd in (recv.fileno(), *fds):
+        _transport.forget(fd)
     send.close()
     recv.close()
     ovf.close()
@@ -649,7 +611,7 @@ class Event:
         self._fd = fd
         self._waiters = _Waiters()
         self.sync = SyncEvent(self)
-        self._finalizer = weakref.finalize(self, os.close, fd)
+        self._finalizer = weakref.finalize(self, _close_event, fd)
         _live[token] = self
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -695,6 +657,11 @@ class SyncEvent:
         return _transport.wait_fd_sync(self._e._fd, deadline=deadline)
 
 
+def _close_event(fd: int) -> None:
+    _transport.forget(fd)
+    os.close(fd)
+
+
 def _rebuild_event(token: bytes, fd: int) -> Event:
     existing = _live.get(token)
     if isinstance(existing, Event):
@@ -703,6 +670,15 @@ def _rebuild_event(token: bytes, fd: int) -> Event:
     e._setup(token, _reduction.take_fd(fd))
     return e
 
+
+def _after_fork_in_child() -> None:
+    # A forked child counts in a slot of its own (claimed with its pid on first use).
+    for obj in list(_live.values()):
+        if isinstance(obj, Queue):
+            obj._slot = -1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 for _cls in (Queue, Event, SyncQueue, SyncEvent):
     _cls.__module__ = "aiomp"

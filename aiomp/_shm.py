@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from . import _lease, _reduction
 from ._errors import SharedMemoryError, TransportError
@@ -222,14 +222,12 @@ class BlockRef:
             _reduction.on_unsent(lambda: seg.count(index, sends=-1))
             _reduction.on_copy(lambda: seg.count(index, sends=1))
             return _rebuild_block, (seg.name, -1, seg.size, seg.block_size, index, None)
-        state = _reduction.current()
-        memo_key = ("aiomp-seg", seg.key)
-        handoff = cast("tuple[int, int] | None", state.memo.get(memo_key))
+        handoffs: dict[object, tuple[int, int]] = _reduction.current().once(BlockRef, dict)
+        handoff = handoffs.get(seg.key)  # one description per segment and message
         if handoff is None:
             fd = _open_fd(lambda: _lease.reopen(seg.fd), "a shared segment to send")
             _reduction.on_sent(lambda: os.close(fd))
-            handoff = (fd, _reduction.add_fd(fd))
-            state.memo[memo_key] = handoff
+            handoff = handoffs[seg.key] = (fd, _reduction.add_fd(fd))
         _lease.hold(handoff[0], seg.offset(index), seg.block_size)  # held while in flight
         return _rebuild_block, (None, handoff[1], seg.size, seg.block_size, index, seg.key)
 

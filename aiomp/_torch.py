@@ -149,11 +149,11 @@ def _storage(storage: Any) -> object:
     """What stands for ``storage`` in the message being pickled: one object per storage
     and message, so that the pickler's memo sends it once and the receiver rebuilds one
     storage for all the tensors on it."""
-    memo = _reduction.current().memo
-    key = ("aiomp-torch", storage._cdata)
-    hit = memo.get(key)
+    pad = _reduction.current()
+    holders: dict[int, object] = pad.once(_storage, dict)  # storage cdata -> its holder
+    hit = holders.get(storage._cdata)
     if hit is not None:
-        return hit[0]  # type: ignore[index]
+        return hit
     nbytes = storage.nbytes()
     holder: object
     if storage.is_shared():
@@ -166,8 +166,8 @@ def _storage(storage: Any) -> object:
     else:
         fd, size = storage._share_fd_cpu_()  # moves it into shared memory, in place
         holder = _FdStorage(storage, fd, size)
-    # the memo keeps the storage alive while the message is pickled: its key stays its own
-    memo[key] = (holder, storage)
+    pad.keep_alive(storage)  # so that its cdata, the key, stays its own while pickling
+    holders[storage._cdata] = holder
     return holder
 
 

@@ -12,8 +12,9 @@ A message is one byte of kind followed by its body. A body larger than
 aiomp never changes a socket's blocking mode (the flag is shared by every process holding
 it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
 ``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async
-callers wait for readiness through anyio, so asyncio, uvloop and trio all work. anyio is
-imported only by the async functions: a child running a sync function never loads it.
+callers wait for readiness on the running loop (:func:`wait_readable`, or anyio), so
+asyncio, uvloop and trio all work; neither anyio nor trio is imported by a child that runs
+a sync function.
 
 Point-to-point channels: :class:`Stream`
 -----------------------------------------
@@ -23,8 +24,9 @@ blocked in ``recvmsg`` on a ``SOCK_SEQPACKET`` socket costs the sender about 10 
 ``sendmsg`` and the receiver 15 to 20 us more before it runs, against about 2 us for a
 process blocked in ``recvmsg`` on a ``SOCK_STREAM`` socket (waiting in ``poll``/``epoll``
 costs the same slow wake-up on either kind). So :class:`Stream` carries the same datagrams
-(:func:`encode` / :func:`decode`) over a ``SOCK_STREAM`` pair, each behind a 5-byte frame
-header: the datagram's length and how many fds belong to it (:func:`frame`).
+(:meth:`aiomp._reduction.Message.framed`, :func:`decode`) over a ``SOCK_STREAM`` pair,
+each behind a 5-byte frame header: the datagram's length and how many fds belong to it
+(:func:`frame`).
 
 The kernel hands a sendmsg's fds to the ``recvmsg`` that reads the first byte sent with
 them, and never merges them into a later read: so the receiver keeps the fds it has read in
@@ -43,9 +45,15 @@ import os
 import select
 import socket
 import struct
+import sys
+import threading
 import time
 
 from ._errors import TransportError
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
+if TYPE_CHECKING:
+    from typing import Any
 
 #: Largest body sent inside the datagram; larger bodies go through a memfd.
 MAX_INLINE = 64 * 1024
@@ -74,11 +82,12 @@ def socketpair() -> tuple[socket.socket, socket.socket]:
     """A connected pair of ``SOCK_SEQPACKET`` sockets with large buffers."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     for s in (a, b):
-        _grow_buffers(s)
+        grow_buffers(s)
     return a, b
 
 
-def _grow_buffers(s: socket.socket) -> None:
+def grow_buffers(s: socket.socket) -> None:
+    """Ask for 4 MiB socket buffers each way (best effort)."""
     # A queue of small items is bounded by the sender's buffer (each datagram costs its
     # size plus ~1 KiB of kernel overhead). Ask for 4 MiB; root may force past wmem_max.
     for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):  # SO_*BUFFORCE
@@ -99,25 +108,26 @@ def close_fds(fds: list[int] | tuple[int, ...]) -> None:
             pass
 
 
-def encode(body: bytes | bytearray | memoryview, fds: list[int]) -> tuple[bytes, list[int], int]:
-    """Frame ``body`` as a datagram. Returns ``(datagram, fds, extra_fd)``.
-
-    A large body is written to a fresh memfd, appended to ``fds``; ``extra_fd`` is that
-    memfd (the caller closes it once sent) or -1.
-    """
-    if len(body) <= MAX_INLINE:
-        return b"\x00" + bytes(body), fds, -1
+def memfd_with(body: bytes | bytearray | memoryview) -> int:
+    """A fresh memfd holding ``body``, for a body too large for a datagram (the caller
+    owns it: :class:`aiomp._reduction.Message` closes it once sent)."""
     fd = os.memfd_create("aiomp-msg", os.MFD_CLOEXEC)
     try:
         _write_all(fd, body)
     except BaseException:
         os.close(fd)
         raise
-    return bytes((KIND_LARGE,)) + len(body).to_bytes(8, "little"), [*fds, fd], fd
+    return fd
+
+
+def large_header(size: int) -> bytes:
+    """The datagram of a ``size``-byte body sent in a memfd (the datagram's last fd)."""
+    return bytes((KIND_LARGE,)) + size.to_bytes(8, "little")
 
 
 def decode(datagram: bytes, fds: list[int]) -> tuple[int, bytes | memoryview, list[int]]:
-    """Inverse of :func:`encode`: ``(kind, body, fds)``; a LARGE body's memfd is consumed."""
+    """A received datagram's ``(kind, body, fds)`` (see :meth:`aiomp._reduction.Message.datagram`);
+    a LARGE body's memfd is consumed."""
     kind = datagram[0]
     if kind == KIND_LARGE:
         size = int.from_bytes(datagram[1:9], "little")
@@ -162,13 +172,7 @@ def try_send(sock: socket.socket, datagram: bytes, fds: list[int], blocking: boo
     except (BrokenPipeError, ConnectionResetError) as exc:
         raise Closed from exc
     except OSError as exc:
-        if exc.errno in (24, 23, 109):  # EMFILE, ENFILE, ETOOMANYREFS: too many fds in flight
-            raise TransportError(
-                exc.errno,
-                f"cannot send {len(fds)} file descriptor(s): too many are in flight or open "
-                f"(RLIMIT_NOFILE={_nofile()}): receive pending messages or raise the limit",
-            ) from exc
-        raise
+        raise _send_error(exc, fds) from exc
     return True
 
 
@@ -185,27 +189,49 @@ def try_recv(sock: socket.socket, blocking: bool = False) -> tuple[bytes, list[i
         return None
     except ConnectionResetError as exc:
         raise Closed from exc
-    fds: list[int] = []
-    for level, kind, payload in anc:
-        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-            fds.extend(array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
+    fds = fds_in(anc) if anc else []
     if flags & _TRUNCATED:
         close_fds(fds)
         if flags & _MSG_TRUNC:
             raise TransportError(0, "a message was truncated (corrupt sender?); it is lost")
-        raise TransportError(
-            24,
-            "a message arrived without its file descriptors: this process is at its fd "
-            f"limit (RLIMIT_NOFILE={_nofile()}); close arrays or raise the limit. "
-            "The message is lost.",
-        )
+        raise fds_dropped("The message is lost.")
     if not data:
         close_fds(fds)
         raise Closed
     return data, fds
 
 
-def _nofile() -> int:
+def fds_in(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """The fds of a ``recvmsg``'s ancillary data (``SCM_RIGHTS``), in order."""
+    fds: list[int] = []
+    for level, kind, payload in anc:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.extend(array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE]))
+    return fds
+
+
+def fds_dropped(consequence: str) -> TransportError:
+    """The error for a message whose fds the kernel dropped (``MSG_CTRUNC``)."""
+    return TransportError(
+        24,
+        "a message arrived without its file descriptors: this process is at its fd limit "
+        f"(RLIMIT_NOFILE={nofile()}); close arrays or raise the limit. {consequence}",
+    )
+
+
+def _send_error(exc: OSError, fds: list[int]) -> OSError:
+    """``exc`` from a send, as a TransportError saying why when fds were the cause."""
+    if exc.errno in (24, 23, 109):  # EMFILE, ENFILE, ETOOMANYREFS: too many fds in flight
+        return TransportError(
+            exc.errno,
+            f"cannot send {len(fds)} file descriptor(s): too many are in flight or open "
+            f"(RLIMIT_NOFILE={nofile()}): receive pending messages or raise the limit",
+        )
+    return exc
+
+
+def nofile() -> int:
+    """This process's soft ``RLIMIT_NOFILE``, for error messages."""
     import resource
 
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -276,6 +302,131 @@ async def recv_async(sock: socket.socket) -> tuple[bytes, list[int]]:
     return got
 
 
+# -- waiting on the running event loop -------------------------------------------------
+
+
+async def wait_readable(fd: int) -> None:
+    """Wait until ``fd`` is readable, on the running loop (asyncio, uvloop or trio).
+
+    On asyncio and uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`)
+    instead of adding and removing a reader per wait; on trio this is trio's own
+    ``wait_readable``. The fd's owner calls :func:`forget` before closing it. One task
+    per process and fd waits at a time (the queue's waiters fan out). Cancellation
+    leaves nothing behind but the idle watch. See *Queue wake-ups* in
+    docs/architecture.md.
+    """
+    aio = sys.modules.get("asyncio")
+    loop = None if aio is None else aio._get_running_loop()
+    if loop is None:
+        import trio
+
+        await trio.lowlevel.wait_readable(fd)
+        return
+    reader = _readers.get(fd)
+    if reader is not None and reader.loop is not loop:
+        if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
+            import anyio
+
+            await anyio.wait_readable(fd)
+            return
+        reader.remove()
+        reader = None
+    if reader is None:
+        reader = _readers[fd] = _Reader(loop, fd)
+    fut = loop.create_future()
+    reader.waiters.append(fut)
+    try:
+        await fut
+    finally:
+        if not fut.done():  # cancelled: this waiter is gone
+            try:
+                reader.waiters.remove(fut)
+            except ValueError:
+                pass
+
+
+def forget(fd: int) -> None:
+    """``fd`` is about to be closed: stop watching it (see :func:`wait_readable`)."""
+    reader = _readers.pop(fd, None)
+    if reader is not None:
+        reader.remove()
+
+
+class _Reader:
+    """A reader callback that stays registered on an asyncio loop for one fd.
+
+    It watches its own duplicate of the fd, closed only once the loop no longer watches
+    it: so a registration never outlives the fd it names, whoever closes the original.
+    The loop reports readiness level-triggered, once more after a waiter woke and before
+    it has read, so :meth:`fire` checks with ``poll`` first. With nobody waiting and the fd
+    readable, it stops watching (it would fire at every turn of the loop).
+    """
+
+    __slots__ = ("fd", "loop", "poll", "thread", "waiters", "watched")
+
+    def __init__(self, loop: Any, fd: int) -> None:
+        self.loop = loop
+        self.fd = fd
+        self.thread = threading.get_ident()
+        self.waiters: list[Any] = []
+        self.watched = os.dup(fd)
+        try:
+            self.poll = select.poll()
+            self.poll.register(self.watched, select.POLLIN)
+            loop.add_reader(self.watched, self.fire)
+        except BaseException:
+            os.close(self.watched)
+            raise
+
+    def fire(self) -> None:
+        if not self.poll.poll(0):
+            return  # what made it readable was read since the loop looked
+        waiters = self.waiters
+        if not waiters:
+            if _readers.get(self.fd) is self:
+                del _readers[self.fd]
+            self.remove()
+            return
+        self.waiters = []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def remove(self) -> None:
+        """Stop watching and close the duplicate (from the loop's thread, or through it)."""
+        watched, self.watched = self.watched, -1
+        if watched < 0:
+            return
+        loop = self.loop
+        if threading.get_ident() != self.thread and loop.is_running():
+            loop.call_soon_threadsafe(_unwatch, loop, watched)
+        else:
+            _unwatch(loop, watched)
+
+
+def _unwatch(loop: Any, fd: int) -> None:
+    try:
+        loop.remove_reader(fd)
+    except (RuntimeError, ValueError, OSError):
+        pass  # the loop is closed: it watches nothing any more
+    os.close(fd)
+
+
+#: fd -> the reader watching it, in this process (a forked child inherits none).
+_readers: dict[int, _Reader] = {}
+
+
+def _after_fork_in_child() -> None:
+    # The parent's loops are not ours: close the duplicates, touch no loop (an epoll
+    # instance is shared with the parent).
+    readers = list(_readers.values())
+    _readers.clear()
+    close_fds([r.watched for r in readers if r.watched >= 0])
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # -- point-to-point stream channels ----------------------------------------------------
 
 #: A frame header: the datagram's length, and how many of the fds read belong to it.
@@ -289,12 +440,12 @@ def stream_socketpair() -> tuple[socket.socket, socket.socket]:
     """A connected pair of ``SOCK_STREAM`` unix sockets with large buffers."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     for s in (a, b):
-        _grow_buffers(s)
+        grow_buffers(s)
     return a, b
 
 
 def frame(datagram: bytes | bytearray | memoryview, nfds: int = 0) -> bytes:
-    """``datagram`` (from :func:`encode`) framed for a :class:`Stream`, with ``nfds`` fds."""
+    """``datagram`` framed for a :class:`Stream`, with ``nfds`` fds."""
     return FRAME.pack(len(datagram), nfds) + datagram
 
 
@@ -389,22 +540,13 @@ class Stream:
 
     def _absorb(self, data: bytes, anc: list[tuple[int, int, bytes]], mflags: int) -> None:
         if anc:
-            for level, kind, payload in anc:
-                if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-                    self._fds.extend(
-                        array.array("i", payload[: len(payload) - len(payload) % _FD_SIZE])
-                    )
+            self._fds.extend(fds_in(anc))
         if mflags & _TRUNCATED:
             # Fds were dropped (this process is at its fd limit): frames and fds are out of
             # step from here on, so nothing more can be trusted on this channel.
             fds, self._fds = self._fds, []
             close_fds(fds)
-            raise TransportError(
-                24,
-                "a message arrived without its file descriptors: this process is at its "
-                f"fd limit (RLIMIT_NOFILE={_nofile()}); close arrays or raise the limit. "
-                "The channel is unusable.",
-            )
+            raise fds_dropped("The channel is unusable.")
         if not data:
             raise Closed  # a frame cut short by EOF is lost with the sender
         if self._pos == len(self._buf):
@@ -471,14 +613,7 @@ class Stream:
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise Closed from exc
         except OSError as exc:
-            if exc.errno in (24, 23, 109):  # EMFILE, ENFILE, ETOOMANYREFS
-                raise TransportError(
-                    exc.errno,
-                    f"cannot send {len(fds)} file descriptor(s): too many are in flight or "
-                    f"open (RLIMIT_NOFILE={_nofile()}): receive pending messages or raise "
-                    "the limit",
-                ) from exc
-            raise
+            raise _send_error(exc, fds) from exc
 
     def send_sync(self, data: bytes, fds: list[int]) -> None:
         """Send a whole frame, blocking while the buffer is full."""

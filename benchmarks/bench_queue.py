@@ -18,6 +18,11 @@ items with nobody reading (aiomp's ``put_nowait``, ``multiprocessing.Queue.put``
 tells a waiting child to drain them all; timed from the first put to the child's answer.
 ``multiprocessing`` pickles and writes in its feeder thread meanwhile, aiomp fills its
 socket and then its overflow in shared memory. Target: at least 1.5x faster.
+
+Every loop: the async-parent, async-child round trip and the raw floor are measured again
+with the parent on uvloop and on trio (each in a fresh interpreter, ``--parent-loop``;
+trio's floor awaits ``trio.socket``'s ``send``/``recv``). Targets: at most 1.4x the floor
+on every loop, and at least 1.5x faster than ``multiprocessing.Queue``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from benchmarks._targets import (
     echo_aiomp_sync,
     echo_coro,
     echo_mp_queue,
+    echo_socket,
 )
 from benchmarks._targets_queue import drain_aiomp, drain_mp
 
@@ -72,6 +78,34 @@ def aiomp_name(parent_sync: bool, child_sync: bool) -> str:
     p = "sync parent (q.sync)" if parent_sync else "async parent"
     ch = "sync child (q.sync)" if child_sync else "async child"
     return f"aiomp.Queue, {p}, {ch}"
+
+
+class TrioSocketFloor(h.SocketFloor):
+    """The raw floor on trio: ``trio.socket``'s own ``send``/``recv`` on the socketpair."""
+
+    async def start(self) -> None:
+        import multiprocessing
+        import socket
+
+        import trio
+
+        a, b = socket.socketpair()
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(target=echo_socket, args=(b,), daemon=True)
+        self.proc.start()
+        b.close()
+        self.tsock = trio.socket.from_stdlib_socket(a)
+        self.sock = a
+
+    async def once(self) -> None:
+        sock = self.tsock
+        await sock.send(PAYLOAD)
+        got = 0
+        while got < 64:
+            data = await sock.recv(64 - got)
+            if not data:
+                raise EOFError("echo child went away")
+            got += len(data)
 
 
 class MpQueue(h.Variant):
@@ -177,6 +211,31 @@ async def backlog(rounds: int) -> tuple[float, float, list[float], list[float]]:
     return c.median(a), c.median(m), a, m
 
 
+LOOPS = ("asyncio", "uvloop", "trio")
+
+
+async def per_loop(loop: str) -> dict[str, float]:
+    """The floor and the async-async round trip with the parent on ``loop``: medians."""
+    c.pin_parent()
+    floor: h.Variant = TrioSocketFloor() if loop == "trio" else h.SocketFloor()
+    variants = [floor, AiompQueue(False, False)]
+    s = await h.interleave(variants, c.reps(10, 2), c.reps(500, 200))
+    return {"floor": c.median(s[floor.name]), "aiomp": c.median(s[variants[1].name])}
+
+
+def run_on(loop: str) -> dict[str, float]:
+    """:func:`per_loop` in a fresh interpreter whose parent runs ``loop``."""
+    import json
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "benchmarks.bench_queue", "--parent-loop", loop]
+    if c.quick():
+        argv.append("--quick")
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=300)
+    return json.loads(out.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
 async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
@@ -246,11 +305,49 @@ async def main() -> None:
             f"Samples (s): aiomp {[round(x, 3) for x in sa]}, multiprocessing "
             f"{[round(x, 3) for x in sm]}."
         )
+    if missing is None:
+        mp = med.get(MpQueue.name)
+        for loop in LOOPS[1:]:
+            got = run_on(loop)
+            what = f"64 B round trip, async parent ({loop}), async child"
+            rows.append(
+                c.row(what, got["aiomp"], got["floor"], f"raw floor on {loop}", c.at_most(1.4))
+            )
+            rows.append(
+                c.row(
+                    what,
+                    got["aiomp"],
+                    mp,
+                    "multiprocessing.Queue, sync parent, sync child (asyncio run)",
+                    c.faster(1.5),
+                )
+            )
+        notes.append(
+            "per loop: the parent on uvloop and on trio, each in a fresh interpreter, the "
+            "floor and aiomp interleaved as above; the multiprocessing.Queue baseline is the "
+            "asyncio run's."
+        )
     c.emit("queue", rows, notes)
 
 
+def _loop_arg() -> str | None:
+    import sys
+
+    if "--parent-loop" not in sys.argv:
+        return None
+    return sys.argv[sys.argv.index("--parent-loop") + 1]
+
+
 if __name__ == "__main__":
+    import json
+
     import anyio
 
     c.allow_bytecode()
-    anyio.run(main)
+    loop = _loop_arg()
+    if loop is None:
+        anyio.run(main)
+    else:
+        backend = "trio" if loop == "trio" else "asyncio"
+        options = {"use_uvloop": True} if loop == "uvloop" else {}
+        print(json.dumps(anyio.run(per_loop, loop, backend=backend, backend_options=options)))

@@ -467,8 +467,7 @@ def test_message_never_received_releases_with_its_socket(fake: FakeBackend) -> N
     a, b = _transport.socketpair()
     out = _reduction.dumps([fake.array((16,))])
     try:
-        datagram, fds, _extra = _transport.encode(out.body, out.fds)
-        assert _transport.try_send(a, datagram, fds)
+        assert _transport.try_send(a, *out.datagram())
     finally:
         out.close()
     assert _cuda.ipc_collect() == 1

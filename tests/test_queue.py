@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import aiomp
@@ -1274,3 +1275,66 @@ def test_threads_put_and_get_across_the_socket_overflow_boundary() -> None:
             seq = [i for rr, i in got[k] if rr == r]
             assert seq == sorted(seq)
     assert q.empty()
+
+
+# -- qsize's per-process counts and the kept reader (issue 17) -------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+async def test_qsize_counts_items_sent_and_taken_by_every_process(start_method: str) -> None:
+    """The socket's items are counted per process in the log's header (no eventfd per
+    item): a child's gets and puts, forked or spawned, count in the parent's qsize()."""
+    from tests import _funcs_counts
+
+    q = aiomp.Queue()
+    for i in range(5):
+        q.put_nowait(i)
+    assert q.qsize() == 5
+    with anyio.fail_after(60):
+        async with aiomp.spawn(
+            _funcs_counts.take_and_put, 1, args=(q, 2, 3), start_method=start_method
+        ) as ctx:
+            pass
+    assert ctx.results == [6], "the child sees its own counts and the parent's"
+    assert q.qsize() == 6
+    assert sorted(drain(q)) == [0, 1, 2, 2, 3, 4]
+    assert q.qsize() == 0 and q.empty()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+async def test_waiting_gets_keep_one_reader_on_the_loop() -> None:
+    """Issue 17: every get that waited added a reader to the loop and removed it (on
+    uvloop: a new poll handle, five epoll_ctl and an ioctl setting O_NONBLOCK on the shared
+    socket, per get). Now the reader stays registered between waits."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    added: list[int] = []
+    add_reader = loop.add_reader
+
+    def counting_add_reader(fd: Any, cb: Any, *args: Any) -> None:
+        added.append(fd)
+        add_reader(fd, cb, *args)
+
+    loop.add_reader = counting_add_reader  # type: ignore[method-assign]
+    try:
+        q = aiomp.Queue()
+        got = []
+
+        async def consumer() -> None:
+            for _ in range(20):
+                got.append(await q.get())
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(consumer)
+                for i in range(20):
+                    for _ in range(2):  # the consumer finds the queue empty and waits
+                        await anyio.lowlevel.checkpoint()
+                    await q.put(i)
+        assert got == list(range(20))
+        assert len(added) <= 2, f"a reader added per wait: {len(added)}"
+    finally:
+        del loop.add_reader

@@ -70,7 +70,7 @@ def _fail_on_load() -> None:
     raise ValueError("cannot rebuild this here")
 
 
-def received(out: _reduction.Outgoing) -> list[int]:
+def received(out: _reduction.Message) -> list[int]:
     """The fds a receiver would get for ``out``: its own copies."""
     return [os.dup(fd) for fd in out.fds]
 
@@ -263,7 +263,7 @@ def test_register_affects_aiomp_messages_only() -> None:
 def test_nested_dumps_keep_their_own_state() -> None:
     # A reducer may pickle something itself (e.g. check_function): states must not mix.
     f1, f2 = devnull(), devnull()
-    inner: list[_reduction.Outgoing] = []
+    inner: list[_reduction.Message] = []
 
     class Nested:
         def __reduce__(self) -> tuple[object, ...]:
@@ -286,16 +286,16 @@ def test_retry_pickles_once_more_with_the_first_pass_in_view() -> None:
 
     class Late:
         def __reduce__(self) -> tuple[object, ...]:
-            state = _reduction.current()
-            passes.append(state.first)
-            if state.first is None:
-                state.memo["seen"] = "first pass"
+            pad = _reduction.current()
+            passes.append(pad.first and pad.first.get(Late))
+            if pad.first is None:
+                pad.once(Late, lambda: "first pass")
                 _reduction.on_sent(lambda: passes.append("closed"))
                 _reduction.retry()
             return int, (len(passes),)
 
     out = _reduction.dumps(Late())
-    assert passes == [None, "closed", {"seen": "first pass"}], "first pass discarded first"
+    assert passes == [None, "closed", "first pass"], "first pass discarded first"
     assert _reduction.loads(out.body, []) == 3
     out.close()
 

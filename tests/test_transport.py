@@ -19,6 +19,7 @@ import pytest
 
 import aiomp
 from aiomp import _transport as t
+from aiomp._reduction import Message
 from tests._fds import devnulls, is_open, same_file
 
 
@@ -39,48 +40,17 @@ def lowest_free_fd() -> int:
 # -- framing (pure) ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("size", [0, 1, 1000, t.MAX_INLINE])
-def test_small_body_is_inline(size: int) -> None:
-    body = os.urandom(size)
-    datagram, fds, extra = t.encode(body, [])
-    assert (datagram[0], datagram[1:], fds, extra) == (t.KIND_DATA, body, [], -1)
-    kind, decoded, rest = t.decode(datagram, [])
+def test_large_header_is_kind_and_size() -> None:
+    assert t.large_header(70_000) == bytes((t.KIND_LARGE,)) + (70_000).to_bytes(8, "little")
+
+
+def test_a_memfd_body_decodes_and_is_consumed() -> None:
+    body = os.urandom(t.MAX_INLINE + 1)
+    fd = t.memfd_with(body)
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:aiomp-msg")
+    kind, decoded, rest = t.decode(t.large_header(len(body)), [fd])
     assert (kind, bytes(decoded), rest) == (t.KIND_DATA, body, [])
-
-
-@pytest.mark.parametrize("body_type", [bytes, bytearray, memoryview])
-def test_encode_takes_any_buffer(body_type: type) -> None:
-    datagram, _, _ = t.encode(body_type(b"abc"), [])
-    assert datagram == b"\x00abc"
-
-
-def test_inline_keeps_the_callers_fds() -> None:
-    datagram, fds, extra = t.encode(b"x", [7, 8])
-    assert (fds, extra) == ([7, 8], -1)
-    kind, body, rest = t.decode(datagram, [7, 8])
-    assert (kind, bytes(body), rest) == (t.KIND_DATA, b"x", [7, 8])
-
-
-@pytest.mark.parametrize("size", [t.MAX_INLINE + 1, 3 * t.MAX_INLINE + 17])
-def test_large_body_travels_in_a_memfd(size: int) -> None:
-    body = os.urandom(size)
-    mine = devnulls(2)
-    try:
-        datagram, fds, extra = t.encode(body, list(mine))
-        assert datagram[0] == t.KIND_LARGE
-        assert len(datagram) == 9, "a LARGE datagram carries only kind and size"
-        assert int.from_bytes(datagram[1:9], "little") == size
-        assert fds == [*mine, extra], "the memfd is appended after the caller's fds"
-        assert os.readlink(f"/proc/self/fd/{extra}").startswith("/memfd:aiomp-msg")
-        assert os.fstat(extra).st_size >= size
-
-        received = os.dup(extra)  # what the receiver would get through SCM_RIGHTS
-        kind, decoded, rest = t.decode(datagram, [*mine, received])
-        assert (kind, bytes(decoded), rest) == (t.KIND_DATA, body, mine)
-        assert not is_open(received), "decode consumes the LARGE body's memfd"
-        os.close(extra)
-    finally:
-        t.close_fds(mine)
+    assert not is_open(fd), "decode consumes the LARGE body's memfd"
 
 
 def test_other_kinds_pass_through() -> None:
@@ -101,12 +71,8 @@ def roundtrip(
     pair: tuple[socket.socket, socket.socket], body: bytes, fds: list[int]
 ) -> tuple[bytes, list[int]]:
     a, b = pair
-    datagram, send_fds, extra = t.encode(body, fds)
-    try:
-        assert t.send_sync(a, datagram, send_fds, deadline=None)
-    finally:
-        if extra >= 0:
-            os.close(extra)
+    with Message(body, fds) as msg:
+        assert t.send_sync(a, *msg.datagram(), deadline=None)
     got = t.recv_sync(b)
     assert got is not None
     kind, decoded, rest = t.decode(*got)
@@ -270,7 +236,7 @@ def test_memfd_body_without_memory_is_a_typed_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(os, "posix_fallocate", no_space)
     before = len(os.listdir("/proc/self/fd"))
     with pytest.raises(aiomp.TransportError, match="no memory"):
-        t.encode(bytes(t.MAX_INLINE + 1), [])
+        t.memfd_with(bytes(t.MAX_INLINE + 1))
     assert len(os.listdir("/proc/self/fd")) == before, "the memfd was closed"
 
 
@@ -594,3 +560,70 @@ async def test_stream_async_recv_eof(stream_pair: tuple[t.Stream, t.Stream]) -> 
             tg.start_soon(receive)
             await anyio.wait_all_tasks_blocked()
             a.sock.shutdown(socket.SHUT_WR)
+
+
+# -- the reader kept on an asyncio loop (see *Queue wake-ups*) ----------------------------
+
+asyncio_only = pytest.mark.parametrize(
+    "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
+
+
+@pytest.mark.anyio
+@asyncio_only
+async def test_kept_reader_wakes_each_wait_and_stops_when_nobody_waits() -> None:
+    import asyncio
+
+    a, b = t.socketpair()
+    fd = b.fileno()
+    try:
+
+        async def get() -> tuple[bytes, list[int]] | None:
+            await t.wait_readable(fd)
+            return t.try_recv(b)  # as a queue's get does: read in the step that woke
+
+        readers = []
+        for i in range(3):
+            waiter = asyncio.ensure_future(get())
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert not waiter.done(), "nothing to read yet"
+            assert t.try_send(a, bytes([0, i]), [])
+            got = await asyncio.wait_for(waiter, 30)
+            assert got is not None and got[0] == bytes([0, i])
+            for _ in range(3):  # a stale report of the datagram just read wakes nobody
+                await asyncio.sleep(0)
+            readers.append(t._readers[fd])
+        assert readers[0] is readers[1] is readers[2], "one reader for every wait"
+        assert t.try_send(a, b"\x00x", [])
+        for _ in range(5):  # readable, and nobody waits: it stops watching
+            await asyncio.sleep(0)
+        assert fd not in t._readers
+        assert t.try_recv(b) is not None
+    finally:
+        t.forget(fd)
+        a.close()
+        b.close()
+
+
+@pytest.mark.anyio
+@asyncio_only
+async def test_forget_stops_watching_and_closes_the_duplicate() -> None:
+    import asyncio
+
+    a, b = t.socketpair()
+    fd = b.fileno()
+    try:
+        waiter = asyncio.ensure_future(t.wait_readable(fd))
+        await asyncio.sleep(0)
+        waiter.cancel()  # a cancelled wait leaves only the idle watch
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        watched = t._readers[fd].watched
+        assert is_open(watched) and same_file(watched, fd)
+        t.forget(fd)
+        assert fd not in t._readers and not is_open(watched)
+        t.forget(fd)  # idempotent
+    finally:
+        a.close()
+        b.close()
