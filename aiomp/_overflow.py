@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     Popped = tuple[bytes | memoryview, list[int], bool]
 
 PAGE = mmap.PAGESIZE
-_HINT = 8  # 1 while the log may hold an item; never 0 while it does
+HINT = 8  # 1 while the log may hold an item; never 0 while it does
 _CLOSED = 9  # 1 once the queue is closed (written under the lock)
 _DRAINED = 10  # 1: the socket was found empty, and no producer has used it since (see *Order*)
 _SELECT = 16  # which state copy is committed: storing this byte is the commit
@@ -58,7 +58,7 @@ KEEP = 64 << 10
 _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
 _ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
-_U64 = struct.Struct("<Q")
+U64 = struct.Struct("<Q")
 #: Per-process counts of the items sent and received on the socket (see *Queue counts*
 #: in docs/architecture.md): slots of ``[pid, sent, received]`` to the header's end.
 _SLOTS = 256
@@ -183,7 +183,7 @@ class Overflow:
 
     def maybe_nonempty(self) -> bool:
         """False only if the log holds no committed item (no lock, no syscall)."""
-        return self._header[_HINT] != 0
+        return self._header[HINT] != 0
 
     def count(self) -> int:
         """Items in the log (committed state; no lock)."""
@@ -217,7 +217,7 @@ class Overflow:
         The header's size is written after the file grows and before it shrinks, so it
         never exceeds the file: nothing below it can SIGBUS.
         """
-        size: int = _U64.unpack_from(self._header, _SIZE)[0]
+        size: int = U64.unpack_from(self._header, _SIZE)[0]
         if grow and end > size:
             new = max(end, 2 * size, KEEP if size < KEEP else GROW)
             new = -(-new // PAGE) * PAGE
@@ -227,7 +227,7 @@ class Overflow:
                 raise TransportError(
                     exc.errno, f"no memory for the queue's overflow ({new} bytes): {exc}"
                 ) from exc
-            _U64.pack_into(self._header, _SIZE, new)
+            U64.pack_into(self._header, _SIZE, new)
             size = new
         data = self._data
         if data is None or len(data) < end:
@@ -241,8 +241,8 @@ class Overflow:
         """Give memory back: the file is cut to what the live records need, or to
         ``keep_empty`` bytes once empty."""
         keep = keep_empty if live_end == 0 else -(-max(2 * live_end, GROW) // PAGE) * PAGE
-        if _U64.unpack_from(self._header, _SIZE)[0] > keep:
-            _U64.pack_into(self._header, _SIZE, keep)
+        if U64.unpack_from(self._header, _SIZE)[0] > keep:
+            U64.pack_into(self._header, _SIZE, keep)
             os.ftruncate(self._fd, PAGE + keep)
             if self._data is not None and len(self._data) > keep:
                 self._data.close()
@@ -266,7 +266,7 @@ class Overflow:
                 i = owners.index(pid)
             elif 0 in owners:
                 i = owners.index(0)
-                _U64.pack_into(self._header, _SLOTS + i * _SLOT.size, pid)
+                U64.pack_into(self._header, _SLOTS + i * _SLOT.size, pid)
             else:
                 i = _NSLOTS - 1
         finally:
@@ -358,7 +358,7 @@ class Overflow:
             length = len(body)
             end = tail + ((_RECORD.size + length + 7) & ~7)
             data = self._data
-            if data is None or len(data) < end or end > _U64.unpack_from(header, _SIZE)[0]:
+            if data is None or len(data) < end or end > U64.unpack_from(header, _SIZE)[0]:
                 data = self._mapped(end, grow=True)
             nonce = _NO_NONCE
             if fds:
@@ -371,7 +371,7 @@ class Overflow:
             data[start : start + length] = body
             if fault is not None:
                 fault("producer: record written")
-            header[_HINT] = 1
+            header[HINT] = 1
             if token_fd >= 0:
                 os.eventfd_write(token_fd, 1)  # before the commit: never fewer than items
             _STATE.pack_into(header, _COPIES[1 - selected], head, end, count + 1)
@@ -442,7 +442,7 @@ class Overflow:
         An unbounded queue's log is used in bursts and goes back to nothing; a bounded
         queue's is used by every item and keeps KEEP bytes, not to reallocate each time
         it runs empty."""
-        self._header[_HINT] = 0
+        self._header[HINT] = 0
         self._header[_DRAINED] = 0
         self._purge_vault()
         self._shrink(0, KEEP if bounded else 0)

@@ -61,7 +61,7 @@ _HEAD = struct.Struct("<BBQB")
 _FRAMED_HEAD = struct.Struct("<IBBBQB")
 #: A framed TASK header with its function id.
 _FRAMED_TASK = struct.Struct("<IBBBQBI")
-_FID = struct.Struct("<I")
+FID = struct.Struct("<I")
 #: Below this a received payload is copied out of its datagram (cheaper than a view).
 _COPY_BELOW = 2048
 
@@ -95,7 +95,7 @@ def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
 
 def task_body(fid: int, pickled: bytes) -> bytes:
     """What follows a TASK header: the function id, then the pickle."""
-    return _FID.pack(fid) + pickled
+    return FID.pack(fid) + pickled
 
 
 def fits_inline(pickled: bytes) -> bool:
@@ -104,7 +104,7 @@ def fits_inline(pickled: bytes) -> bool:
 
 
 def function_id(payload: bytes | memoryview) -> int:
-    return int(_FID.unpack_from(payload)[0])
+    return int(FID.unpack_from(payload)[0])
 
 
 def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryview, list[int]]:

@@ -71,8 +71,8 @@ __all__ = ("Empty", "Event", "Full", "Queue")
 _EFD = os.EFD_NONBLOCK | os.EFD_CLOEXEC
 _ONE = (1).to_bytes(8, "little")
 _MISSING = object()
-_HINT = _overflow._HINT
-_U64 = _overflow._U64
+HINT = _overflow.HINT
+U64 = _overflow.U64
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 
@@ -191,7 +191,7 @@ class Queue:
         self._wait_fd = items if maxsize else recv.fileno()
         # The fds parked with overflowed items travel the socket pair backwards.
         self._ovf = _overflow.Overflow(log, vault_in=recv, vault_out=send)
-        self._hint = self._ovf._header  # byte _HINT: 0 only while the overflow is empty
+        self._hint = self._ovf._header  # byte HINT: 0 only while the overflow is empty
         self._used_socket = True  # sent on the socket since this process last overflowed
         self._slot = -1  # this process's slot of socket counts, claimed on first use
         self._counts: dict[int, int] = {}
@@ -274,7 +274,7 @@ class Queue:
             return self._ovf.append(msg.body, msg.fds, None, False, self._maxsize, self._items)
         # The socket while the overflow is empty; else the overflow, behind the items
         # already there (it tries the socket again once it finds itself empty).
-        if not self._hint[_HINT] and self._send_now(msg):
+        if not self._hint[HINT] and self._send_now(msg):
             return True
         used, self._used_socket = self._used_socket, False
         return self._ovf.append(msg.body, msg.fds, lambda: self._send_now(msg), used)
@@ -300,28 +300,28 @@ class Queue:
             return _load(popped[0], popped[1])
         hint = self._hint
         while True:
-            if hint[_HINT]:
+            if hint[HINT]:
                 popped = self._ovf.pop(self._recv_locked)
                 if popped is not None:
                     body, fds, from_socket = popped
                     if not from_socket:
                         self._took_from_log(bool(fds))
                     return _load(body, fds)
-            if peek and not hint[_HINT] and self._ovf.socket_empty():
+            if peek and not hint[HINT] and self._ovf.socket_empty():
                 return _MISSING
             # Blocking in recvmsg is safe only while the overflow is empty: it becomes
             # non-empty only when the socket is full, which wakes this recvmsg.
             try:
-                got = _transport.try_recv(self._recv, blocking and not hint[_HINT])
+                got = _transport.try_recv(self._recv, blocking and not hint[HINT])
             except _transport.Closed:
-                if hint[_HINT]:  # the overflow still holds items (appended before close)
+                if hint[HINT]:  # the overflow still holds items (appended before close)
                     continue
                 raise QueueClosed("the aiomp.Queue is closed and drained") from None
             except OSError:
                 self._took()  # the message was consumed (and is lost): keep the counts true
                 raise
             if got is None:
-                if hint[_HINT]:  # a producer overflowed meanwhile
+                if hint[HINT]:  # a producer overflowed meanwhile
                     continue
                 return _MISSING
             self._took()
@@ -356,7 +356,7 @@ class Queue:
             self._slot, sent, received = self._ovf.claim_slot()
             self._counts = {_overflow.SENT: sent, _overflow.RECEIVED: received}
         n = self._counts[field] = self._counts[field] + 1
-        _U64.pack_into(self._hint, self._slot + field, n)
+        U64.pack_into(self._hint, self._slot + field, n)
 
     def _took_from_log(self, had_fds: bool) -> None:
         if had_fds:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 _NONE = pickle.dumps(None, protocol=5)
-_FID = P._FID.unpack_from
+FID = P.FID.unpack_from
 _Coroutine = types.CoroutineType
 
 
@@ -204,7 +204,7 @@ class Worker:
 
     def run_sync(self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]) -> None:
         # The round trip's hot path: `fn()` of a DEF'd function needs no unpickling at all.
-        fn = self.fns.get(_FID(payload)[0]) if flags & P.F_NOARGS else None
+        fn = self.fns.get(FID(payload)[0]) if flags & P.F_NOARGS else None
         msg: tuple[Any, Any, Any] | None
         if fn is not None and type(fn) is not _BadDef:
             msg = (fn, (), None)

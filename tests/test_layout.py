@@ -25,11 +25,7 @@ ARCHITECTURE = REPO / "docs" / "architecture.md"
 #: ``(module using it, "module.name")``. Remove an entry once its rename has landed.
 ALLOWED_PRIVATE = {
     ("_worker.py", "_child._parent_alive"),  # being renamed
-    ("_output.py", "_transport._grow_buffers"),  # being renamed
-    ("_overflow.py", "_transport._nofile"),  # being renamed
     ("_handle.py", "_context._Child"),  # being renamed (the process module split)
-    ("_queue.py", "_overflow._HINT"),  # being renamed
-    ("_worker.py", "_protocol._FID"),  # being renamed
 }
 
 
