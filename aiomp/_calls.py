@@ -8,11 +8,8 @@ settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``, and t
 ``aiomp.ray.Pool`` sets its own way: ``_encode`` (None: tasks use the process workers'
 wire format) and ``_chunks_per_slot`` (map's default chunks per worker slot).
 
-Cancellation: a call made in a cancelled scope sends nothing (a checkpoint comes first;
-on the asyncio ``apply`` fast path, a synchronous check, and where a cancellation may be
-pending, a hand-over by a loop callback that runs after the caller has yielded and drops
-the task if the caller's wait was cancelled by then). Once sent, a cancelled task is
-stopped as the pool's docstring says.
+Cancellation: see *Cancellation before sending* and *Pool failures* in
+docs/architecture.md.
 """
 
 from __future__ import annotations

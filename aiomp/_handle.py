@@ -17,7 +17,7 @@ unusable), ``on_failed(handle, tid, exc)`` (a queued task's fds could not be sen
 channel is closed.
 
 :meth:`send`, :meth:`send_exit`, :meth:`cancel` and :meth:`kill` never block and never
-touch anyio, so the scheduler may call them from a reader callback. The watcher is
+touch anyio (see *Nothing anyio in loop callbacks* in docs/architecture.md). The watcher is
 shielded from cancellation around the pool: it always ends, because killing is bounded
 (SIGTERM, the grace period, SIGKILL).
 """

@@ -15,9 +15,7 @@ An array inside a message (a Queue item, ``spawn`` args, a Pool task or result):
   x[:, 1]]``) are rebuilt as views of one shared copy of the bytes they span together,
   whatever their own sizes. Arrays whose memory does not overlap travel independently.
 
-Why 64 KiB: below it a copy through the socket (about 5 us for 64 KiB) costs less than
-preparing a shared block (a lease syscall and an fd in the message, and on the receiver a
-stat, a lock and an exporter), and small items keep the datagram small.
+Why 64 KiB: *Inline threshold* in docs/architecture.md.
 """
 
 from __future__ import annotations

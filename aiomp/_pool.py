@@ -19,87 +19,16 @@ The parts, and who owns what
        |             |  send / send_exit / kill          ^ ready / complete / exited
        |             v                                   |
        +-- spawns - WorkerHandle (_handle: process, channel, outbox, watcher task)
-                     |  _protocol frames over a stream socket
+                     |  _protocol frames over a _transport.Stream
                      v
                    worker process (_worker.main)
 
-Each worker is a process started by ``_context.launch`` (concurrently: the call returns
-while the interpreter boots). Its :class:`~aiomp._handle.WorkerHandle` runs one
-*watcher* task in the pool's task group, the only task that waits for the process's exit
-(the pidfd), reads its channel and flushes its outbox. Nothing polls and no thread is
-used: a result is a message becoming readable, a crash is the pidfd becoming readable.
-
-On asyncio a worker's channel is read by a reader callback that completes tasks directly;
-nothing reachable from it creates anyio objects (see *Nothing anyio in loop callbacks* in
-docs/architecture.md). The one thing the scheduler cannot do there, start a process, it
-hands to the pool's *supervisor* task. The channel is a ``_transport.Stream`` (see
-*Stream wake-ups*).
-
-How dispatch works, and why
----------------------------
-A task is pickled in the caller (so an unpicklable argument raises at the call site) into
-one ready-to-send message, then placed by a synchronous scheduler that never awaits:
-
-* **Idle workers first.** Ready workers holding no task sit in a LIFO set; a new task
-  goes straight to the most recently idle one, with one non-blocking ``sendmsg``. LIFO
-  keeps the hot worker hot (its caches warm, its CPU awake), which is what latency wants.
-* **Only to workers that have room; a sent task is a running task.** A worker holds at
-  most ``concurrency`` async tasks, or one sync task alone (a sync function blocks its
-  worker, so it counts as all ``concurrency`` slots). Nothing waits inside a worker, so
-  "sent" means "started", and cancelling a task that is still in the pool's queue simply
-  drops it: it never starts. With no idle worker, an async task goes to the least loaded
-  worker that has a free slot.
-* **One exception, for throughput: a map's next chunks may wait in a busy worker.** Up
-  to two sync chunks of a ``map`` / ``imap`` may be sent to a worker that is running a
-  sync chunk of the *same* call. The worker starts each the moment the one before ends,
-  so it computes while the parent is still unpickling earlier results, as
-  multiprocessing's workers do, and it runs dry only if the parent takes longer than two
-  chunks to answer (see *Map chunks ahead* in docs/architecture.md). Only the call's own
-  chunks share a worker that way, so cancelling or failing that call can never hurt
-  another caller's task.
-* **FIFO otherwise.** Tasks that find no room wait in one queue, in submission order;
-  each freed slot (a result, a new or replacement worker saying READY) dispatches from its
-  head. The head is never overtaken, so a sync task waiting for a whole worker is not
-  starved by async tasks behind it.
-* **One message each way.** ``apply`` costs one ``send`` in the caller, one ``recvmsg`` in
-  the pool's reader callback, which resolves the caller's future directly, and one
-  ``recvmsg`` and one ``send`` in the worker. There is no feeder thread, no result-handler
-  thread and no task-queue process in between. A plain function is pickled (by
-  reference) and sent to each worker once; its tasks then name it by a number.
-* **Batches for throughput.** ``map`` and ``imap`` send items in chunks (one message,
-  one result message per chunk). ``map``'s default chunk size is multiprocessing's,
-  ``ceil(n / (4 * processes))`` (times ``concurrency`` for async functions, so that each
-  worker gets enough chunks to overlap them); ``imap`` defaults to 1.
-* **Back-pressure.** ``imap`` and ``imap_unordered`` keep at most ``buffersize`` chunks
-  submitted and not yet consumed (default: twice the slots of the pool). A sync input is
-  pulled as the consumer consumes; an async input is pulled by a feeder task that waits
-  for room. So an endless input is fine, and a slow consumer throttles the producer.
-
-Failure handling
-----------------
-* A task's exception is raised in the caller as the same type, its ``__cause__`` a
-  ``_protocol.RemoteTraceback`` carrying the worker's formatted traceback (as concurrent.futures
-  does). An exception that cannot travel arrives as :class:`aiomp.ProcessRaisedException`
-  naming its type and text; so does a ``BaseException`` that is not an ``Exception``
-  (a task that cancelled itself must not look like a cancellation of the caller).
-* A worker that dies fails exactly the tasks it held with :class:`aiomp.BrokenWorkerError`
-  and is replaced. Tasks it had not been sent yet (a send that found it dead, its
-  outbox) go back to the head of the queue. A worker that dies during start-up (the
-  OOM killer, an operator) is replaced too; only an initializer that raises, or three
-  start-up deaths in a row for one slot, *break* the pool: queued and later tasks fail
-  with :class:`aiomp.BrokenPoolError`, and no more workers are started (retrying a
-  deterministic start-up failure forever helps nobody).
-* Every call checks for cancellation before it touches a worker: a call made in an
-  already-cancelled scope sends nothing.
-* Cancelling a caller, or its ``timeout`` passing: a queued task is dropped; a running
-  sync task's worker is terminated (SIGTERM, ``grace_period``, SIGKILL) and replaced; a
-  running async task is first cancelled inside the worker (its coroutine sees
-  ``CancelledError`` and may clean up) and its worker is terminated only if it has not
-  finished within ``grace_period``, so that the other tasks in that worker live on.
-* Leaving ``async with`` normally waits for every submitted task (an unconsumed
-  ``imap``'s queued chunks are dropped), then asks the workers to exit and terminates any
-  that do not within ``grace_period``. Leaving by an exception or cancellation terminates
-  every worker at once. Both are shielded and bounded.
+The pool owns the task group, the *supervisor* task that starts workers (the one thing
+the scheduler cannot do from a loop callback) and the message handler. How a task
+travels: "From apply to its result" in docs/architecture.md; why it is built so: the
+notes *Dispatch*, *Map chunks ahead*, *Pool failures*, *Start-up deaths*, *Stream
+wake-ups*, *Nothing anyio in loop callbacks* and *Termination under native cancellation*
+there.
 """
 
 from __future__ import annotations

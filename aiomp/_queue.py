@@ -1,47 +1,28 @@
 """Queue and Event: between any processes of one tree, async and blocking.
 
-A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair that every process holding the
-queue shares (producers send on one end, consumers receive on the other), an overflow
-log in shared memory (:mod:`aiomp._overflow`), and two eventfds: wake-up tokens for the
-consumers of a bounded queue, and a wake-up for producers that wait. A datagram is delivered
-whole to exactly one receiver with its fds, so any number of producers and consumers need
-no lock and no feeder thread: an item is in the kernel when ``put`` returns, and an
-unpicklable item fails in ``put``, in the caller.
+A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair shared by every process holding it
+(see *Datagram queues* in docs/architecture.md), an overflow log in shared memory
+(:mod:`aiomp._overflow`, see *Queue overflow*) and two eventfds: wake-up tokens for the
+consumers of a bounded queue, and a wake-up for producers that wait (see *Queue
+wake-ups*; an unbounded queue counts its items as in *Queue counts*). An item is in the
+kernel when ``put`` returns, and an unpicklable item fails in ``put``, in the caller.
 
-Unbounded (``maxsize <= 0``): when the socket buffer is full (about 10,900 small items,
-or 4 MiB), ``put`` appends the item to the queue's overflow: a memfd log that every
-holder maps, with the item's fds parked in the socket pair's reverse direction. The
-overflow belongs to the queue, so an item is delivered even if its producer is SIGKILLed
-the instant ``put`` returns; it is read once the socket is empty, keeps each producer's
-items in the order put, grows with what is queued and is freed when drained. See
-:mod:`aiomp._overflow` for why no process death loses or duplicates an item. Only items
-that carry fds (arrays under ``"file_descriptor"``, queues and events inside items) are
-bounded there, by the kernel's limit of about 10,900 parked datagrams:
-beyond it ``put`` waits and ``put_nowait`` raises Full.
+Unbounded (``maxsize <= 0``): the socket while it has room, then the log; only items
+carrying fds are bounded there (about 10,900 parked datagrams: beyond that ``put`` waits
+and ``put_nowait`` raises Full). Bounded: every item goes through the log, whose
+committed count is the bound, so no process death changes the capacity.
 
-Bounded (``maxsize > 0``): every item goes through the log, whose committed count is the
-bound, so no process death changes the capacity; consumers wait on the eventfd (then a
-count of wake-up tokens) instead of the socket. Its log keeps 64 KiB once empty.
+:meth:`Queue.close` shuts the socket down for writing in every process at once: later
+puts raise :class:`~aiomp.QueueClosed`; consumers get what is queued, then QueueClosed
+(``async for`` ends). An item that cannot be rebuilt raises :class:`~aiomp.QueueItemError`
+at ``get`` (that item is lost; the queue goes on); exceptions that could not be rebuilt
+are refused at ``put``. An :class:`Event` is an eventfd, readable while set.
 
-Closing (:meth:`Queue.close`) shuts the socket down for writing, in the kernel, for every
-process at once, and marks the overflow closed: later puts raise
-:class:`~aiomp.QueueClosed`; consumers receive the items already queued (socket and
-overflow) and then :class:`~aiomp.QueueClosed` (``async for`` simply ends).
-
-An item that cannot be rebuilt in the consumer raises :class:`~aiomp.QueueItemError` at
-``get`` (that item is lost; the queue goes on). Exceptions, the usual culprit, are checked
-at ``put``: one whose class cannot be rebuilt from its ``args`` raises there.
-
-An :class:`Event` is an eventfd: set writes to it, clear drains it, and it is readable
-while set, so waiting is readiness on the event loop, or ``poll`` in blocking code.
-
-Async calls wait through anyio (asyncio, uvloop, trio); within one process one task waits
-on an fd and wakes the others (one waiter, fanning out). Called where no event loop runs
-(a sync child, a thread), ``put``, ``get`` and ``Event.wait`` raise RuntimeError at once,
-naming the ``.sync`` call to use. Objects rebuilt from a message in a process that already
-holds the same queue or event are that same object.
-
-fds are released when the object is garbage-collected in each process.
+Within one process one task waits on an fd (see *One waiter per fd*). Called where no
+event loop runs, ``put``, ``get`` and ``Event.wait`` raise RuntimeError naming the
+``.sync`` call. Objects rebuilt in a process that already holds the same queue or event
+are that same object; fds are released when the object is garbage-collected. A *child*
+module (see *Light children*).
 """
 
 from __future__ import annotations

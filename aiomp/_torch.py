@@ -8,7 +8,7 @@ What travels is decided per *storage*, the unit torch shares; every tensor is re
 on its storage with its dtype, storage offset, size, strides and ``requires_grad`` (a
 ``Parameter`` stays a ``Parameter``). Within one message each storage travels once,
 however many tensors view it: views stay views, and many tensors on one storage send
-one fd (DESIGN R1).
+one fd (R1 in docs/architecture.md).
 
 - A storage already in shared memory travels as that memory, whatever its size:
   a ``file_descriptor`` storage (``share_memory_()``, or received) as its fd, inside the

@@ -1,40 +1,19 @@
 """Message channels between processes: unix ``SOCK_SEQPACKET`` sockets, one datagram a message.
 
-Why datagrams: every ``sendmsg`` is delivered whole to exactly one ``recvmsg``, file
-descriptors (``SCM_RIGHTS``) included. So many producers and many consumers can share one
-socket with no lock, no feeder thread and no interleaving, and a message whose fds travel
-with it cannot be split from them.
-
-A message is one byte of kind followed by its body. A body larger than
-:data:`MAX_INLINE` travels in an anonymous memfd whose fd rides in the same datagram
-(kind ``LARGE``), so a datagram never outgrows the socket buffer.
+A message is one byte of kind followed by its body; a body larger than :data:`MAX_INLINE`
+travels in an anonymous memfd whose fd rides in the same datagram (kind ``LARGE``). Why
+datagrams: *Datagram queues* in docs/architecture.md. :class:`Stream` carries the same
+datagrams over a ``SOCK_STREAM`` pair, each behind a 5-byte frame header (the length and
+how many fds belong to it), for channels with one process at each end (see *Stream
+wake-ups*). The kernel never merges a sendmsg's fds into a later read, so a Stream's
+reader keeps the fds in arrival order and gives each complete frame the first ``nfds``;
+one reader and one writer per end, and a sender finishes a frame before the next.
 
 aiomp never changes a socket's blocking mode (the flag is shared by every process holding
 it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
-``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` if they meet EAGAIN. Async
-callers wait for readiness on the running loop (:func:`wait_readable`, or anyio), so
-asyncio, uvloop and trio all work; neither anyio nor trio is imported by a child that runs
-a sync function.
-
-Point-to-point channels: :class:`Stream`
------------------------------------------
-A channel with exactly one process at each end (a pool worker's control channel) does not
-need datagrams, and pays for them: on the Linux VMs aiomp is measured on, waking a process
-blocked in ``recvmsg`` on a ``SOCK_SEQPACKET`` socket costs the sender about 10 us inside
-``sendmsg`` and the receiver 15 to 20 us more before it runs, against about 2 us for a
-process blocked in ``recvmsg`` on a ``SOCK_STREAM`` socket (waiting in ``poll``/``epoll``
-costs the same slow wake-up on either kind). So :class:`Stream` carries the same datagrams
-(:meth:`aiomp._reduction.Message.framed`, :func:`decode`) over a ``SOCK_STREAM`` pair,
-each behind a 5-byte frame header: the datagram's length and how many fds belong to it
-(:func:`frame`).
-
-The kernel hands a sendmsg's fds to the ``recvmsg`` that reads the first byte sent with
-them, and never merges them into a later read: so the receiver keeps the fds it has read in
-arrival order and gives each frame, once complete, the first ``nfds`` of them. One reader
-and one writer per end: the sender finishes a frame (a non-blocking send may write part of
-one; :meth:`Stream.try_send` says how much) before it starts the next.
-
-This module is imported by children: standard library only.
+``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` on EAGAIN. Async callers wait
+for readiness on the running loop (:func:`wait_readable`, see *Queue wake-ups*). A
+*child* module (see *Light children*).
 """
 
 from __future__ import annotations
