@@ -75,6 +75,7 @@ def _new_like(
         raise ValueError(f"negative dimensions are not allowed: {shape}")
     nbytes = math.prod(dims) * dtype.itemsize
     exporter = _shm.allocate(nbytes, zero=zero)
+    # A ctypes array is a buffer, but numpy's stubs do not accept ctypes types as one.
     return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[arg-type]
 
 
@@ -118,7 +119,7 @@ def _rebuild(
     return np.ndarray(
         shape,
         dtype,
-        buffer=exporter,  # type: ignore[arg-type]
+        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see _new_like)
         offset=offset,
         strides=strides,
     )

@@ -140,6 +140,7 @@ class _Mutex:
             _check(rc)
 
     def detach(self) -> None:
+        # Typed for the live object; None only after detach, when nothing reads it again.
         self._anchor = None  # type: ignore[assignment]
 
 

@@ -499,6 +499,7 @@ def _classes_in(body: bytes | memoryview) -> list[str]:
             if op.name == "MEMOIZE":
                 memo[len(memo)] = last
             elif op.name in ("BINGET", "LONG_BINGET", "GET"):
+                # pickletools types every op's argument as one union; these carry an int.
                 value = memo.get(int(arg))  # type: ignore[arg-type]
                 if value is not None:
                     strings.append(value)

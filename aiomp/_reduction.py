@@ -186,6 +186,7 @@ class Scratchpad:
         """The object kept under ``key`` for this message, made by ``make()`` on first use."""
         notes = self._notes
         if key in notes:
+            # One table for every key; ``make`` fixed this key's type when it was stored.
             return notes[key]  # type: ignore[no-any-return]
         value = notes[key] = make()
         return value
@@ -223,6 +224,8 @@ def register(cls: type, reducer: object) -> None:
 
 
 class _Pickler(pickle.Pickler):
+    # typeshed declares dispatch_table as an instance attribute; a class-wide table is what
+    # pickle reads, and saves copying it into every Pickler.
     dispatch_table = _dispatch  # type: ignore[assignment]
 
 
@@ -239,6 +242,7 @@ def dumps(obj: object, prefix: bytes = b"") -> Message:
     cls = type(obj)
     if cls in PLAIN or (
         cls is tuple
+        # mypy does not narrow on ``type(obj) is tuple`` (isinstance would admit subclasses).
         and len(obj) <= 8  # type: ignore[arg-type]
         and all(type(x) in PLAIN for x in obj)  # type: ignore[attr-defined]
     ):

@@ -222,7 +222,7 @@ def _remember(storage: Any, fd: int) -> tuple[int, int]:
             if old.expired():
                 del _remembered[cdata]
     _remembered[storage._cdata] = (ref, key)
-    return key  # type: ignore[no-any-return]
+    return key  # type: ignore[no-any-return]  # torch's storage keys are untyped
 
 
 def _rebuild_fd_storage(index: int, size: int, key: tuple[int, int]) -> Any:
