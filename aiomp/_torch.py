@@ -38,6 +38,7 @@ import ctypes
 import pickle
 from typing import Any, cast
 
+# torch is optional for type checking: absent (import-not-found) in a venv without it.
 import torch  # type: ignore[import-not-found,unused-ignore]
 import torch.multiprocessing  # type: ignore[import-not-found,unused-ignore]
 import torch.utils.hooks  # type: ignore[import-not-found,unused-ignore]
@@ -74,6 +75,7 @@ def _reduce_tensor(t: torch.Tensor) -> tuple[Any, ...]:
     if t.device.type != "cpu" or t.layout is not torch.strided or t.is_nested:
         return cast("tuple[Any, ...]", _torch_reductions.reduce_tensor(t))
     if t.is_quantized:  # torch's pickling (its storage still comes back here)
+        # Untyped where torch is installed, unknown where it is not.
         return cast("tuple[Any, ...]", t.__reduce_ex__(5))  # type: ignore[no-untyped-call,unused-ignore]
     if t.requires_grad and not t.is_leaf:
         raise RuntimeError(
