@@ -27,7 +27,7 @@ parent's loop is blocked, a child that writes more than that waits in ``write()`
 the loop runs again, and goes on then. The child's end asks for a 4 MiB buffer.
 
 The Pool reuses this with ``label="worker"``: a Forwarder per worker, its
-:meth:`child_ends` passed to ``_context.launch(..., output=...)``, and
+:meth:`child_ends` passed to ``_process.launch(..., output=...)``, and
 :func:`aiomp._child.redirect_output` called first thing in the worker.
 """
 

@@ -23,7 +23,7 @@ The parts, and who owns what
                      v
                    worker process (_worker.main)
 
-Each worker is a process started by ``_context.launch`` (concurrently: the call returns
+Each worker is a process started by ``_process.launch`` (concurrently: the call returns
 while the interpreter boots). Its :class:`~aiomp._handle.WorkerHandle` runs one
 *watcher* task in the pool's task group, the only task that waits for the process's exit
 (the pidfd), reads its channel and flushes its outbox. Nothing polls and no thread is
@@ -114,7 +114,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _calls, _context, _output, _reduction, _transport, _worker
+from . import _calls, _context, _output, _process, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
@@ -245,10 +245,10 @@ class Pool:
             )
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
-        _context.check_start_method(start_method)
+        _process.check_start_method(start_method)
         _output.check_output(output)
         if initializer is not None:
-            _context.check_function(initializer, start_method, "initializer")
+            _process.check_function(initializer, start_method, "initializer")
         self._processes = processes
         self._initializer = initializer
         self._initargs = tuple(initargs)
@@ -336,9 +336,9 @@ class Pool:
         """What must be done before the first worker starts (``aiomp.ray.Pool`` has its own)."""
         self._init = P.Message(P.OP_INIT, 0, 0, b"", (self._initializer, self._initargs))
         if self._start_method == "fork":
-            _context.check_fork_safe()
+            _process.check_fork_safe()
         elif self._start_method == "forkserver":
-            await _context.prepare_forkserver()
+            await _process.prepare_forkserver()
 
     async def __aexit__(
         self,
@@ -454,19 +454,25 @@ class Pool:
             if self._output == "inherit"
             else _output.Forwarder(slot, self._output, label="worker")
         )
-        child = _context.launch(
-            _worker.main,
-            slot,
-            self._start_method,
-            True,
-            name=f"aiomp-pool-{slot}",
-            report=False,
-            stream=True,
-            output=fw,
-        )
+        sock, theirs = _transport.stream_socketpair()  # the worker's channel
+        try:
+            child = _process.launch(
+                _process.Child,
+                _worker.main,
+                slot,
+                self._start_method,
+                True,
+                theirs,
+                name=f"aiomp-pool-{slot}",
+                output=fw,
+            )
+        except BaseException:
+            sock.close()
+            raise
         h = WorkerHandle(
             slot,
             child,
+            sock,
             self._loop,
             self._grace,
             self._on_message,
