@@ -226,9 +226,12 @@ def main(
     sock: socket.socket,
     parent_pid: int,
     fn: object = None,
+    spawned: bool = False,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
-    """Entry point of a spawned child (``multiprocessing.Process`` target)."""
+    """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
+    target). ``spawned``: started by the ``spawn`` method, whose children exit through
+    the interpreter's teardown (fork and forkserver children skip it already)."""
     begin(parent_pid, output)
     got = _transport.recv_sync(sock)
     assert got is not None
@@ -256,6 +259,34 @@ def main(
         sys.exit(1)
     send_message(sock, out)
     sock.close()
+    if spawned:
+        del result, out
+        exit_fast()
+
+
+def exit_fast() -> None:
+    """Exit now, status 0, without tearing the interpreter down; see *Fast child exit* in
+    docs/architecture.md.
+
+    Does first what a normal exit does for others: multiprocessing's exit hook (its
+    finalizers, joining this process's own children), every ``atexit`` function (logging's
+    flush among them) and a flush of stdout and stderr. Returns instead, and the child
+    exits the usual way, while a non-daemon thread runs: a normal exit waits for it.
+    """
+    threading = sys.modules.get("threading")
+    if threading is not None and any(
+        not t.daemon for t in threading.enumerate() if t is not threading.current_thread()
+    ):
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # multiprocessing's _exit_function is one of them
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 UNGUARDED_MAIN = (

@@ -299,9 +299,12 @@ async def start_children(
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            children.append(_start_one(rank, start_method, daemon, target_fn, output))
-        payload.copies(len(children))  # one message, sent to every child
-        for c in children:
+            c = _start_one(rank, start_method, daemon, target_fn, output)
+            children.append(c)
+            # Sent at once, not after every start: a forked child boots in a millisecond
+            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
+            if rank:
+                payload.copies(2)  # one message, sent once more
             assert c.sock is not None
             try:
                 await _transport.send_async(c.sock, datagram, fds)
@@ -331,7 +334,7 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn,),
+            extra=(fn, start_method == "spawn"),
             output=fw,
         )
     except BaseException:

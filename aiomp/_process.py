@@ -390,6 +390,12 @@ async def prepare_forkserver() -> None:
     if getattr(server, "_forkserver_pid", None) is not None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:
+        # The server imports what every aiomp child runs (``_worker`` imports ``_child``)
+        # once, so that the children it forks start with it loaded; see *Start-up cost*
+        # in docs/architecture.md. The user's preloads stay.
+        preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
+        if server is not None and "aiomp._worker" not in preload:
+            server.set_forkserver_preload([*preload, "aiomp._worker"])
         with unreadable_main_hidden():
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
