@@ -265,7 +265,7 @@ def main(
 
 
 def exit_fast() -> None:
-    """Exit now, status 0, without tearing the interpreter down; see *Fast child exit* in
+    """Exit now, status 0, without tearing the interpreter down; see *Start-up cost* in
     docs/architecture.md.
 
     Does first what a normal exit does for others: multiprocessing's exit hook (its
