@@ -382,6 +382,9 @@ multiprocessing.util  # noqa: B018 - imported above so that its exit hook is reg
 atexit.register(_kill_at_exit)
 
 
+_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "aiomp._worker")
+
+
 async def prepare_forkserver() -> None:
     """Start the fork server off the event loop (its first start waits for an interpreter)."""
     from multiprocessing import forkserver
@@ -390,12 +393,14 @@ async def prepare_forkserver() -> None:
     if getattr(server, "_forkserver_pid", None) is not None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:
-        # The server imports what every aiomp child runs (``_worker`` imports ``_child``)
-        # once, so that the children it forks start with it loaded; see *Start-up cost*
-        # in docs/architecture.md. The user's preloads stay.
+        # The server imports once what every aiomp child needs (``_worker`` imports
+        # ``_child``; unpickling the sockets a child is given imports popen_forkserver),
+        # so that the children it forks start with it loaded; see *Start-up cost* in
+        # docs/architecture.md. The user's preloads stay.
         preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
-        if server is not None and "aiomp._worker" not in preload:
-            server.set_forkserver_preload([*preload, "aiomp._worker"])
+        ours = [m for m in _FORKSERVER_PRELOAD if m not in preload]
+        if server is not None and ours:
+            server.set_forkserver_preload([*preload, *ours])
         with unreadable_main_hidden():
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
