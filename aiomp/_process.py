@@ -382,7 +382,7 @@ multiprocessing.util  # noqa: B018 - imported above so that its exit hook is reg
 atexit.register(_kill_at_exit)
 
 
-_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "aiomp._worker")
+_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "_ctypes", "aiomp._worker")
 
 
 async def prepare_forkserver() -> None:
@@ -394,7 +394,8 @@ async def prepare_forkserver() -> None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:
         # The server imports once what every aiomp child needs (``_worker`` imports
-        # ``_child``; unpickling the sockets a child is given imports popen_forkserver),
+        # ``_child``; unpickling the sockets a child is given imports popen_forkserver;
+        # arming the parent-death signal loads ``_ctypes``, a dlopen of libffi),
         # so that the children it forks start with it loaded; see *Start-up cost* in
         # docs/architecture.md. The user's preloads stay.
         preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
