@@ -8,6 +8,8 @@ docs/architecture.md.
 
 from __future__ import annotations
 
+import os
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -50,14 +52,24 @@ def start_time(pid: int) -> int | None:
 def pid_alive(pid: int, start: int = 0) -> bool:
     """True if process ``pid`` runs (and, given ``start``, is the one that started then).
 
-    A zombie counts as dead. When it cannot tell (out of fds, say), it answers True: the
-    callers keep a name or go on working, the safe side.
+    A zombie counts as dead. When it cannot tell (no ``/proc``, out of fds), it answers
+    True: the callers keep a name or go on working, the safe side.
     """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # one syscall settles "gone"
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
     try:
         now = start_time(pid)
     except OSError:
         return True
-    return now is not None and (not start or now == start)
+    if now is None:  # a zombie, or gone since; or no /proc to tell
+        return not os.path.isdir("/proc/self")
+    return not start or now == start
 
 
 def fork_checks() -> list[Callable[[], None]]:
