@@ -1332,3 +1332,19 @@ async def test_failed_exit_hooks_run_once_per_abnormal_exit() -> None:
         _lifecycle._failed_exits.remove(hook)
     assert exitcodes(ctx) == [3]
     assert len(calls) == 1
+
+
+def test_pid_alive_counts_a_zombie_and_a_reaped_pid_as_dead() -> None:
+    """The one "is this pid alive" of children (their parent check) and of ``_shm``'s
+    janitor (a segment's creator)."""
+    from aiomp._lifecycle import pid_alive, start_time
+
+    me = os.getpid()
+    assert pid_alive(me) and pid_alive(me, start_time(me) or 0)
+    assert not pid_alive(me, (start_time(me) or 0) + 1)  # a reused pid is another process
+    assert not pid_alive(0)
+    proc = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    assert not pid_alive(proc.pid)
+    proc.wait()
+    assert not pid_alive(proc.pid)
