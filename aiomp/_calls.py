@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-from . import _context, _transport
+from . import _process, _transport
 from . import _protocol as P
 from ._errors import BrokenPoolError
 from ._scheduler import DONE, QUEUED, Task, fresh
@@ -85,7 +85,7 @@ def fn_info(fn: object) -> _Fn:
     if info is not None:
         return info
     if not callable(fn):
-        _context.check_function(fn, "fork")  # raises the right TypeError
+        _process.check_function(fn, "fork")  # raises the right TypeError
     is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         type(fn).__call__  # an object with an async __call__
     )
@@ -122,7 +122,7 @@ def make_task(
     ``__main__``): the same check as ``spawn``'s, once per function and start method."""
     method = pool._start_method
     if method not in info.checked and pool._encode is None:  # (Ray pickles by value)
-        _context.check_function(fn, method)
+        _process.check_function(fn, method)
         info.checked.add(method)
     tid = next(_tids)
     weight = 1 if info.is_async else pool._concurrency
@@ -133,7 +133,7 @@ def make_task(
         try:
             message = _encode(tid, fn, fid, flags, items, kwds)
         except Exception as exc:
-            _context.check_function(fn, method)  # a clearer error when fn is the problem
+            _process.check_function(fn, method)  # a clearer error when fn is the problem
             exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
             raise
     return Task(

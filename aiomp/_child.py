@@ -25,6 +25,7 @@ import socket
 import sys
 
 from . import _reduction, _transport
+from ._lifecycle import pid_alive
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
@@ -72,14 +73,24 @@ def release_forkserver() -> None:
             pass
 
 
-def _parent_alive(parent_pid: int) -> bool:
-    try:
-        os.kill(parent_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return os.getppid() != 1
+def begin(
+    parent_pid: int,
+    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None,
+) -> None:
+    """What every child aiomp starts does first (spawn's and the Pool's workers).
+
+    Takes over fd 1 and 2 when the parent forwards them, undoes what a fork inherited
+    from the parent's loop, arms the parent-death signal and then, closing the race with
+    a parent that died before it was armed, exits (status 1) if the parent has gone.
+    """
+    if output is not None:
+        redirect_output(output)
+    reset_signals()
+    set_parent_death_signal()
+    # Reparented to init: our parent died (a forkserver child's parent is the server,
+    # which exits with our parent once release_forkserver has let go of it).
+    if not pid_alive(parent_pid) or os.getppid() == 1:
+        os._exit(1)
 
 
 def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
@@ -91,6 +102,12 @@ def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
         coro = result
     else:
         coro = fn(*rank_args)  # type: ignore[operator]
+    with new_runner() as runner:
+        return runner.run(coro)
+
+
+def new_runner() -> asyncio.Runner:
+    """An ``asyncio.Runner`` on a fresh event loop: uvloop when installed."""
     import asyncio
 
     factory: Callable[[], asyncio.AbstractEventLoop]
@@ -100,8 +117,7 @@ def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = asyncio.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
+    return asyncio.Runner(loop_factory=factory)
 
 
 def reset_signals() -> None:
@@ -210,15 +226,13 @@ def main(
     sock: socket.socket,
     parent_pid: int,
     fn: object = None,
+    spawned: bool = False,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
-    """Entry point of a spawned child (``multiprocessing.Process`` target)."""
-    if output is not None:
-        redirect_output(output)
-    reset_signals()
-    set_parent_death_signal()
-    if not _parent_alive(parent_pid):
-        os._exit(1)
+    """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
+    target). ``spawned``: started by the ``spawn`` method, whose children exit through
+    the interpreter's teardown (fork and forkserver children skip it already)."""
+    begin(parent_pid, output)
     got = _transport.recv_sync(sock)
     assert got is not None
     _, body, fds = _transport.decode(*got)
@@ -245,6 +259,34 @@ def main(
         sys.exit(1)
     send_message(sock, out)
     sock.close()
+    if spawned:
+        del result, out
+        exit_fast()
+
+
+def exit_fast() -> None:
+    """Exit now, status 0, without tearing the interpreter down; see *Start-up cost* in
+    docs/architecture.md.
+
+    Does first what a normal exit does for others: multiprocessing's exit hook (its
+    finalizers, joining this process's own children), every ``atexit`` function (logging's
+    flush among them) and a flush of stdout and stderr. Returns instead, and the child
+    exits the usual way, while a non-daemon thread runs: a normal exit waits for it.
+    """
+    threading = sys.modules.get("threading")
+    if threading is not None and any(
+        not t.daemon for t in threading.enumerate() if t is not threading.current_thread()
+    ):
+        return
+    import atexit
+
+    atexit._run_exitfuncs()  # multiprocessing's _exit_function is one of them
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(0)
 
 
 UNGUARDED_MAIN = (

@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
-from . import _lease, _reduction
+from . import _lease, _lifecycle, _reduction
 
 #: Blocks a process may have sent and not yet seen released, unless changed with
 #: :func:`aiomp.cuda.set_ipc_limit`.
@@ -1293,6 +1293,16 @@ def cuda_initialized() -> bool:
     count = ctypes.c_int()
     rc = lib.cuDeviceGetCount(ctypes.byref(count))
     return rc not in (_CUDA_ERROR_NOT_INITIALIZED, _CUDA_ERROR_NO_DEVICE)
+
+
+@_lifecycle.on_fork_check
+def _refuse_fork() -> None:
+    """A forked child cannot use the CUDA its parent initialised: refuse the fork."""
+    if cuda_initialized():
+        raise RuntimeError(
+            "cannot fork: CUDA is initialised in this process and a forked child "
+            "cannot use it; use start_method='spawn' or 'forkserver'"
+        )
 
 
 def ipc_collect() -> int:

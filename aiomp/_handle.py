@@ -1,6 +1,6 @@
 """One Pool worker process as the pool sees it: its process, its channel, its outbox.
 
-A :class:`WorkerHandle` is made (from a task) right after ``_context.launch`` has started
+A :class:`WorkerHandle` is made (from a task) right after ``_process.launch`` has started
 the process, and owns from then on the process's pidfd and the pool's end of its stream
 socket. Its :meth:`WorkerHandle.run` is the worker's *watcher*, one task in the pool's
 task group, and the only task that:
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import collections
 import signal
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _context, _transport
+from . import _process, _transport
 from . import _protocol as P
 from ._scheduler import Task
 from ._wakeup import Signal, Wakeup
@@ -49,7 +50,8 @@ class WorkerHandle:
     def __init__(
         self,
         slot: int,
-        child: _context._Child,
+        child: _process.Child,
+        sock: socket.socket,
         loop: asyncio.AbstractEventLoop | None,
         grace: float,
         on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
@@ -59,8 +61,6 @@ class WorkerHandle:
     ) -> None:
         self.slot = slot
         self.child = child
-        sock, child.sock = child.sock, None  # the channel is ours to own from here
-        assert sock is not None
         self.chan = _transport.Stream(sock)
         self._loop = loop
         self._grace = grace
@@ -204,14 +204,14 @@ class WorkerHandle:
                     with exit_wait:
                         await child.wait_exit()
                     if not child.exited:
-                        await _context.terminate_all([child], self._grace)
+                        await _process.terminate_all([child], self._grace)
                     tg.cancel_scope.cancel()
         finally:
             if not child.exited:
                 # Only a native cancellation of this task (asyncio.run cancelling every
                 # task after its main one ended) gets here: no child may outlive it.
                 child.signal(signal.SIGKILL)
-                child.process.join(_context.KILL_TIMEOUT)
+                child.process.join(_process.KILL_TIMEOUT)
                 child.poll_exit()
             unsent = self._close()
             self._on_exit(self, child.exitcode, unsent)

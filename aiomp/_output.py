@@ -15,7 +15,8 @@ logging record is re-emitted with ``logging.getLogger(record.name).handle(record
 
 Nothing is lost: :meth:`Forwarder.close`, once the child has exited, reads what is left
 (what it wrote just before a SIGSEGV or SIGKILL included) and flushes a last partial
-line. The Pool uses one Forwarder per worker, with ``label="worker"``.
+line. The Pool uses one Forwarder per worker, with ``label="worker"``, its
+:meth:`child_ends` passed to ``_process.launch(..., output=...)``.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ The parts, and who owns what
                      v
                    worker process (_worker.main)
 
-The pool owns the task group, the *supervisor* task that starts workers (the one thing
-the scheduler cannot do from a loop callback) and the message handler. How a task
+Each worker is a process started by ``_process.launch``. The pool owns the task group,
+the *supervisor* task that starts workers (the one thing the scheduler cannot do from a
+loop callback) and the message handler. How a task
 travels: "From apply to its result" in docs/architecture.md; why it is built so: the
 notes *Dispatch*, *Map chunks ahead*, *Pool failures*, *Start-up deaths*, *Stream
 wake-ups*, *Nothing anyio in loop callbacks* and *Termination under native cancellation*
@@ -45,7 +46,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _calls, _context, _output, _reduction, _transport, _worker
+from . import _calls, _context, _output, _process, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
@@ -190,10 +191,10 @@ class Pool:
             )
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
-        _context.check_start_method(start_method)
+        _process.check_start_method(start_method)
         _output.check_output(output)
         if initializer is not None:
-            _context.check_function(initializer, start_method, "initializer")
+            _process.check_function(initializer, start_method, "initializer")
         self._processes = processes
         self._initializer = initializer
         self._initargs = tuple(initargs)
@@ -283,9 +284,9 @@ class Pool:
             (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
         )
         if self._start_method == "fork":
-            _context.check_fork_safe()
+            _process.check_fork_safe()
         elif self._start_method == "forkserver":
-            await _context.prepare_forkserver()
+            await _process.prepare_forkserver()
 
     async def __aexit__(
         self,
@@ -401,19 +402,25 @@ class Pool:
             if self._output == "inherit"
             else _output.Forwarder(slot, self._output, label="worker")
         )
-        child = _context.launch(
-            _worker.main,
-            slot,
-            self._start_method,
-            True,
-            name=f"aiomp-pool-{slot}",
-            report=False,
-            stream=True,
-            output=fw,
-        )
+        sock, theirs = _transport.stream_socketpair()  # the worker's channel
+        try:
+            child = _process.launch(
+                _process.Child,
+                _worker.main,
+                slot,
+                self._start_method,
+                True,
+                theirs,
+                name=f"aiomp-pool-{slot}",
+                output=fw,
+            )
+        except BaseException:
+            sock.close()
+            raise
         h = WorkerHandle(
             slot,
             child,
+            sock,
             self._loop,
             self._grace,
             self._on_message,

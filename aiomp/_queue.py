@@ -38,6 +38,7 @@ import weakref
 
 from . import _overflow, _reduction, _transport
 from ._errors import QueueClosed, QueueItemError
+from ._fdwait import FdWaiters
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
@@ -90,37 +91,6 @@ def _no_loop(call: str, sync_call: str) -> RuntimeError:
         f"{call} is a coroutine and no event loop runs in this thread; in sync code (a "
         f"sync worker, a thread) call {sync_call} instead"
     )
-
-
-class _Waiters:
-    """One task per process waits on an fd; the others wait for it to wake them."""
-
-    __slots__ = ("_events",)
-
-    def __init__(self) -> None:
-        # (fd, write) -> None while one task waits alone, an anyio.Event once others join
-        self._events: dict[tuple[int, bool], Any] = {}
-
-    async def wait(self, fd: int, write: bool = False) -> None:
-        import anyio
-
-        key = (fd, write)
-        if key in self._events:
-            event = self._events[key]
-            if event is None:
-                event = self._events[key] = anyio.Event()
-            await event.wait()
-            return
-        self._events[key] = None
-        try:
-            if write:
-                await anyio.wait_writable(fd)
-            else:
-                await _transport.wait_readable(fd)
-        finally:
-            event = self._events.pop(key)
-            if event is not None:
-                event.set()
 
 
 class Queue:
@@ -176,7 +146,7 @@ class Queue:
         self._used_socket = True  # sent on the socket since this process last overflowed
         self._slot = -1  # this process's slot of socket counts, claimed on first use
         self._counts: dict[int, int] = {}
-        self._waiters = _Waiters()
+        self._waiters = FdWaiters(_transport.wait_readable)
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
         _live[token] = self
@@ -591,7 +561,7 @@ class Event:
     def _setup(self, token: bytes, fd: int) -> None:
         self._token = token
         self._fd = fd
-        self._waiters = _Waiters()
+        self._waiters = FdWaiters(_transport.wait_readable)
         self.sync = SyncEvent(self)
         self._finalizer = weakref.finalize(self, _close_event, fd)
         _live[token] = self

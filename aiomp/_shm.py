@@ -31,8 +31,10 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
-from . import _lease, _reduction
+from . import _lease, _lifecycle, _reduction
 from ._errors import SharedMemoryError, TransportError
+from ._lifecycle import pid_alive as _alive
+from ._lifecycle import start_time as _start_time
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -611,33 +613,6 @@ def _creator(name: str) -> int:
 # -- who may still need a name (file_system) ----------------------------------------
 
 
-def _start_time(pid: int) -> int | None:
-    """``pid``'s start time (clock ticks since boot); None if it is gone or a zombie.
-
-    A pid with its start time names one process even after the pid is reused.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def _alive(pid: int, start: int = 0) -> bool:
-    """True if process ``pid`` runs (and, given ``start``, is the one that started then).
-
-    When it cannot tell (out of fds, say), it answers True: a name kept is the safe side.
-    """
-    try:
-        now = _start_time(pid)
-    except OSError:
-        return True
-    return now is not None and (not start or now == start)
-
-
 def _find_tree() -> tuple[int, int, bool]:
     """(root pid, root start time, whether this process is the root) of this process tree.
 
@@ -760,6 +735,16 @@ def janitor(*, _ending: tuple[int, int] | None = None) -> list[str]:
     except OSError:
         return []
     return [name for name in names if _remove_if_orphan(name, ending=_ending, wait=False)]
+
+
+@_lifecycle.on_failed_exit
+def _sweep() -> None:
+    """A child that died abnormally may have left named segments (``file_system``
+    strategy): remove those whose creator is dead and that nobody holds."""
+    try:
+        janitor()
+    except OSError:
+        pass
 
 
 def _children() -> set[int]:

@@ -1,6 +1,6 @@
 """The worker process of :class:`aiomp.Pool`, and the wire format it shares with the pool.
 
-A worker is started with ``_context.launch(main, slot, ...)``. It:
+A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 
 1. closes the datagram socket ``launch`` gave it (the pool's channel is a second, stream
    socket: see the wire format below), asks the kernel to SIGKILL it when its parent
@@ -30,7 +30,6 @@ Standard library and aiomp's small modules only: this module is imported by ever
 from __future__ import annotations
 
 import itertools
-import os
 import pickle
 import signal
 import socket
@@ -43,7 +42,6 @@ from . import _protocol as P
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from typing import Any
 
 _NONE = pickle.dumps(None, protocol=5)
@@ -102,16 +100,7 @@ class Worker:
     # -- loop ----------------------------------------------------------------------
     def get_runner(self) -> Any:
         if self.runner is None:
-            import asyncio
-
-            factory: Callable[[], Any]
-            try:
-                import uvloop
-
-                factory = uvloop.new_event_loop
-            except ImportError:
-                factory = asyncio.new_event_loop
-            self.runner = asyncio.Runner(loop_factory=factory)
+            self.runner = _child.new_runner()
         return self.runner
 
     def run_coro(self, coro: object) -> object:
@@ -374,16 +363,11 @@ def main(
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
-    ``stream`` is the stream socket ``_context.launch(..., stream=True)`` made: the pool
+    ``stream`` is the stream socket the pool made (``_transport.stream_socketpair``): the pool
     talks to its worker over it. ``output``: the ends of the parent's output forwarder
     (``aiomp._output``), unless the pool inherits its fds.
     """
-    if output is not None:
-        _child.redirect_output(output)
-    _child.reset_signals()
-    _child.set_parent_death_signal()
-    if not _child._parent_alive(parent_pid):
-        os._exit(1)
+    _child.begin(parent_pid, output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import multiprocessing
 

@@ -32,3 +32,41 @@ def wait_for_signals() -> None:
 def ready_then_wait_for_signals(rank: int, address: str) -> None:
     gate_connect(rank, address).close()
     wait_for_signals()
+
+
+class _Trace:
+    """Writes ``path`` when it is finalised: at interpreter teardown, for a global one."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._open, self._close = os.open, os.close  # teardown may have cleared `os`
+
+    def __del__(self) -> None:
+        self._close(self._open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+_kept: list[_Trace] = []
+
+
+def exit_traces(rank: int, directory: str) -> str:
+    """Leave a trace of what the child's exit does: an ``atexit`` function's file, a
+    global finalised at teardown, and a last line without a newline on stdout."""
+    import atexit
+    import sys
+
+    atexit.register(lambda: open(f"{directory}/atexit-{rank}", "w").close())
+    _kept.append(_Trace(f"{directory}/teardown-{rank}"))
+    sys.stdout.write(f"last words of {rank}")  # no newline: only a flush sends it
+    return "done"
+
+
+def thread_outlives_fn(rank: int, directory: str) -> None:
+    """Return while a non-daemon thread still has work left: the exit must wait for it."""
+    import threading
+    import time
+
+    def late() -> None:
+        time.sleep(0.3)  # still running when fn returns (the scenario, not a wait)
+        open(f"{directory}/thread-{rank}", "w").close()
+
+    threading.Thread(target=late).start()

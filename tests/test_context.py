@@ -1266,3 +1266,85 @@ async def test_fork_child_does_not_inherit_the_loops_sigterm_handler(gate: Gate)
         loop.remove_signal_handler(signal.SIGTERM)
     assert exitcodes(ctx) == [-signal.SIGTERM]  # died of SIGTERM, not SIGKILL after 10 s
     assert calls == []
+
+
+# -- start-up cost (issue 17): what a spawn child's exit still does ----------------------
+
+
+@pytest.mark.anyio
+async def test_a_spawn_child_exits_without_teardown_but_runs_its_exit_functions(
+    tmp_path: Path,
+) -> None:
+    """Pins the start-up fix for ``spawn(f, 4)`` taking 1.14-1.20x four multiprocessing
+    processes: a spawn child no longer tears its interpreter down after its report (a
+    global's finaliser does not run, as in a fork child), yet its ``atexit`` functions
+    run and what it wrote last reaches the parent."""
+    lines: list[tuple[int, str, str]] = []
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(
+            funcs_context.exit_traces,
+            2,
+            args=(str(tmp_path),),
+            output=lambda rank, stream, line: lines.append((rank, stream, line)),
+        ) as ctx:
+            pass
+    assert ctx.results == ["done", "done"]
+    assert exitcodes(ctx) == [0, 0]
+    made = sorted(os.listdir(tmp_path))
+    assert made == ["atexit-0", "atexit-1"]  # no "teardown-N": no interpreter teardown
+    assert sorted(line for _, _, line in lines) == ["last words of 0", "last words of 1"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("method", METHODS)
+async def test_a_childs_exit_waits_for_its_non_daemon_threads(tmp_path: Path, method: str) -> None:
+    """A child whose function returns while a non-daemon thread works exits once the
+    thread is done, as a normal exit does (the fast exit steps aside)."""
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(
+            funcs_context.thread_outlives_fn, 1, args=(str(tmp_path),), start_method=method
+        ) as ctx:
+            pass
+    assert exitcodes(ctx) == [0]
+    assert os.listdir(tmp_path) == ["thread-0"]
+
+
+@pytest.mark.anyio
+async def test_failed_exit_hooks_run_once_per_abnormal_exit() -> None:
+    """``_shm`` sweeps a failed child's names through this hook; the process layer runs
+    it without knowing ``_shm`` (see *Process hooks* in docs/architecture.md)."""
+    from aiomp import _lifecycle
+
+    calls: list[None] = []
+
+    def hook() -> None:
+        calls.append(None)
+
+    _lifecycle.on_failed_exit(hook)
+    try:
+        with anyio.fail_after(TIMEOUT):
+            ctx = await aiomp.spawn(funcs.sys_exit, 1, args=(3,))
+            with pytest.raises(aiomp.ProcessExitedException):
+                await ctx.join()
+            with pytest.raises(aiomp.ProcessExitedException):
+                await ctx.join()  # the same failure again; the hook does not run again
+    finally:
+        _lifecycle._failed_exits.remove(hook)
+    assert exitcodes(ctx) == [3]
+    assert len(calls) == 1
+
+
+def test_pid_alive_counts_a_zombie_and_a_reaped_pid_as_dead() -> None:
+    """The one "is this pid alive" of children (their parent check) and of ``_shm``'s
+    janitor (a segment's creator)."""
+    from aiomp._lifecycle import pid_alive, start_time
+
+    me = os.getpid()
+    assert pid_alive(me) and pid_alive(me, start_time(me) or 0)
+    assert not pid_alive(me, (start_time(me) or 0) + 1)  # a reused pid is another process
+    assert not pid_alive(0)
+    proc = subprocess.Popen(["true"])
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
+    assert not pid_alive(proc.pid)
+    proc.wait()
+    assert not pid_alive(proc.pid)

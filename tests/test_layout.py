@@ -21,12 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "aiomp"
 ARCHITECTURE = REPO / "docs" / "architecture.md"
 
-#: Private names other engineers are making public right now (issue 14): being renamed.
-#: ``(module using it, "module.name")``. Remove an entry once its rename has landed.
-ALLOWED_PRIVATE = {
-    ("_worker.py", "_child._parent_alive"),  # being renamed
-    ("_handle.py", "_context._Child"),  # being renamed (the process module split)
-}
+#: Private names a module may use from another, ``(module using it, "module.name")``, each
+#: with the reason. Empty: every cross-module use goes through a public name.
+ALLOWED_PRIVATE: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, ast.Module]:

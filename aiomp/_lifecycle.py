@@ -1,0 +1,83 @@
+"""Whether a process is alive, and the hooks other layers hang on process events.
+
+The lowest layer of the process toolkit: standard library only, imported by children
+(``_child``, ``_worker``), by ``_shm`` and ``_cuda`` (which register hooks here when they
+are imported) and by ``_process`` (which runs them). See *Process hooks* in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+#: Run before a ``fork`` start; each raises to refuse it (CUDA initialised, say).
+_fork_checks: list[Callable[[], None]] = []
+#: Run after a child aiomp started was seen to exit abnormally (a non-zero exit code).
+_failed_exits: list[Callable[[], None]] = []
+
+
+def on_fork_check(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` before every ``fork`` start; it raises to refuse the fork."""
+    if fn not in _fork_checks:
+        _fork_checks.append(fn)
+    return fn
+
+
+def on_failed_exit(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` once a child has been reaped after it exited abnormally."""
+    if fn not in _failed_exits:
+        _failed_exits.append(fn)
+    return fn
+
+
+def start_time(pid: int) -> int | None:
+    """``pid``'s start time (clock ticks since boot); None if it is gone or a zombie.
+
+    A pid with its start time names one process even after the pid is reused.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def pid_alive(pid: int, start: int = 0) -> bool:
+    """True if process ``pid`` runs (and, given ``start``, is the one that started then).
+
+    A zombie counts as dead. When it cannot tell (no ``/proc``, out of fds), it answers
+    True: the callers keep a name or go on working, the safe side.
+    """
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # one syscall settles "gone"
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it runs, as another user
+    try:
+        now = start_time(pid)
+    except OSError:
+        return True
+    if now is None:  # a zombie, or gone since; or no /proc to tell
+        return not os.path.isdir("/proc/self")
+    return not start or now == start
+
+
+def fork_checks() -> list[Callable[[], None]]:
+    """The registered fork checks, to run before a ``fork`` start."""
+    return list(_fork_checks)
+
+
+def failed_exit() -> None:
+    """Run the hooks for a child that was reaped after it exited abnormally."""
+    for fn in _failed_exits:
+        fn()
