@@ -20,7 +20,7 @@ tells a waiting child to drain them all; timed from the first put to the child's
 socket and then its overflow in shared memory. Target: at least 1.5x faster.
 
 Every loop: the async-parent, async-child round trip and the raw floor are measured again
-with the parent on uvloop and on trio (each in a fresh interpreter, ``--parent-loop``;
+with the parent on asyncio, uvloop and trio (each in a fresh interpreter, ``--parent-loop``;
 trio's floor awaits ``trio.socket``'s ``send``/``recv``). Targets: at most 1.4x the floor
 on every loop, and at least 1.5x faster than ``multiprocessing.Queue``.
 """
@@ -307,7 +307,7 @@ async def main() -> None:
         )
     if missing is None:
         mp = med.get(MpQueue.name)
-        for loop in LOOPS[1:]:
+        for loop in LOOPS:
             got = run_on(loop)
             what = f"64 B round trip, async parent ({loop}), async child"
             rows.append(
@@ -323,9 +323,10 @@ async def main() -> None:
                 )
             )
         notes.append(
-            "per loop: the parent on uvloop and on trio, each in a fresh interpreter, the "
-            "floor and aiomp interleaved as above; the multiprocessing.Queue baseline is the "
-            "asyncio run's."
+            "per loop: the parent on asyncio, uvloop and trio, each in a fresh interpreter "
+            "with only the floor and aiomp alive, interleaved as above (the asyncio rows at "
+            "the top run with four other variants' children alive); the "
+            "multiprocessing.Queue baseline is the main run's."
         )
     c.emit("queue", rows, notes)
 
