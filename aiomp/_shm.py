@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING
 
 from . import _lease, _lifecycle, _reduction
 from ._errors import SharedMemoryError, TransportError
-from ._lifecycle import pid_alive as _alive
-from ._lifecycle import start_time as _start_time
+from ._lifecycle import pid_alive, start_time
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -624,13 +623,13 @@ def _find_tree() -> tuple[int, int, bool]:
 
     parent = multiprocessing.parent_process()
     if parent is None:
-        pid, start, root = os.getpid(), _start_time(os.getpid()) or 0, True
+        pid, start, root = os.getpid(), start_time(os.getpid()) or 0, True
     else:
         try:
             pid, start = map(int, os.environ.get("AIOMP_TREE", "").split(":"))
         except ValueError:
             pid = parent.pid or 0
-            start = _start_time(pid) or 0
+            start = start_time(pid) or 0
         root = False
     os.environ["AIOMP_TREE"] = f"{pid}:{start}"
     return pid, start, root
@@ -640,7 +639,7 @@ def _header_identity() -> bytes:
     """The creator and tree fields of a new name's header page (from ``_H_CREATOR``)."""
     me = os.getpid()
     if _me[0] != me:  # a forked child
-        _me[:] = [me, _start_time(me) or 0]
+        _me[:] = [me, start_time(me) or 0]
     return (
         me.to_bytes(4, "little")
         + bytes(4)
@@ -667,7 +666,7 @@ def _unreadable(header: bytes, fd: int, ending: tuple[int, int] | None) -> bool:
     """True if no message naming the segment can still be read: its tree is gone (or is
     ``ending``: its root is exiting with no child left), or it is stale."""
     tree = (_field(header, _H_TREE, 4), _field(header, _H_TREE + 8, 8))
-    if tree[0] and (tree == ending or not _alive(*tree)):
+    if tree[0] and (tree == ending or not pid_alive(*tree)):
         return True
     return time.time() - os.fstat(fd).st_mtime > STALE_IN_FLIGHT
 
@@ -706,7 +705,7 @@ def _remove_if_orphan(
                 os.pwrite(fd, bytes((_ABANDONED,)), _H_FLAGS)
             elif not (complete and header[_H_FLAGS] & _ABANDONED):
                 start = _field(header, _H_CREATOR + 8, 8) if complete else 0
-                if _alive(pid, start):
+                if pid_alive(pid, start):
                     return False
             if _lease.is_held(fd, 1, 0):  # any lease (all but the lock byte)
                 return False
@@ -771,12 +770,12 @@ def _tree_is_ending() -> bool:
     others = set()
     try:
         others = _children() - helpers
-        if server and _alive(server):
+        if server and pid_alive(server):
             with open(f"/proc/{server}/task/{server}/children") as f:
                 others.update(int(p) for p in f.read().split())
     except OSError:
         pass
-    return not any(_alive(pid) for pid in others)
+    return not any(pid_alive(pid) for pid in others)
 
 
 def at_exit() -> None:
@@ -942,7 +941,7 @@ def _after_fork_in_child() -> None:
 
 
 _tree = _find_tree()
-_me = [os.getpid(), _start_time(os.getpid()) or 0]  # read up front: no fd needed later
+_me = [os.getpid(), start_time(os.getpid()) or 0]  # read up front: no fd needed later
 atexit.register(at_exit)
 _register_exit_hooks()
 os.register_at_fork(after_in_child=_after_fork_in_child)

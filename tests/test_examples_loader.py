@@ -3,8 +3,6 @@ the end of the stream, early exit, a failing worker) on asyncio, uvloop and trio
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
@@ -14,6 +12,7 @@ import pytest
 import aiomp
 from examples.data_loader import DataLoader, SyntheticImages
 from tests._funcs_loader import BrokenAt
+from tests._run import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.anyio
@@ -21,23 +20,9 @@ pytestmark = pytest.mark.anyio
 
 @pytest.mark.parametrize("extra", [[], ["--numpy", "--backend", "trio"]])
 def test_example_runs(extra: list[str]) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples" / "data_loader.py"),
-            "--batches",
-            "6",
-            "--batch-size",
-            "16",
-            *extra,
-        ],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=120,
-        check=False,
+    proc = run_python(
+        "examples/data_loader.py", "--batches", "6", "--batch-size", "16", *extra, timeout=120
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines()[-1] == "ok", proc.stdout
 
 

@@ -17,7 +17,6 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import types
@@ -35,6 +34,7 @@ from aiomp import _calls, _transport
 from aiomp import _protocol as P
 from tests import _funcs as funcs
 from tests._gate import Gate
+from tests._run import run_python
 
 TIMEOUT = 20
 GRACE = 0.3
@@ -791,16 +791,7 @@ def test_examples_run(example: str) -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
     }
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / example)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python(f"examples/{example}", env=env)
     assert "ok" in proc.stdout.split()
 
 

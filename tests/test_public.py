@@ -20,6 +20,7 @@ import pytest
 
 import aiomp
 from tests import _funcs as funcs
+from tests._run import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 #: What neither ``import aiomp`` nor a child running a sync function may load.
@@ -120,14 +121,7 @@ def test_import_aiomp_is_light() -> None:
         "aiomp.ProcessRaisedException, aiomp.ProcessExitedException\n"
         "print(json.dumps(sorted(set(sys.modules) - before)))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
+    out = run_python("-c", code).stdout
     loaded = json.loads(out)
     assert "aiomp._child" in loaded
     assert _heavy(loaded) == []
@@ -161,19 +155,7 @@ async def test_async_child_imports_asyncio() -> None:
 
 def test_the_readme_demo_runs() -> None:
     """The README's first command runs examples/demo.py: it must keep working."""
-    import subprocess
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run(
-        [sys.executable, str(root / "examples" / "demo.py")],
-        cwd=root,
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python("examples/demo.py")
     lines = proc.stdout.splitlines()
     assert "frame 3 now holds 6" in lines[0]
     assert "ValueError: rank 1 could not read its shard" in lines[1]
@@ -182,7 +164,6 @@ def test_the_readme_demo_runs() -> None:
 def test_import_on_another_platform_says_what_is_missing() -> None:
     """Issue 11: on another OS, or a kernel without pidfd, ``import aiomp`` raises one
     clear ImportError instead of an AttributeError somewhere later."""
-    import subprocess
 
     for setup, expected in (
         ("import sys; sys.platform = 'darwin'", "Linux only"),

@@ -31,6 +31,7 @@ import pytest
 import aiomp
 from tests import _funcs_ray as funcs
 from tests._gate import Gate
+from tests._run import run_python
 
 ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "aiomp[ray]")')
 
@@ -365,13 +366,7 @@ async def test_two_nodes_placement_and_node_loss(ray_head: Any, gate: Gate) -> N
 
 def test_example_runs(ray_head: Any) -> None:
     """examples/ray_pool.py, the local pipeline on Ray, joins the module's Ray instance."""
-    out = subprocess.run(
-        [sys.executable, "examples/ray_pool.py", "--batches", "8", "--address", ray_head.address],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    out = run_python(
+        "examples/ray_pool.py", "--batches", "8", "--address", ray_head.address, timeout=120
     )
-    assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("ok")

@@ -30,9 +30,10 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _lease, _numpy, _shm
+from aiomp import _lease, _lifecycle, _numpy, _shm
 from tests import _funcs as funcs
 from tests import _funcs_shm as funcs_shm
+from tests._run import run_python
 
 TIMEOUT = 20
 GRACE = 0.5
@@ -941,15 +942,8 @@ _UNPRIVILEGED = textwrap.dedent("""
     "test pins at 256",
 )
 def test_thousands_of_arrays_in_flight_unprivileged() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _UNPRIVILEGED],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "1000", proc.stdout + proc.stderr
+    proc = run_python("-c", _UNPRIVILEGED)
+    assert proc.stdout.strip() == "1000", proc.stdout + proc.stderr
 
 
 # -- file_system: names and the janitor (R3, R5) -------------------------------------------
@@ -1132,15 +1126,7 @@ async def test_blocks_sent_twice_are_released(file_system: None) -> None:
 
 @pytest.mark.parametrize("example", ["hogwild.py", "buffer_reuse.py"])
 def test_example_runs(example: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / example)],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python(f"examples/{example}")
     assert "ok" in proc.stdout.splitlines()[-1], proc.stdout
 
 
@@ -1276,7 +1262,7 @@ _TREE = textwrap.dedent("""
 def _wait_gone(pid: int, timeout: float = TIMEOUT) -> None:
     """Wait for a process that is not our child to vanish (polling the kernel's view)."""
     deadline = time.monotonic() + timeout
-    while _shm._alive(pid):
+    while _lifecycle.pid_alive(pid):
         assert time.monotonic() < deadline, f"process {pid} outlived its parent"
         time.sleep(0.01)  # handshake-free: polling the kernel's view of a non-child
 
@@ -1440,14 +1426,7 @@ def test_names_of_unread_messages_go_with_the_root() -> None:
         print(os.getpid(), len([n for n in os.listdir("/dev/shm")
                                 if n.startswith(f"aiomp-{os.getpid()}-")]))
     """)
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
+    proc = run_python("-c", script)
     pid, made = map(int, proc.stdout.split())
     assert made >= 6, "the unread messages held names while the process ran"
     left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}

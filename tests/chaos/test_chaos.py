@@ -32,7 +32,8 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _shm
+from aiomp import _lifecycle, _shm
+from tests._run import run_python
 from tests.chaos import _chaos
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,8 +77,10 @@ def fds() -> int:
 def wait_gone(pids: list[int], timeout: float = TIMEOUT) -> None:
     """Wait for processes that are not our children to vanish (polling the kernel)."""
     deadline = time.monotonic() + timeout
-    while any(_shm._alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"orphans left: {[p for p in pids if _shm._alive(p)]}"
+    while any(_lifecycle.pid_alive(p) for p in pids):
+        assert time.monotonic() < deadline, (
+            f"orphans left: {[p for p in pids if _lifecycle.pid_alive(p)]}"
+        )
         time.sleep(0.01)  # handshake-free: polling the kernel's view of a non-child
 
 
@@ -448,15 +451,7 @@ def test_fd_exhaustion_and_recovery(loop: str, strategy: str) -> None:
     that says so (not a raw EMFILE); the arrays dropped, a consumer started afterwards
     drains the queue exactly once; the process leaves no name behind."""
     seed = _chaos.RANDOM_SEED
-    proc = subprocess.run(
-        [sys.executable, "-c", _FD, loop, strategy, str(seed)],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_python("-c", _FD, loop, strategy, str(seed), timeout=120)
     pid, sent, error = proc.stdout.strip().split(" ", 2)
     assert "file descriptors open" in error and "RLIMIT_NOFILE) is 256" in error, error
     leaked = names_of([int(pid)])
