@@ -291,10 +291,9 @@ async def wait_readable(fd: int) -> None:
     adding and removing a reader per wait; on asyncio's own loops a reader is added and
     removed around each wait (a reader kept there made a round trip with a process blocked
     in ``recvmsg`` about 15 us slower); on trio this is trio's own ``wait_readable``. The
-    fd's owner calls :func:`forget` before closing it. One task
-    per process and fd waits at a time (the queue's waiters fan out). Cancellation
-    leaves nothing behind but the idle watch. See *Queue wake-ups* in
-    docs/architecture.md.
+    fd's owner calls :func:`forget` before closing it. One task per process and fd waits
+    at a time (the queue's waiters fan out). Cancellation leaves nothing behind but the
+    idle watch. See *Queue wake-ups* in docs/architecture.md.
     """
     aio = sys.modules.get("asyncio")
     loop = None if aio is None else aio._get_running_loop()

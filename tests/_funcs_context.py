@@ -66,7 +66,7 @@ def thread_outlives_fn(rank: int, directory: str) -> None:
     import time
 
     def late() -> None:
-        time.sleep(0.3)  # still running when fn returns (the scenario, not a wait)
+        time.sleep(0.3)  # handshake-free: the thread must outlive fn (the scenario, not a wait)
         open(f"{directory}/thread-{rank}", "w").close()
 
     threading.Thread(target=late).start()

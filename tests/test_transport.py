@@ -564,91 +564,92 @@ async def test_stream_async_recv_eof(stream_pair: tuple[t.Stream, t.Stream]) -> 
 
 # -- the reader kept on an asyncio loop (see *Queue wake-ups*) ----------------------------
 
-asyncio_only = pytest.mark.parametrize(
+uvloop_only = pytest.mark.parametrize(
     "anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"]
 )
 
 
+@pytest.fixture
+def watched_pair() -> Iterator[tuple[socket.socket, socket.socket, int]]:
+    """A datagram pair ``(a, b, b's fd)``; the fd is forgotten and both closed after."""
+    a, b = t.socketpair()
+    try:
+        yield a, b, b.fileno()
+    finally:
+        t.forget(b.fileno())
+        a.close()
+        b.close()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_plain_asyncio_keeps_no_reader_between_waits() -> None:
+async def test_plain_asyncio_keeps_no_reader_between_waits(
+    watched_pair: tuple[socket.socket, socket.socket, int],
+) -> None:
     # A reader kept registered on asyncio's own loop made a round trip with a sync child
     # (blocked in recvmsg) about 15 us slower: there it is added and removed per wait.
     import asyncio
 
-    a, b = t.socketpair()
-    fd = b.fileno()
-    try:
-        waiter = asyncio.ensure_future(t.wait_readable(fd))
+    a, b, fd = watched_pair
+    waiter = asyncio.ensure_future(t.wait_readable(fd))
+    for _ in range(3):  # loop turns, not a wait: the waiter registers and sleeps
+        await asyncio.sleep(0)
+    assert not waiter.done() and fd not in t._readers
+    assert t.try_send(a, b"\x00x", [])
+    await asyncio.wait_for(waiter, 30)
+    assert fd not in t._readers
+    assert fd not in asyncio.get_running_loop()._selector.get_map()  # type: ignore[attr-defined]
+    assert t.try_recv(b) is not None
+
+
+@pytest.mark.anyio
+@uvloop_only
+async def test_kept_reader_wakes_each_wait_and_stops_when_nobody_waits(
+    watched_pair: tuple[socket.socket, socket.socket, int],
+) -> None:
+    import asyncio
+
+    a, b, fd = watched_pair
+
+    async def get() -> tuple[bytes, list[int]] | None:
+        await t.wait_readable(fd)
+        return t.try_recv(b)  # as a queue's get does: read in the step that woke
+
+    readers = []
+    for i in range(3):
+        waiter = asyncio.ensure_future(get())
         for _ in range(3):
             await asyncio.sleep(0)
-        assert not waiter.done() and fd not in t._readers
-        assert t.try_send(a, b"\x00x", [])
-        await asyncio.wait_for(waiter, 30)
-        assert fd not in t._readers
-        assert fd not in asyncio.get_running_loop()._selector.get_map()  # type: ignore[attr-defined]
-        assert t.try_recv(b) is not None
-    finally:
-        t.forget(fd)
-        a.close()
-        b.close()
-
-
-@pytest.mark.anyio
-@asyncio_only
-async def test_kept_reader_wakes_each_wait_and_stops_when_nobody_waits() -> None:
-    import asyncio
-
-    a, b = t.socketpair()
-    fd = b.fileno()
-    try:
-
-        async def get() -> tuple[bytes, list[int]] | None:
-            await t.wait_readable(fd)
-            return t.try_recv(b)  # as a queue's get does: read in the step that woke
-
-        readers = []
-        for i in range(3):
-            waiter = asyncio.ensure_future(get())
-            for _ in range(3):
-                await asyncio.sleep(0)
-            assert not waiter.done(), "nothing to read yet"
-            assert t.try_send(a, bytes([0, i]), [])
-            got = await asyncio.wait_for(waiter, 30)
-            assert got is not None and got[0] == bytes([0, i])
-            for _ in range(3):  # a stale report of the datagram just read wakes nobody
-                await asyncio.sleep(0)
-            readers.append(t._readers[fd])
-        assert readers[0] is readers[1] is readers[2], "one reader for every wait"
-        assert t.try_send(a, b"\x00x", [])
-        for _ in range(5):  # readable, and nobody waits: it stops watching
+        assert not waiter.done(), "nothing to read yet"
+        assert t.try_send(a, bytes([0, i]), [])
+        got = await asyncio.wait_for(waiter, 30)
+        assert got is not None and got[0] == bytes([0, i])
+        for _ in range(3):  # a stale report of the datagram just read wakes nobody
             await asyncio.sleep(0)
-        assert fd not in t._readers
-        assert t.try_recv(b) is not None
-    finally:
-        t.forget(fd)
-        a.close()
-        b.close()
+        readers.append(t._readers[fd])
+    assert readers[0] is readers[1] is readers[2], "one reader for every wait"
+    assert t.try_send(a, b"\x00x", [])
+    for _ in range(5):  # readable, and nobody waits: it stops watching
+        await asyncio.sleep(0)
+    assert fd not in t._readers
+    assert t.try_recv(b) is not None
 
 
 @pytest.mark.anyio
-@asyncio_only
-async def test_forget_stops_watching_and_closes_the_duplicate() -> None:
+@uvloop_only
+async def test_forget_stops_watching_and_closes_the_duplicate(
+    watched_pair: tuple[socket.socket, socket.socket, int],
+) -> None:
     import asyncio
 
-    a, b = t.socketpair()
-    fd = b.fileno()
-    try:
-        waiter = asyncio.ensure_future(t.wait_readable(fd))
-        await asyncio.sleep(0)
-        waiter.cancel()  # a cancelled wait leaves only the idle watch
-        with pytest.raises(asyncio.CancelledError):
-            await waiter
-        watched = t._readers[fd].watched
-        assert is_open(watched) and same_file(watched, fd)
-        t.forget(fd)
-        assert fd not in t._readers and not is_open(watched)
-        t.forget(fd)  # idempotent
-    finally:
-        a.close()
-        b.close()
+    _, _, fd = watched_pair
+    waiter = asyncio.ensure_future(t.wait_readable(fd))
+    await asyncio.sleep(0)
+    waiter.cancel()  # a cancelled wait leaves only the idle watch
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    watched = t._readers[fd].watched
+    assert is_open(watched) and same_file(watched, fd)
+    t.forget(fd)
+    assert fd not in t._readers and not is_open(watched)
+    t.forget(fd)  # idempotent
