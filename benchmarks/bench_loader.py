@@ -221,42 +221,24 @@ async def main() -> None:
     rows: list[dict[str, object]] = []
     per = f"{n} batches of {BATCH}, {WORKERS} workers"
     if has_torch:
-        for key in ("aiomp.empty", "aiomp numpy"):
-            a, b, ratios = median_run(key, "torch", 1)
-            rows.append(
-                c.row(
-                    f"time per batch, {key} batches ({per})",
-                    a,
-                    b,
-                    "torch DataLoader, fork",
-                    c.faster(2),
-                    spread(ratios),
+        measures = [
+            (1, "time per batch, {key} batches ({per})", c.faster(2)),
+            (2, "CPU time per batch, all processes, {key} batches", None),
+            (0, "time to the first batch, {key} batches", c.at_most(1.0)),
+        ]
+        for index, what, target in measures:
+            for key in ("aiomp.empty", "aiomp numpy"):
+                a, b, ratios = median_run(key, "torch", index)
+                rows.append(
+                    c.row(
+                        what.format(key=key, per=per),
+                        a,
+                        b,
+                        "torch DataLoader, fork",
+                        target,
+                        spread(ratios),
+                    )
                 )
-            )
-        for key in ("aiomp.empty", "aiomp numpy"):
-            a, b, ratios = median_run(key, "torch", 2)
-            rows.append(
-                c.row(
-                    f"CPU time per batch, all processes, {key} batches",
-                    a,
-                    b,
-                    "torch DataLoader, fork",
-                    None,
-                    spread(ratios),
-                )
-            )
-        for key in ("aiomp.empty", "aiomp numpy"):
-            a, b, ratios = median_run(key, "torch", 0)
-            rows.append(
-                c.row(
-                    f"time to the first batch, {key} batches",
-                    a,
-                    b,
-                    "torch DataLoader, fork",
-                    c.at_most(1.0),
-                    spread(ratios),
-                )
-            )
     else:
         rows.append(
             c.row(
