@@ -22,7 +22,7 @@ import pickle
 import sys
 import types
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
@@ -74,6 +74,18 @@ _ref = weakref.ref
 
 def _forget(ref: weakref.ref[Any]) -> None:
     _fn_cache.pop(ref, None)
+
+
+def _as_args(args: Iterable[Any]) -> tuple[Any, ...]:
+    """``apply``'s ``args`` as a tuple; a single argument passed bare is a clear error."""
+    if isinstance(args, dict):
+        raise TypeError("apply(fn, args): args is a tuple; pass keyword arguments as kwds=")
+    if isinstance(args, (str, bytes)) or not isinstance(args, Iterable):
+        raise TypeError(
+            f"apply(fn, args): args is the tuple of fn's arguments, not "
+            f"{type(args).__name__}; for one argument write apply(fn, (x,))"
+        )
+    return tuple(args)
 
 
 def fn_info(fn: object) -> _Fn:
@@ -243,7 +255,7 @@ async def apply(
         fn,
         info,
         flags,
-        args if type(args) is tuple else tuple(args),
+        args if type(args) is tuple else _as_args(args),
         dict(kwds) if kwds else None,
     )
     if loop is not None and timeout is None:

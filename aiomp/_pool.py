@@ -46,11 +46,12 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _calls, _context, _output, _process, _reduction, _transport, _worker
+from . import _calls, _output, _process, _reduction, _transport, _worker
 from . import _protocol as P
 from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
 from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
+from ._taskhost import TaskHost
 from ._wakeup import Wakeup, running_asyncio_loop
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ class Pool:
         self._output = output
 
         self._state = _NEW
+        self._host: TaskHost | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # None on trio
         self._init: _reduction.Message | None = None
@@ -252,13 +254,14 @@ class Pool:
         if self._state != _NEW:
             raise RuntimeError("a Pool can be used in `async with` only once")
         await anyio.lowlevel.checkpoint_if_cancelled()
+        host = TaskHost(self._on_host_failed)
         try:
             await self._prepare()
-            tg = anyio.create_task_group()
-            await tg.__aenter__()
+            tg = await host.start()
         except BaseException:
             self._release_init()
             raise
+        self._host = host
         self._tg = tg
         self._loop = running_asyncio_loop()
         self._wake = Wakeup(self._loop)
@@ -274,7 +277,7 @@ class Pool:
             tg.start_soon(self._supervise)
         except BaseException as exc:
             await self._shutdown(graceful=False)
-            await _context.exit_task_group(tg, exc)
+            await host.stop(exc)
             raise
         return self
 
@@ -300,8 +303,8 @@ class Pool:
         workers (SIGTERM, ``grace_period``, SIGKILL; shielded and bounded), fails the tasks
         still pending, and re-raises what the body raised, as it was.
         """
-        tg = self._tg
-        assert tg is not None
+        host = self._host
+        assert host is not None
         error = exc
         if error is None:
             try:
@@ -311,8 +314,8 @@ class Pool:
         interrupted = await self._shutdown(graceful=error is None)
         error = error or interrupted
         if error is None:
-            return await _context.exit_task_group(tg, None)
-        if await _context.exit_task_group(tg, error) and error is exc:
+            return await host.stop(None)
+        if await host.stop(error) and error is exc:
             return True
         if error is exc:
             return False  # the body's exception goes on as it was
@@ -359,6 +362,17 @@ class Pool:
             interrupted = await _reap(handles, interrupted)
             self._release_init()
         return interrupted
+
+    def _on_host_failed(self) -> None:
+        """One of the pool's own tasks raised (a bug) while the pool is open, on asyncio,
+        where that cancels no caller (see *Hosted task group*): break the pool and stop
+        its workers, so that no call waits forever; ``__aexit__`` raises the error."""
+        if self._state == _CLOSED:
+            return
+        self._sched.fail(RuntimeError("one of the pool's own tasks failed"))
+        for h in list(self._handles):
+            self._sched.kill(h, " (one of the pool's own tasks failed)")
+            h.kill(now=True)
 
     def _release_init(self) -> None:
         init, self._init = self._init, None

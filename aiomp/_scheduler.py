@@ -412,6 +412,10 @@ class Scheduler:
         self.replaced += 1
         self.on_spawn()
 
+    def fail(self, error: BaseException) -> None:
+        """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``."""
+        self._break(error)
+
     def spawn_failed(self, slot: int, error: BaseException) -> None:
         """The pool could not start a process for ``slot`` (fork failed: EAGAIN, EMFILE)."""
         err = BrokenPoolError(f"the pool could not start a worker for slot {slot}: {error}")

@@ -354,7 +354,15 @@ async def test_unpicklable_argument_raises_at_the_call_site() -> None:
                 await p.apply(lambda: 1)
             with pytest.raises(TypeError, match="callable"):
                 await p.apply(3)  # type: ignore[arg-type]
-            assert await p.apply(funcs.pool_square, (3,)) == 9
+            # A bare argument was "'int' object is not iterable" from deep in the call.
+            with pytest.raises(TypeError, match=r"apply\(fn, \(x,\)\)"):
+                await p.apply(funcs.pool_square, 3)  # type: ignore[call-overload]
+            with pytest.raises(TypeError, match=r"apply\(fn, \(x,\)\)"):
+                await p.apply(funcs.pool_square, "3")
+            with pytest.raises(TypeError, match="kwds="):
+                await p.apply(funcs.pool_square, {"x": 3})
+            assert p.statistics().completed == 0
+            assert await p.apply(funcs.pool_square, [3]) == 9
 
 
 async def test_unpicklable_result_and_exceptions() -> None:
