@@ -1340,3 +1340,29 @@ async def test_waiting_gets_keep_one_reader_on_the_loop() -> None:
         assert len(added) <= 2, f"a reader added per wait: {len(added)}"
     finally:
         del loop.add_reader
+
+
+def test_plain_items_and_the_general_path_keep_one_order() -> None:
+    """Plain items skip the Message (see *Queue fast path* in docs/architecture.md): at the
+    inline limit they fall back to the general path (a memfd), behind a full socket they
+    go to the overflow, and the queue's order and counts stay one."""
+    q = aiomp.Queue()
+    edge = _transport.MAX_INLINE - 64  # around the limit with pickle's few header bytes
+    items: list[object] = [b"a", "b", 3, 4.5, None, True, bytes(edge), bytes(edge + 128)]
+    items += [("a", 1), [1, 2]]  # not plain: the general path, between plain ones
+    items += [b"z"]
+    for x in items:
+        q.put_nowait(x)
+    assert q.qsize() == len(items)
+    assert [q.get_nowait() for _ in items] == items
+    n = fill_until_overflow(q)
+    q.put_nowait(b"after the overflow")  # plain, but behind the overflow's items
+    q.sync.put("and again")
+    got = [q.get_nowait() for _ in range(n)]
+    assert len(got) == n and q.get_nowait() == b"after the overflow"
+    assert q.get_nowait() == "and again" and q.qsize() == 0
+    q.close()
+    with pytest.raises(aiomp.QueueClosed):
+        q.put_nowait(b"late")
+    with pytest.raises(aiomp.QueueClosed):
+        q.sync.put(1)
