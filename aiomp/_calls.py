@@ -266,8 +266,7 @@ async def apply(
         # then the task goes to the pool from a callback that runs once this task has
         # yielded, and is dropped unsent if the wait was cancelled by then.
         task.waiter = waiter = loop.create_future()
-        current = sys.modules["asyncio"].current_task(loop)
-        if current is None or current.cancelling() or _anyio_scope_cancelled(current, loop):
+        if _cancel_pending(loop):
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:
             pool._sched.submit(task)
@@ -291,6 +290,13 @@ async def apply(
     if task.ok:
         return task.value
     raise task.value
+
+
+def _cancel_pending(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether a cancellation may be pending for the current asyncio task (or there is
+    no task): then a call must yield before it sends anything."""
+    current = sys.modules["asyncio"].current_task(loop)
+    return current is None or bool(current.cancelling()) or _anyio_scope_cancelled(current, loop)
 
 
 def _anyio_scope_cancelled(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:
@@ -383,10 +389,14 @@ async def map_(
         chunksize = max(1, math.ceil(n / (pool._chunks_per_slot * slots)))
     elif not isinstance(chunksize, int) or chunksize < 1:
         raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
-    await anyio.lowlevel.checkpoint()
-    pool._check_open()
-    if n == 0:
-        return []
+    loop = pool._loop
+    if loop is None or not n or _cancel_pending(loop):
+        await anyio.lowlevel.checkpoint()
+        pool._check_open()
+        if not n:
+            return []
+    # else the chunks go out before this task first yields, as apply's task does: the
+    # wait below is the checkpoint (see *Map critical path* in docs/architecture.md).
     flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)
     gather = _Gather(pool, n, chunksize)
     tasks = gather.tasks
@@ -417,6 +427,7 @@ async def map_(
         await _wait_reporting(pool, gather, n, on_progress)
     if gather.error is not None:
         raise gather.error
+    assert gather.results is not None  # n > 0 chunks, all done
     return gather.results
 
 
@@ -446,13 +457,15 @@ class _Gather:
 
     Each chunk's results are copied into their place in the map's result list as they
     come (in the reader callback, while the workers compute the next chunks), so nothing
-    is left to assemble after the last one.
+    is left to assemble after the last one. The list itself is made when the first chunk
+    comes, not before the first send (see *Map critical path* in docs/architecture.md).
     """
 
     __slots__ = (
         "chunksize",
         "done",
         "error",
+        "n",
         "pool",
         "progress",
         "remaining",
@@ -464,7 +477,8 @@ class _Gather:
     def __init__(self, pool: Pool, n: int, chunksize: int) -> None:
         self.pool = pool
         self.tasks: list[Task] = []
-        self.results: list[Any] = [None] * n
+        self.n = n
+        self.results: list[Any] | None = None  # made by the first chunk to come
         self.chunksize = chunksize
         self.remaining = math.ceil(n / chunksize)
         self.error: BaseException | None = None
@@ -478,7 +492,10 @@ class _Gather:
         if task.ok and len(task.value) == task.size:
             self.done += task.size
             start = task.index * self.chunksize
-            self.results[start : start + task.size] = task.value
+            results = self.results
+            if results is None:
+                results = self.results = [None] * self.n
+            results[start : start + task.size] = task.value
         elif self.error is None:
             if task.ok:  # cannot happen unless a worker is broken; never a shifted list
                 task.ok = False
