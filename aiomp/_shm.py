@@ -161,7 +161,18 @@ class Segment:
         self.live = 0  # blocks not free
         self.held = 0  # blocks in state 1: this process has arrays in them
         self.inherited = False  # set in a forked child: the parent's, not ours to touch
+        self._bytes: memoryview | None = None
         self._finalizer = weakref.finalize(self, _close_fd, fd)
+
+    def bytes(self) -> memoryview:
+        """The whole mapping as bytes, made once per segment (copies into its blocks).
+
+        Only while the segment is open: :meth:`close` drops it with the mapping."""
+        view = self._bytes
+        if view is None:
+            whole = (ctypes.c_char * self.size).from_address(self.address)
+            view = self._bytes = memoryview(whole).cast("B")
+        return view
 
     def offset(self, index: int) -> int:
         return HEADER + index * self.block_size
@@ -196,6 +207,7 @@ class Segment:
 
     def close(self) -> None:
         """Close the fd now; the memory is unmapped once no array of it is left."""
+        self._bytes = None
         self.mapping = None
         self._finalizer()
 
@@ -254,6 +266,8 @@ _recent: deque[Segment] = deque()
 
 
 def _keep_recent(segment: Segment) -> None:
+    if _recent and _recent[-1] is segment:
+        return  # the common case: blocks of one segment dropped in a row
     if segment in _recent:
         _recent.remove(segment)
     _recent.append(segment)
@@ -362,6 +376,57 @@ def _rebuild_block(
         return _export(segment, index)
 
 
+# -- one array alone in a message, without the pickler --------------------------------
+# See *One-array messages* in docs/architecture.md. The same leases as BlockRef's: a
+# fresh description per message holds the block while the message is in flight.
+
+
+def _handoff(segment: Segment, index: int) -> int:
+    ranges = [(segment.offset(index), segment.block_size)]
+    return _open_fd(lambda: _lease.handoff_fd(segment.fd, ranges), "a shared segment to send")
+
+
+def send_copy(data: memoryview) -> tuple[int, Segment, int] | None:
+    """Copy ``data`` (bytes) into a fresh pooled block of a memfd segment, and hand it on.
+
+    Returns ``(fd, segment, index)``: ``fd`` is a fresh description that holds the
+    block's lease, for the message to carry and to close once sent; no view of the block
+    is left here, so the block is reused once every receiver has let go. None under the
+    ``file_system`` strategy (its names need the pickled path's counters).
+    """
+    if _strategy != "file_descriptor":
+        return None
+    segment, index = _pool.lend(len(data))
+    try:
+        at = segment.offset(index)
+        segment.bytes()[at : at + len(data)] = data
+        return _handoff(segment, index), segment, index
+    finally:  # held by the description now (or by nobody, after an error)
+        with _lock:
+            _pool.retire(segment, index)
+
+
+def send_block(exporter: object) -> tuple[int, Segment, int] | None:
+    """``(fd, segment, index)`` for the block ``exporter`` stands for: ``fd`` a fresh
+    description holding its lease, as :func:`send_copy`. None if ``exporter`` is not a
+    block of ours, or is one of a named segment."""
+    info = _info.get(id(exporter))
+    if info is None:
+        return None
+    segment, index = info
+    if segment.name is not None or _blocks.get((segment.key, index)) is not exporter:
+        return None
+    return _handoff(segment, index), segment, index
+
+
+def receive_block(
+    size: int, block_size: int, index: int, key: tuple[int, int]
+) -> ctypes.Array[ctypes.c_char]:
+    """The exporter of a block sent by :func:`send_copy` or :func:`send_block`, its
+    description the message's only fd (left for :func:`aiomp._reduction.loads` to close)."""
+    return _rebuild_block(None, 0, size, block_size, index, key)
+
+
 # -- the pool (segments this process created) --------------------------------------
 
 
@@ -387,6 +452,27 @@ class _Pool:
                 self._bound()
 
     def _allocate(self, nbytes: int, zero: bool) -> ctypes.Array[ctypes.c_char]:
+        segment, index = self._take(nbytes)
+        exporter = _export(segment, index)
+        if zero and segment.dirty[index]:
+            ctypes.memset(exporter, 0, segment.block_size)
+        segment.dirty[index] = 1
+        return exporter
+
+    def lend(self, nbytes: int) -> tuple[Segment, int]:
+        """A block held here with no exporter: the caller fills it and then calls
+        :meth:`retire` on it (the one way out, errors included)."""
+        with _lock:
+            self.busy += 1
+            try:
+                segment, index = self._take(nbytes)
+                segment.dirty[index] = 1
+                return segment, index
+            finally:
+                self.busy -= 1
+                self._bound()
+
+    def _take(self, nbytes: int) -> tuple[Segment, int]:
         bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
         found = self._take_free(bs) or self._take_retired(bs)
         if found is None:
@@ -400,11 +486,7 @@ class _Pool:
         self._hold(segment)
         if segment.name is not None:
             segment.count(index, reset=True)
-        exporter = _export(segment, index)
-        if zero and segment.dirty[index]:
-            ctypes.memset(exporter, 0, segment.block_size)
-        segment.dirty[index] = 1
-        return exporter
+        return segment, index
 
     def _hold(self, segment: Segment) -> None:
         segment.held += 1

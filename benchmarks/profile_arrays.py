@@ -1,0 +1,212 @@
+"""The fixed cost of one numpy array message, in one process (issue 17, target 3b).
+
+A loop of ``q.put_nowait(a)`` then ``q.get_nowait()`` on one unbounded ``aiomp.Queue``,
+the consumer keeping the last :data:`RING` received arrays alive (as a consumer would),
+so that no scheduling noise is in the figures: CPU time per message
+(``time.process_time``), syscalls per message (``strace -c -f``, the difference between
+a run of ``n`` and of ``2n`` messages, so start-up cancels out) and Python calls per
+message (cProfile). Two kinds of item:
+
+- ``numpy``: a plain array, copied into shared memory at ``put`` (below 64 KiB: inline);
+- ``empty``: an ``aiomp.empty`` array allocated and filled (``np.copyto``) per message,
+  as a producer building batches in shared memory does.
+
+Baselines in the same run: one ``np.copyto`` of the same size into memory already
+mapped, and the floor of a shared-memory message here: a bare ``SCM_RIGHTS``
+``sendmsg``/``recvmsg`` of a memfd fd over a ``SOCK_SEQPACKET`` pair, then
+``mmap``/``munmap`` of the array's pages and ``close`` of the received fd (what a
+message that hands over a fresh mapping must cost), and a bare ``sendmsg``/``recvmsg``
+of a 64 B datagram (what any message costs).
+
+    python -m benchmarks.profile_arrays                 # CPU, syscalls, calls: all rows
+    python -m benchmarks.profile_arrays --cpu-only      # CPU per message only
+    python -m benchmarks.profile_arrays --sizes 102400  # one size
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import cProfile
+import mmap
+import os
+import pstats
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+import aiomp
+
+RING = 8
+SIZES = (4 << 10, 100 << 10, 1 << 20)
+KINDS = ("numpy", "empty")
+
+
+def _loop(kind: str, nbytes: int, n: int) -> None:
+    """``n`` messages put and got, the last RING received arrays kept alive."""
+    q = aiomp.Queue()
+    src = np.arange(nbytes // 4, dtype=np.float32)
+    ring: list[object] = [None] * RING
+    put, get = q.put_nowait, q.get_nowait
+    try:
+        if kind == "numpy":
+            for i in range(n):
+                put(src)
+                ring[i % RING] = get()
+        else:
+            for i in range(n):
+                a = aiomp.empty(src.shape, np.float32)
+                np.copyto(a, src)
+                put(a)
+                del a
+                ring[i % RING] = get()
+    finally:
+        ring.clear()
+        q.close()
+
+
+def _cpu_per_message(kind: str, nbytes: int, n: int) -> float:
+    _loop(kind, nbytes, 2 * RING + 8)  # warm: pool segments made, receiver mappings kept
+    t = time.process_time()
+    _loop(kind, nbytes, n)
+    return (time.process_time() - t) / n
+
+
+def _memcpy(nbytes: int, n: int) -> float:
+    src = np.arange(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t = time.process_time()
+    for _ in range(n):
+        np.copyto(dst, src)
+    return (time.process_time() - t) / n
+
+
+def _floor_fd(nbytes: int, n: int) -> float:
+    """sendmsg + recvmsg of one memfd fd, mmap + munmap of ``nbytes``, close."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd = os.memfd_create("floor", os.MFD_CLOEXEC)
+    os.ftruncate(fd, max(nbytes, 1))
+    fds = array.array("i", [fd]).tobytes()
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
+    space = socket.CMSG_SPACE(4)
+    size = max(nbytes, 1)
+    try:
+        t = time.process_time()
+        for _ in range(n):
+            a.sendmsg([b"x" * 64], anc)
+            _, ancdata, _, _ = b.recvmsg(128, space)
+            got = int.from_bytes(ancdata[0][2][:4], sys.byteorder)
+            m = mmap.mmap(got, size)
+            m.close()
+            os.close(got)
+        return (time.process_time() - t) / n
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+def _floor_plain(n: int) -> float:
+    """sendmsg + recvmsg of a 64 B datagram, no fd."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    body = [b"x" * 64]
+    try:
+        t = time.process_time()
+        for _ in range(n):
+            a.sendmsg(body)
+            b.recvmsg(128)
+        return (time.process_time() - t) / n
+    finally:
+        a.close()
+        b.close()
+
+
+def _calls(kind: str, nbytes: int, n: int) -> int:
+    prof = cProfile.Profile()
+    prof.enable()
+    _loop(kind, nbytes, n)
+    prof.disable()
+    return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
+
+
+def _calls_per_message(kind: str, nbytes: int, n: int) -> float:
+    """Python calls per message: runs of ``n`` and ``2n``, so the set-up cancels out."""
+    _loop(kind, nbytes, 2 * RING + 8)
+    return (_calls(kind, nbytes, 2 * n) - _calls(kind, nbytes, n)) / n
+
+
+_STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:(\d+)\s+)?(\w+)\s*$")
+
+
+def _strace(kind: str, nbytes: int, n: int) -> dict[str, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "strace")
+        cmd = [sys.executable, "-m", "benchmarks.profile_arrays", "--inner", kind, str(nbytes)]
+        subprocess.run(
+            ["strace", "-c", "-f", "-o", out, *cmd, str(n)], check=True, stdout=subprocess.DEVNULL
+        )
+        counts: dict[str, int] = {}
+        with open(out) as f:
+            for line in f:
+                m = _STRACE_ROW.match(line)
+                if m and m.group(3) != "total":
+                    counts[m.group(3)] = int(m.group(1))
+        return counts
+
+
+def _syscalls_per_message(kind: str, nbytes: int, n: int) -> dict[str, float]:
+    one, two = _strace(kind, nbytes, n), _strace(kind, nbytes, 2 * n)
+    per = {k: (two.get(k, 0) - one.get(k, 0)) / n for k in set(one) | set(two)}
+    return {k: v for k, v in sorted(per.items()) if v >= 0.05}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", type=int, nargs="*", default=list(SIZES))
+    p.add_argument("--kinds", nargs="*", default=list(KINDS))
+    p.add_argument("-n", type=int, default=2000, help="messages per CPU measurement")
+    p.add_argument("--repeat", type=int, default=3, help="CPU measurements per row")
+    p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--inner", nargs=3, metavar=("KIND", "NBYTES", "N"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.inner:
+        kind, nbytes, n = args.inner[0], int(args.inner[1]), int(args.inner[2])
+        _loop(kind, nbytes, 2 * RING + 8)
+        _loop(kind, nbytes, n)
+        return
+    print(f"load {os.getloadavg()[0]:.2f}; aiomp from {os.path.dirname(aiomp.__file__)}")
+    print(f"{'row':<22}{'µs/msg (min..max)':>22}{'x memcpy':>10}{'py calls':>10}  syscalls")
+    for nbytes in args.sizes:
+        label = f"{nbytes >> 10} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
+        n = max(200, args.n * (100 << 10) // max(nbytes, 100 << 10))
+        copy = min(_memcpy(nbytes, n * 4) for _ in range(args.repeat))
+        print(f"{'memcpy ' + label:<22}{copy * 1e6:>14.2f}{'':>8}{1:>10.2f}")
+        floor = [_floor_fd(nbytes, n) for _ in range(args.repeat)]
+        print(
+            f"{'floor fd+mmap ' + label:<22}{min(floor) * 1e6:>11.1f} ({min(floor) * 1e6:.1f}.."
+            f"{max(floor) * 1e6:.1f}){'':>1}{min(floor) / copy:>7.1f}"
+        )
+        for kind in args.kinds:
+            cpu = [_cpu_per_message(kind, nbytes, n) for _ in range(args.repeat)]
+            lo, hi = min(cpu), max(cpu)
+            row = f"{kind + ' ' + label:<22}{lo * 1e6:>11.1f} ({lo * 1e6:.1f}..{hi * 1e6:.1f})"
+            row += f"{lo / copy:>8.1f}"
+            if not args.cpu_only:
+                calls = _calls_per_message(kind, nbytes, max(100, n // 10))
+                sys_ = _syscalls_per_message(kind, nbytes, max(200, n // 4))
+                total = sum(sys_.values())
+                detail = " ".join(f"{k} {v:.2f}" for k, v in sys_.items())
+                row += f"{calls:>10.0f}  {total:.1f}: {detail}"
+            print(row, flush=True)
+    plain = min(_floor_plain(args.n * 4) for _ in range(args.repeat))
+    print(f"{'floor 64 B datagram':<22}{plain * 1e6:>11.1f}")
+
+
+if __name__ == "__main__":
+    main()
