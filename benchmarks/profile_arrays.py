@@ -13,10 +13,10 @@ message (cProfile). Two kinds of item:
 
 Baselines in the same run: one ``np.copyto`` of the same size into memory already
 mapped, and the floor of a shared-memory message here: a bare ``SCM_RIGHTS``
-``sendmsg``/``recvmsg`` of a memfd fd over a ``SOCK_SEQPACKET`` pair, then
-``mmap``/``munmap`` of the array's pages and ``close`` of the received fd (what a
-message that hands over a fresh mapping must cost), and a bare ``sendmsg``/``recvmsg``
-of a 64 B datagram (what any message costs).
+``sendmsg``/``recvmsg`` of a memfd fd over a ``SOCK_SEQPACKET`` pair and ``close`` of
+the received fd (what any message that hands memory over must cost: 3 syscalls), the
+same with an ``mmap``/``munmap`` of the array's size (a receiver that maps each message
+anew: 5), and a bare ``sendmsg``/``recvmsg`` of a 64 B datagram.
 
     python -m benchmarks.profile_arrays                 # CPU, syscalls, calls: all rows
     python -m benchmarks.profile_arrays --cpu-only      # CPU per message only
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import array
 import cProfile
+import ctypes
 import mmap
 import os
 import pstats
@@ -87,23 +88,30 @@ def _memcpy(nbytes: int, n: int) -> float:
     return (time.process_time() - t) / n
 
 
-def _floor_fd(nbytes: int, n: int) -> float:
-    """sendmsg + recvmsg of one memfd fd, mmap + munmap of ``nbytes``, close."""
+def _floor_fd(nbytes: int, n: int, mapped: bool) -> float:
+    """sendmsg + recvmsg of one memfd fd and ``close``; with ``mapped``, also an
+    ``mmap`` + ``munmap`` of ``nbytes`` (libc's, as aiomp maps: no ``dup``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
+    libc.mmap.argtypes += (ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     fd = os.memfd_create("floor", os.MFD_CLOEXEC)
-    os.ftruncate(fd, max(nbytes, 1))
-    fds = array.array("i", [fd]).tobytes()
-    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)]
-    space = socket.CMSG_SPACE(4)
     size = max(nbytes, 1)
+    os.ftruncate(fd, size)
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+    space = socket.CMSG_SPACE(4)
+    body = [b"x" * 64]
     try:
         t = time.process_time()
         for _ in range(n):
-            a.sendmsg([b"x" * 64], anc)
+            a.sendmsg(body, anc)
             _, ancdata, _, _ = b.recvmsg(128, space)
             got = int.from_bytes(ancdata[0][2][:4], sys.byteorder)
-            m = mmap.mmap(got, size)
-            m.close()
+            if mapped:
+                libc.munmap(libc.mmap(None, size, prot, flags, got, 0), size)
             os.close(got)
         return (time.process_time() - t) / n
     finally:
@@ -147,7 +155,7 @@ _STRACE_ROW = re.compile(r"^\s*[\d.]+\s+[\d.]+\s+\d+\s+(\d+)\s+(?:(\d+)\s+)?(\w+
 def _strace(kind: str, nbytes: int, n: int) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "strace")
-        cmd = [sys.executable, "-m", "benchmarks.profile_arrays", "--inner", kind, str(nbytes)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--inner", kind, str(nbytes)]
         subprocess.run(
             ["strace", "-c", "-f", "-o", out, *cmd, str(n)], check=True, stdout=subprocess.DEVNULL
         )
@@ -187,11 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         n = max(200, args.n * (100 << 10) // max(nbytes, 100 << 10))
         copy = min(_memcpy(nbytes, n * 4) for _ in range(args.repeat))
         print(f"{'memcpy ' + label:<22}{copy * 1e6:>14.2f}{'':>8}{1:>10.2f}")
-        floor = [_floor_fd(nbytes, n) for _ in range(args.repeat)]
-        print(
-            f"{'floor fd+mmap ' + label:<22}{min(floor) * 1e6:>11.1f} ({min(floor) * 1e6:.1f}.."
-            f"{max(floor) * 1e6:.1f}){'':>1}{min(floor) / copy:>7.1f}"
-        )
+        for mapped in (False, True):
+            floor = [_floor_fd(nbytes, n, mapped) for _ in range(args.repeat)]
+            lo, hi = min(floor) * 1e6, max(floor) * 1e6
+            name = "floor fd+mmap " if mapped else "floor fd "
+            row = f"{name + label:<22}{lo:>11.1f} ({lo:.1f}..{hi:.1f})"
+            print(f"{row}{min(floor) / copy:>8.1f}{'':>10}  {5 if mapped else 3}")
         for kind in args.kinds:
             cpu = [_cpu_per_message(kind, nbytes, n) for _ in range(args.repeat)]
             lo, hi = min(cpu), max(cpu)
