@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING
 
 from . import _lease, _lifecycle, _reduction
@@ -251,9 +252,8 @@ class BlockRef:
 # numpy keeps as the ``base`` of every view. The block is used here exactly as long as the
 # exporter lives; when it dies the lease is dropped (or, in the owner, the block retired).
 _segments: weakref.WeakValueDictionary[tuple[int, int], Segment] = weakref.WeakValueDictionary()
-_blocks: weakref.WeakValueDictionary[tuple[tuple[int, int], int], ctypes.Array[ctypes.c_char]] = (
-    weakref.WeakValueDictionary()
-)
+# (segment key, block index) -> a weak reference to its exporter (see _export)
+_blocks: dict[tuple[tuple[int, int], int], weakref.ref[ctypes.Array[ctypes.c_char]]] = {}
 _info: dict[int, tuple[Segment, int]] = {}  # id(exporter) -> (segment, block index)
 # Received segments stay mapped after their last block here is dropped, least recently
 # dropped first out, while they total at most RECENT_BYTES and RECENT_SEGMENTS (an fd
@@ -276,25 +276,46 @@ def _keep_recent(segment: Segment) -> None:
         total -= _recent.popleft().size
 
 
+def _exported(key: tuple[tuple[int, int], int]) -> ctypes.Array[ctypes.c_char] | None:
+    """The live exporter of block ``key`` (segment key, index) in this process, or None."""
+    ref = _blocks.get(key)
+    return None if ref is None else ref()
+
+
 def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     exporter = (ctypes.c_char * segment.block_size).from_address(
         segment.address + segment.offset(index)
     )
     # A ctypes array takes attributes its type does not declare: the mapping outlives views.
     exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]
-    _info[id(exporter)] = (segment, index)
-    _blocks[(segment.key, index)] = exporter
-    weakref.finalize(exporter, _drop_block, segment, index, id(exporter))
+    exporter_id = id(exporter)
+    _info[exporter_id] = (segment, index)
+    key = (segment.key, index)
+    if segment.name is None:
+        # The weak reference's own callback drops the block: a fifth of what
+        # weakref.finalize costs, per array sent or received. Nothing is left to do at
+        # exit for a memfd's block (the kernel drops a dead process's leases).
+        _blocks[key] = weakref.ref(exporter, partial(_drop_block, segment, index, exporter_id))
+    else:  # a name's last holder removes it, at exit too: finalize runs then
+        ref = _blocks[key] = weakref.ref(exporter)
+        weakref.finalize(exporter, _drop_block, segment, index, exporter_id, ref)
     return exporter
 
 
-def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
+def _drop_block(
+    segment: Segment,
+    index: int,
+    exporter_id: int,
+    ref: weakref.ref[ctypes.Array[ctypes.c_char]],
+) -> None:
     if segment.inherited:
         return  # its leases and pool are the parent's (we share its descriptions)
     with _lock:
         _info.pop(exporter_id, None)
-        if (segment.key, index) in _blocks:
+        key = (segment.key, index)
+        if _blocks.get(key) is not ref:
             return  # rebuilt (by another thread) since this exporter died: still in use
+        del _blocks[key]
         if segment.owned:
             _pool.retire(segment, index)
         else:
@@ -312,7 +333,7 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
 def block_of(exporter: object) -> BlockRef | None:
     """The block ``exporter`` stands for, if it is one of ours."""
     info = _info.get(id(exporter))
-    if info is None or _blocks.get((info[0].key, info[1])) is not exporter:
+    if info is None or _exported((info[0].key, info[1])) is not exporter:
         return None
     return BlockRef(*info)
 
@@ -342,7 +363,7 @@ def _rebuild_block(
                     "was read (use the 'file_descriptor' strategy when senders may exit first)",
                 ) from None
             key = (st.st_dev, st.st_ino)
-        exporter = _blocks.get((key, index))
+        exporter = _exported((key, index))
         if exporter is not None:
             if name is not None:
                 _segments[key].count(index, opens=1)
@@ -414,7 +435,7 @@ def send_block(exporter: object) -> tuple[int, Segment, int] | None:
     if info is None:
         return None
     segment, index = info
-    if segment.name is not None or _blocks.get((segment.key, index)) is not exporter:
+    if segment.name is not None or _exported((segment.key, index)) is not exporter:
         return None
     return _handoff(segment, index), segment, index
 
