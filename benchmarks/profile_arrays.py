@@ -29,11 +29,13 @@ import argparse
 import array
 import cProfile
 import ctypes
+import fcntl
 import mmap
 import os
 import pstats
 import re
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -171,6 +173,40 @@ def _floor_fd(nbytes: int, n: int, mapped: bool) -> float:
         b.close()
 
 
+def _floor_leased(n: int) -> float:
+    """What aiomp's lease protocol adds to the fd floor, as bare syscalls (7, as in the
+    one-process loop): the reuse test (``F_OFD_GETLK``), a fresh description for the
+    message (``openat`` of ``/proc/self/fd/N``) and its lease (``F_OFD_SETLK``),
+    ``sendmsg``, ``close`` of it, ``recvmsg``, ``close`` of the received fd."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    fd = os.memfd_create("floor", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 1 << 20)
+    lock = struct.Struct("hhqqi4x")
+    rdlock, wrlock = (
+        lock.pack(fcntl.F_RDLCK, 0, 4096, 65536, 0),
+        lock.pack(fcntl.F_WRLCK, 0, 0, 0, 0),
+    )
+    path = f"/proc/self/fd/{fd}"
+    space = socket.CMSG_SPACE(4)
+    body = [b"x" * 64]
+    try:
+        t = time.process_time()
+        for _ in range(n):
+            fcntl.fcntl(fd, 36, wrlock)  # F_OFD_GETLK
+            d = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fcntl.fcntl(d, 37, rdlock)  # F_OFD_SETLK
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [d]).tobytes())]
+            a.sendmsg(body, anc)
+            os.close(d)
+            _, ancdata, _, _ = b.recvmsg(128, space)
+            os.close(int.from_bytes(ancdata[0][2][:4], sys.byteorder))
+        return (time.process_time() - t) / n
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
 def _floor_plain(n: int) -> float:
     """sendmsg + recvmsg of a 64 B datagram, no fd."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -275,7 +311,10 @@ def main(argv: list[str] | None = None) -> None:
                 row += f"{max(sums) * 1e6:.1f}){min(sums) / copy:>8.1f}  producer "
                 print(f"{row}{best[0] * 1e6:.1f} + consumer {best[1] * 1e6:.1f}", flush=True)
     plain = min(_floor_plain(args.n * 4) for _ in range(args.repeat))
-    print(f"{'floor 64 B datagram':<22}{plain * 1e6:>11.1f}")
+    print(f"{'floor 64 B datagram':<22}{plain * 1e6:>11.1f}{'':>18}  2")
+    leased = [_floor_leased(args.n * 2) for _ in range(args.repeat)]
+    lo, hi = min(leased) * 1e6, max(leased) * 1e6
+    print(f"{'floor fd + leases':<22}{lo:>11.1f} ({lo:.1f}..{hi:.1f}){'':>18}  7")
 
 
 if __name__ == "__main__":
