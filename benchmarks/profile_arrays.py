@@ -46,6 +46,7 @@ import numpy as np
 import aiomp
 
 RING = 8
+WARM = 2000  # messages before a two-process measurement starts (see _two_processes)
 SIZES = (4 << 10, 100 << 10, 1 << 20)
 KINDS = ("numpy", "empty")
 
@@ -88,8 +89,8 @@ def _two_processes(kind: str, nbytes: int, n: int) -> tuple[float, float]:
         try:
             ring: list[object] = [None] * RING
             t = 0.0
-            for i in range(n + 2 * RING):
-                if i == 2 * RING:
+            for i in range(n + WARM):
+                if i == WARM:
                     t = time.process_time()
                 ring[i % RING] = q.sync.get(timeout=60)
                 if i % RING == RING - 1:
@@ -101,8 +102,8 @@ def _two_processes(kind: str, nbytes: int, n: int) -> tuple[float, float]:
             os._exit(code)
     try:
         t = 0.0
-        for i in range(n + 2 * RING):
-            if i == 2 * RING:
+        for i in range(n + WARM):
+            if i == WARM:
                 t = time.process_time()
             if kind == "numpy":
                 q.put_nowait(src)
