@@ -419,6 +419,8 @@ def send_copy(data: memoryview) -> tuple[int, Segment, int] | None:
         return None
     segment, index = _pool.lend(len(data))
     try:
+        if segment.name is not None:  # another thread switched the strategy meanwhile
+            return None
         at = segment.offset(index)
         segment.bytes()[at : at + len(data)] = data
         return _handoff(segment, index), segment, index
