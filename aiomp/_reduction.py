@@ -12,7 +12,10 @@ its reducers with :func:`register` in its own ``init_reductions()`` (as
 ``torch.multiprocessing.reductions.init_reductions`` does for ``ForkingPickler``), and
 :func:`init_reductions` below calls it, the first time a message is pickled after numpy,
 torch or cupy has been imported. Importing aiomp loads none of them. Reducers keep what
-they need per message in its :class:`Scratchpad` (:func:`current`).
+they need per message in its :class:`Scratchpad` (:func:`current`). A module may also
+register a way to send an object of its type that is a whole message without the pickler
+(:func:`register_alone`: numpy's single arrays, see *One-array messages* in
+docs/architecture.md).
 
 A reducer that finds, part way through a message, that an earlier object should have been
 pickled differently (a small view sent inline before the array it views) calls
