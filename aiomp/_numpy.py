@@ -24,6 +24,9 @@ import bisect
 import ctypes
 import math
 import operator
+import os
+import pickle
+import struct
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -143,6 +146,107 @@ def _dtype_token(dtype: np.dtype[Any]) -> np.dtype[Any] | str:
 def init_reductions() -> None:
     """Register numpy's reducer for aiomp messages (called once numpy has been imported)."""
     _reduction.register(np.ndarray, _reduce)
+    _reduction.register_alone(np.ndarray, _send_alone)
+
+
+# -- one array alone in a message: no pickler (see *One-array messages* in
+# docs/architecture.md). The body is a pickle all the same, of one call:
+# ``_receive(head)``, the handle packed by hand.
+
+#: segment size, block size, block index, device, inode, offset in the block, ndim; then
+#: shape and strides (``<q`` each), then the dtype's string
+_HEAD = struct.Struct("<QQQQQQB")
+_dims_structs: dict[int, struct.Struct] = {}
+
+
+def _dims(ndim: int) -> struct.Struct:
+    packer = _dims_structs.get(ndim)
+    if packer is None:
+        packer = _dims_structs[ndim] = struct.Struct(f"<{2 * ndim}q")
+    return packer
+
+
+def _global(name: str) -> bytes:
+    """Pickle opcodes that push this module's ``name`` (PROTO 5, two strings, STACK_GLOBAL)."""
+    module = __name__.encode()
+    return (
+        b"\x80\x05\x8c" + bytes((len(module),)) + module
+        + b"\x8c" + bytes((len(name),)) + name.encode() + b"\x93"
+    )  # fmt: skip
+
+
+_CALL_RECEIVE = _global("_receive")
+
+
+def _send_alone(arr: np.ndarray[Any, Any], prefix: bytes) -> _reduction.Message | None:
+    """The message for ``arr`` sent alone, or None where only the pickler does it right:
+    arrays of Python objects, structured dtypes, the ``file_system`` strategy, and
+    arrays to copy that are not C-contiguous and aligned (their strides and views)."""
+    if arr.dtype.hasobject:
+        return None
+    token = _dtype_token(arr.dtype)
+    if not isinstance(token, str):
+        return None
+    exporter = _root(arr)
+    if exporter is not None:
+        sent = _shm.send_block(exporter)
+        if sent is not None:
+            offset = _address(arr) - ctypes.addressof(exporter)  # type: ignore[arg-type]
+            return _message(prefix, sent, offset, arr, token)
+        if _shm.block_of(exporter) is not None:
+            return None  # shared, in a named segment: the pickler counts its sends
+    if arr.nbytes < INLINE_THRESHOLD:
+        # what the pickler does for it too: numpy's own reduction, inline
+        return _reduction.Message(prefix + pickle.dumps(arr, 5))
+    flags = arr.flags
+    if not (flags.c_contiguous and flags.aligned):
+        return None
+    try:
+        data = arr.data.cast("B")
+    except (ValueError, TypeError, BufferError):  # a dtype numpy does not export
+        return None
+    sent = _shm.send_copy(data)
+    if sent is None:
+        return None
+    return _message(prefix, sent, 0, arr, token)
+
+
+def _message(
+    prefix: bytes,
+    sent: tuple[int, _shm.Segment, int],
+    offset: int,
+    arr: np.ndarray[Any, Any],
+    token: str,
+) -> _reduction.Message:
+    fd, segment, index = sent
+    try:
+        ndim = arr.ndim
+        head = (
+            _HEAD.pack(segment.size, segment.block_size, index, *segment.key, offset, ndim)
+            + _dims(ndim).pack(*arr.shape, *arr.strides)
+            + token.encode()
+        )
+        size = len(head)
+        op = b"C" + bytes((size,)) if size < 256 else b"B" + size.to_bytes(4, "little")
+        body = b"".join((prefix, _CALL_RECEIVE, op, head, b"\x85R."))  # TUPLE1 REDUCE STOP
+        return _reduction.Message(body, [fd], [lambda: os.close(fd)])
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _receive(head: bytes) -> np.ndarray[Any, Any]:
+    """Rebuild an array sent by :func:`_send_alone` (unpickling its message)."""
+    size, block_size, index, dev, ino, offset, ndim = _HEAD.unpack_from(head)
+    dims = _dims(ndim).unpack_from(head, _HEAD.size)
+    exporter = _shm.receive_block(size, block_size, index, (dev, ino))
+    return np.ndarray(
+        dims[:ndim],
+        head[_HEAD.size + 16 * ndim :].decode(),
+        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see _new_like)
+        offset=offset,
+        strides=dims[ndim:],
+    )
 
 
 def _reduce(arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:

@@ -12,7 +12,10 @@ its reducers with :func:`register` in its own ``init_reductions()`` (as
 ``torch.multiprocessing.reductions.init_reductions`` does for ``ForkingPickler``), and
 :func:`init_reductions` below calls it, the first time a message is pickled after numpy,
 torch or cupy has been imported. Importing aiomp loads none of them. Reducers keep what
-they need per message in its :class:`Scratchpad` (:func:`current`).
+they need per message in its :class:`Scratchpad` (:func:`current`). A module may also
+register a way to send an object of its type that is a whole message without the pickler
+(:func:`register_alone`: numpy's single arrays, see *One-array messages* in
+docs/architecture.md).
 
 A reducer that finds, part way through a message, that an earlier object should have been
 pickled differently (a small view sent inline before the array it views) calls
@@ -46,6 +49,9 @@ _dispatch: dict[type, object] = dict(copyreg.dispatch_table)
 #: registers its reducers (imported only once the library itself has been).
 REDUCERS = {"numpy": "aiomp._numpy", "torch": "aiomp._torch", "cupy": "aiomp._cuda"}
 _hooked: set[str] = set()
+#: type -> ``fast(obj, prefix)``: the whole message for an object of exactly that type
+#: sent alone, without the pickler, or None to pickle it (see :func:`register_alone`).
+_alone: dict[type, Callable[[Any, bytes], Message | None]] = {}
 _NO_FDS: list[int] = []  # shared by messages without fds; never mutated
 if TYPE_CHECKING:
     _Hooks = tuple[
@@ -223,6 +229,16 @@ def register(cls: type, reducer: object) -> None:
     _dispatch[cls] = reducer
 
 
+def register_alone(cls: type, fast: Callable[[Any, bytes], Message | None]) -> None:
+    """Send an instance of exactly ``cls`` that is a whole message by ``fast(obj, prefix)``.
+
+    ``fast`` returns the :class:`Message` (its body a pickle that rebuilds the object,
+    after ``prefix``), or None to leave the object to the pickler. It must produce what
+    the pickler would (see *One-array messages* in docs/architecture.md).
+    """
+    _alone[cls] = fast
+
+
 class _Pickler(pickle.Pickler):
     # typeshed declares dispatch_table as an instance attribute; a class-wide table is what
     # pickle reads, and saves copying it into every Pickler.
@@ -251,6 +267,11 @@ def dumps(obj: object, prefix: bytes = b"") -> Message:
         return Message(prefix + body if prefix else body)
     if len(_hooked) < len(REDUCERS):
         init_reductions()
+    fast = _alone.get(cls)
+    if fast is not None:
+        alone = fast(obj, prefix)
+        if alone is not None:
+            return alone
     msg, pad = _dump(obj, prefix, _PENDING)
     if pad is not None and pad.retry:
         msg.discard()

@@ -29,6 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from functools import partial
 from typing import TYPE_CHECKING
 
 from . import _lease, _lifecycle, _reduction
@@ -161,7 +162,18 @@ class Segment:
         self.live = 0  # blocks not free
         self.held = 0  # blocks in state 1: this process has arrays in them
         self.inherited = False  # set in a forked child: the parent's, not ours to touch
+        self._bytes: memoryview | None = None
         self._finalizer = weakref.finalize(self, _close_fd, fd)
+
+    def bytes(self) -> memoryview:
+        """The whole mapping as bytes, made once per segment (copies into its blocks).
+
+        Only while the segment is open: :meth:`close` drops it with the mapping."""
+        view = self._bytes
+        if view is None:
+            whole = (ctypes.c_char * self.size).from_address(self.address)
+            view = self._bytes = memoryview(whole).cast("B")
+        return view
 
     def offset(self, index: int) -> int:
         return HEADER + index * self.block_size
@@ -196,6 +208,7 @@ class Segment:
 
     def close(self) -> None:
         """Close the fd now; the memory is unmapped once no array of it is left."""
+        self._bytes = None
         self.mapping = None
         self._finalizer()
 
@@ -239,9 +252,8 @@ class BlockRef:
 # numpy keeps as the ``base`` of every view. The block is used here exactly as long as the
 # exporter lives; when it dies the lease is dropped (or, in the owner, the block retired).
 _segments: weakref.WeakValueDictionary[tuple[int, int], Segment] = weakref.WeakValueDictionary()
-_blocks: weakref.WeakValueDictionary[tuple[tuple[int, int], int], ctypes.Array[ctypes.c_char]] = (
-    weakref.WeakValueDictionary()
-)
+# (segment key, block index) -> a weak reference to its exporter (see _export)
+_blocks: dict[tuple[tuple[int, int], int], weakref.ref[ctypes.Array[ctypes.c_char]]] = {}
 _info: dict[int, tuple[Segment, int]] = {}  # id(exporter) -> (segment, block index)
 # Received segments stay mapped after their last block here is dropped, least recently
 # dropped first out, while they total at most RECENT_BYTES and RECENT_SEGMENTS (an fd
@@ -254,6 +266,8 @@ _recent: deque[Segment] = deque()
 
 
 def _keep_recent(segment: Segment) -> None:
+    if _recent and _recent[-1] is segment:
+        return  # the common case: blocks of one segment dropped in a row
     if segment in _recent:
         _recent.remove(segment)
     _recent.append(segment)
@@ -262,25 +276,46 @@ def _keep_recent(segment: Segment) -> None:
         total -= _recent.popleft().size
 
 
+def _exported(key: tuple[tuple[int, int], int]) -> ctypes.Array[ctypes.c_char] | None:
+    """The live exporter of block ``key`` (segment key, index) in this process, or None."""
+    ref = _blocks.get(key)
+    return None if ref is None else ref()
+
+
 def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     exporter = (ctypes.c_char * segment.block_size).from_address(
         segment.address + segment.offset(index)
     )
     # A ctypes array takes attributes its type does not declare: the mapping outlives views.
     exporter._aiomp_mapping = segment.mapping  # type: ignore[attr-defined]
-    _info[id(exporter)] = (segment, index)
-    _blocks[(segment.key, index)] = exporter
-    weakref.finalize(exporter, _drop_block, segment, index, id(exporter))
+    exporter_id = id(exporter)
+    _info[exporter_id] = (segment, index)
+    key = (segment.key, index)
+    if segment.name is None:
+        # The weak reference's own callback drops the block: a fifth of what
+        # weakref.finalize costs, per array sent or received. Nothing is left to do at
+        # exit for a memfd's block (the kernel drops a dead process's leases).
+        _blocks[key] = weakref.ref(exporter, partial(_drop_block, segment, index, exporter_id))
+    else:  # a name's last holder removes it, at exit too: finalize runs then
+        ref = _blocks[key] = weakref.ref(exporter)
+        weakref.finalize(exporter, _drop_block, segment, index, exporter_id, ref)
     return exporter
 
 
-def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
+def _drop_block(
+    segment: Segment,
+    index: int,
+    exporter_id: int,
+    ref: weakref.ref[ctypes.Array[ctypes.c_char]],
+) -> None:
     if segment.inherited:
         return  # its leases and pool are the parent's (we share its descriptions)
     with _lock:
         _info.pop(exporter_id, None)
-        if (segment.key, index) in _blocks:
+        key = (segment.key, index)
+        if _blocks.get(key) is not ref:
             return  # rebuilt (by another thread) since this exporter died: still in use
+        del _blocks[key]
         if segment.owned:
             _pool.retire(segment, index)
         else:
@@ -298,7 +333,7 @@ def _drop_block(segment: Segment, index: int, exporter_id: int) -> None:
 def block_of(exporter: object) -> BlockRef | None:
     """The block ``exporter`` stands for, if it is one of ours."""
     info = _info.get(id(exporter))
-    if info is None or _blocks.get((info[0].key, info[1])) is not exporter:
+    if info is None or _exported((info[0].key, info[1])) is not exporter:
         return None
     return BlockRef(*info)
 
@@ -328,7 +363,7 @@ def _rebuild_block(
                     "was read (use the 'file_descriptor' strategy when senders may exit first)",
                 ) from None
             key = (st.st_dev, st.st_ino)
-        exporter = _blocks.get((key, index))
+        exporter = _exported((key, index))
         if exporter is not None:
             if name is not None:
                 _segments[key].count(index, opens=1)
@@ -362,6 +397,59 @@ def _rebuild_block(
         return _export(segment, index)
 
 
+# -- one array alone in a message, without the pickler --------------------------------
+# See *One-array messages* in docs/architecture.md. The same leases as BlockRef's: a
+# fresh description per message holds the block while the message is in flight.
+
+
+def _handoff(segment: Segment, index: int) -> int:
+    ranges = [(segment.offset(index), segment.block_size)]
+    return _open_fd(lambda: _lease.handoff_fd(segment.fd, ranges), "a shared segment to send")
+
+
+def send_copy(data: memoryview) -> tuple[int, Segment, int] | None:
+    """Copy ``data`` (bytes) into a fresh pooled block of a memfd segment, and hand it on.
+
+    Returns ``(fd, segment, index)``: ``fd`` is a fresh description that holds the
+    block's lease, for the message to carry and to close once sent; no view of the block
+    is left here, so the block is reused once every receiver has let go. None under the
+    ``file_system`` strategy (its names need the pickled path's counters).
+    """
+    if _strategy != "file_descriptor":
+        return None
+    segment, index = _pool.lend(len(data))
+    try:
+        if segment.name is not None:  # another thread switched the strategy meanwhile
+            return None
+        at = segment.offset(index)
+        segment.bytes()[at : at + len(data)] = data
+        return _handoff(segment, index), segment, index
+    finally:  # held by the description now (or by nobody, after an error)
+        with _lock:
+            _pool.retire(segment, index)
+
+
+def send_block(exporter: object) -> tuple[int, Segment, int] | None:
+    """``(fd, segment, index)`` for the block ``exporter`` stands for: ``fd`` a fresh
+    description holding its lease, as :func:`send_copy`. None if ``exporter`` is not a
+    block of ours, or is one of a named segment."""
+    info = _info.get(id(exporter))
+    if info is None:
+        return None
+    segment, index = info
+    if segment.name is not None or _exported((segment.key, index)) is not exporter:
+        return None
+    return _handoff(segment, index), segment, index
+
+
+def receive_block(
+    size: int, block_size: int, index: int, key: tuple[int, int]
+) -> ctypes.Array[ctypes.c_char]:
+    """The exporter of a block sent by :func:`send_copy` or :func:`send_block`, its
+    description the message's only fd (left for :func:`aiomp._reduction.loads` to close)."""
+    return _rebuild_block(None, 0, size, block_size, index, key)
+
+
 # -- the pool (segments this process created) --------------------------------------
 
 
@@ -387,6 +475,27 @@ class _Pool:
                 self._bound()
 
     def _allocate(self, nbytes: int, zero: bool) -> ctypes.Array[ctypes.c_char]:
+        segment, index = self._take(nbytes)
+        exporter = _export(segment, index)
+        if zero and segment.dirty[index]:
+            ctypes.memset(exporter, 0, segment.block_size)
+        segment.dirty[index] = 1
+        return exporter
+
+    def lend(self, nbytes: int) -> tuple[Segment, int]:
+        """A block held here with no exporter: the caller fills it and then calls
+        :meth:`retire` on it (the one way out, errors included)."""
+        with _lock:
+            self.busy += 1
+            try:
+                segment, index = self._take(nbytes)
+                segment.dirty[index] = 1
+                return segment, index
+            finally:
+                self.busy -= 1
+                self._bound()
+
+    def _take(self, nbytes: int) -> tuple[Segment, int]:
         bs = (_strategy == "file_system", block_size_for(max(nbytes, 1)))
         found = self._take_free(bs) or self._take_retired(bs)
         if found is None:
@@ -400,11 +509,7 @@ class _Pool:
         self._hold(segment)
         if segment.name is not None:
             segment.count(index, reset=True)
-        exporter = _export(segment, index)
-        if zero and segment.dirty[index]:
-            ctypes.memset(exporter, 0, segment.block_size)
-        segment.dirty[index] = 1
-        return exporter
+        return segment, index
 
     def _hold(self, segment: Segment) -> None:
         segment.held += 1
