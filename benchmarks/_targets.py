@@ -16,6 +16,7 @@ from benchmarks._common import pin_child
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from typing import Any
 
 PAYLOAD = b"x" * 64
 
@@ -76,6 +77,42 @@ def echo_socket(sock: socket.socket) -> None:
                 return
             data += more
         send(data)
+    sock.close()
+
+
+def echo_socket_async(sock: socket.socket) -> None:
+    """Raw floor with an async child: :func:`echo_socket` awaiting the loop's
+    ``sock_recv``/``sock_sendall``, on the loop kind aiomp's async children run (uvloop
+    when installed, else asyncio: ``aiomp._child.new_runner``; not imported from there, so
+    the floor's child loads no aiomp)."""
+    pin_child()
+    import asyncio
+
+    factory: Any
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = asyncio.new_event_loop
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        recv, send = loop.sock_recv, loop.sock_sendall
+        while True:
+            data = await recv(sock, 64)
+            if not data:
+                break
+            while len(data) < 64:
+                more = await recv(sock, 64 - len(data))
+                if not more:
+                    return
+                data += more
+            await send(sock, data)
+
+    sock.setblocking(False)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve())
     sock.close()
 
 
