@@ -34,6 +34,9 @@ class AiompApply(h.Variant):
         self.pool = aiomp.Pool(1, grace_period=1.0)
         await self.pool.__aenter__()
 
+    def pids(self) -> list[int]:
+        return self.pool.pids()
+
     async def once(self) -> None:
         await self.pool.apply(trivial)
 
@@ -134,9 +137,10 @@ async def main() -> None:
     # Many short batches: the machine's speed drifts within seconds, and alternating often
     # spreads a drift over every variant alike.
     batches, n = c.reps(20, 2), c.reps(120, 100)
-    variants: list[h.Variant] = [h.SocketFloor(), AnyioToProcess(), Executor()]
+    floor, apply_ = h.SocketFloor(), AiompApply()
+    variants: list[h.Variant] = [floor, AnyioToProcess(), Executor()]
     if missing is None:
-        variants.insert(0, AiompApply())
+        variants.insert(0, apply_)
     s = await h.interleave(variants, batches, n)
     med = {k: c.median(v) for k, v in s.items()}
     a = med.get(AiompApply.name)
@@ -150,6 +154,21 @@ async def main() -> None:
         c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3), missing or "")
     )
     rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
+    floor_cpu, apply_cpu = floor.cpu_medians(), apply_.cpu_medians()
+    if floor_cpu is not None and apply_cpu is not None and a is not None:
+        wall = a / med[h.SocketFloor.name]
+        rows.append(
+            c.row(
+                "Pool.apply(trivial), CPU per round trip (parent + worker)",
+                sum(apply_cpu),
+                sum(floor_cpu),
+                "raw async socketpair (parent + echo child)",
+                None,
+                f"{apply_cpu[0] * 1e6:.1f} µs parent + {apply_cpu[1] * 1e6:.1f} µs worker vs "
+                f"{floor_cpu[0] * 1e6:.1f} µs parent + {floor_cpu[1] * 1e6:.1f} µs child; "
+                f"wall-clock {wall:.2f}x",
+            )
+        )
 
     # -- map ------------------------------------------------------------------------------
     # Many maps: each takes a few ms, and under load one in three or so meets a stall of

@@ -38,6 +38,10 @@ from benchmarks._targets import (
 )
 from benchmarks._targets_queue import drain_aiomp, drain_mp
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 
 class AiompQueue(h.Variant):
     """Two aiomp.Queues; the parent awaits (or blocks on ``q.sync``), the child echoes."""
@@ -221,16 +225,19 @@ FLOORS = (
 )
 
 
-async def per_loop(loop: str) -> dict[str, float]:
+async def per_loop(loop: str) -> dict[str, Any]:
     """The floors and the async-async round trip with the parent on ``loop``: medians of
     the time per round trip (``key``) and of its CPU (``key|cpu_parent``, ``key|cpu_child``)."""
-    c.pin_parent()
+    # This interpreter inherited the main run's pinning to one core: widen it first, or
+    # pin_parent finds one core and parent and children all share it.
+    c.unpin_parent()
+    pinning = c.pin_parent()
     cls = TrioSocketFloor if loop == "trio" else h.SocketFloor
     variants: dict[str, h.Variant] = {k: cls(dgram, ach) for k, dgram, ach in FLOORS}
     variants["mp"] = MpQueue()
     variants["aiomp"] = AiompQueue(False, False)
     s = await h.interleave(list(variants.values()), c.reps(10, 2), c.reps(500, 200))
-    out = {}
+    out: dict[str, Any] = {"pinning": pinning}
     for key, v in variants.items():
         out[key] = c.median(s[v.name])
         cpu = v.cpu_medians()
@@ -239,7 +246,7 @@ async def per_loop(loop: str) -> dict[str, float]:
     return out
 
 
-def run_on(loop: str) -> dict[str, float]:
+def run_on(loop: str) -> dict[str, Any]:
     """:func:`per_loop` in a fresh interpreter whose parent runs ``loop``."""
     import json
     import subprocess
@@ -322,8 +329,10 @@ async def main() -> None:
             f"{[round(x, 3) for x in sm]}."
         )
     if missing is None:
+        pinned = []
         for loop in LOOPS:
             got = run_on(loop)
+            pinned.append(f"{loop}: {got['pinning']}")
             what = f"64 B round trip, async parent ({loop}), async child"
             rows.append(
                 c.row(what, got["aiomp"], got["floor"], f"raw floor on {loop}", c.at_most(1.4))
@@ -348,7 +357,7 @@ async def main() -> None:
             "when installed; its sock_recv adds and removes a reader per call, which aiomp's "
             "kept reader does not). CPU per round trip: the parent's process clock and the "
             "child's scheduler run time (/proc/PID/task/*/schedstat, every thread) over each "
-            "batch, median of the batches."
+            "batch, median of the batches. Pinning per loop: " + "; ".join(pinned) + "."
         )
     c.emit("queue", rows, notes)
 
