@@ -100,7 +100,14 @@ def children_cpu(pids: list[int]) -> float:
 async def interleave(
     variants: list[Variant], batches: int, n: int, warmup: int = 50
 ) -> dict[str, list[float]]:
-    """Start every variant, warm each up, then alternate batches of ``n`` round trips."""
+    """Start every variant, warm each up, then alternate batches of ``n`` round trips.
+
+    Each batch starts with ``n // 10`` (at most 10) round trips that are not timed, for
+    every variant alike: the first ten of a batch measured 8-15 % slower than the rest
+    (``Pool.apply`` and the floor, alternating or alone; cause not pinned down), which
+    moved a median of 120 by 1-2 %. See benchmarks/RESULTS.md, Findings.
+    """
+    rewarm = min(10, n // 10)
     samples: dict[str, list[float]] = {v.name: [] for v in variants}
     started: list[Variant] = []
     try:
@@ -111,6 +118,8 @@ async def interleave(
         for b in range(batches):
             order = variants if b % 2 == 0 else variants[::-1]
             for v in order:
+                if rewarm:
+                    await v.batch(rewarm)
                 samples[v.name].extend(await v.timed_batch(n))
     finally:
         for v in reversed(started):

@@ -228,9 +228,6 @@ FLOORS = (
 async def per_loop(loop: str) -> dict[str, Any]:
     """The floors and the async-async round trip with the parent on ``loop``: medians of
     the time per round trip (``key``) and of its CPU (``key|cpu_parent``, ``key|cpu_child``)."""
-    # This interpreter inherited the main run's pinning to one core: widen it first, or
-    # pin_parent finds one core and parent and children all share it.
-    c.unpin_parent()
     pinning = c.pin_parent()
     cls = TrioSocketFloor if loop == "trio" else h.SocketFloor
     variants: dict[str, h.Variant] = {k: cls(dgram, ach) for k, dgram, ach in FLOORS}
