@@ -180,6 +180,19 @@ def trivial(x: object = None) -> object:
     return x
 
 
+def compute_floor(n: int) -> float:
+    """Seconds, in this process, for what any pool must do serially for
+    ``map(trivial, range(n))``: the calls, and pickling and unpickling their result list
+    (the result crosses to the parent whole). The pool's own round trips are not in it."""
+    import pickle
+
+    pin_child()
+    t0 = time.perf_counter()
+    out = list(map(trivial, range(n)))
+    pickle.loads(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
+    return time.perf_counter() - t0
+
+
 async def trivial_coro(x: object = None) -> object:
     pin_child()
     return x

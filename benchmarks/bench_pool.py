@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks._targets import trivial, trivial_coro
+from benchmarks._targets import compute_floor, trivial, trivial_coro
 
 N_MAP = 10_000
 
@@ -127,6 +127,27 @@ class MpPoolMap(h.Variant):
         self.pool.join()
 
 
+class ComputeFloor(h.Variant):
+    """Not a pool's map: the time a worker takes for :func:`compute_floor` (the calls of a
+    map of ``N_MAP`` items and the pickling of their results), timed inside the worker of a
+    one-process ``multiprocessing.Pool`` started for it."""
+
+    name = "compute floor"
+    is_async = False
+
+    async def start(self) -> None:
+        import multiprocessing
+
+        self.pool = multiprocessing.get_context("spawn").Pool(1)
+
+    async def batch(self, n: int) -> list[float]:
+        return [self.pool.apply(compute_floor, (N_MAP,)) for _ in range(n)]
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
 async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
@@ -175,7 +196,7 @@ async def main() -> None:
     # several ms (a wake-up that waits for a core); with 15 the same tree's ratio to
     # multiprocessing ranged 0.76x-1.82x over runs at a 1-min load of 10-16.
     mb = c.reps(61, 3)
-    maps: list[h.Variant] = [MpPoolMap()]
+    maps: list[h.Variant] = [MpPoolMap(), ComputeFloor()]
     if missing is None:
         maps.insert(0, AiompMap())
     s = await h.interleave(maps, mb, 1, warmup=1)
@@ -209,11 +230,27 @@ async def main() -> None:
             missing or "",
         )
     )
+    floor_map = med[ComputeFloor.name]
+    rows.append(
+        c.row(
+            f"compute floor: list(map(trivial, range({N_MAP:_}))) + pickle.dumps + loads "
+            "of the results, in one worker",
+            floor_map,
+            med[MpPoolMap.name],
+            MpPoolMap.name + " (default chunksize)",
+            None,
+            f"bounds the 0.6x target: a pool's map cannot take less; aiomp's map is "
+            f"{a / floor_map:.2f}x this floor"
+            if a is not None
+            else "",
+        )
+    )
     notes.append(
         f"pool: {pinning}; one worker per pool; loop {h.loop_name()}; apply: median of "
         f"{batches * n} round trips per variant in {batches} alternating batches; map: "
         f"median of {mb} maps (aiomultiprocess: {len(s.get(AiomultiprocessMap.name, []))}, "
-        "run alone)."
+        "run alone); the compute floor: median of as many calls, timed inside the worker of "
+        "its own one-process multiprocessing.Pool, alternating with the maps."
     )
     c.emit("pool", rows, notes)
 
