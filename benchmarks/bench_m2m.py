@@ -275,29 +275,32 @@ def memcpy_per_array(passes: int = 3) -> float:
     return c.median(per[1:])
 
 
-def fd_pass_per_message(count: int = 200, passes: int = 3) -> float:
-    """Seconds for what a message that carries a fresh shared block costs at least, in one
-    process: ``memfd_create``, ``write`` of 100 KiB into it, ``sendmsg`` of its fd
+def fd_pass_per_message(fresh: bool, count: int = 200, passes: int = 3) -> float:
+    """Seconds for what a message that carries a shared block costs at least, in one
+    process: ``memfd_create`` (``fresh``; else one memfd kept for every message, as a pool
+    of recycled blocks would), ``write`` of 100 KiB into it, ``sendmsg`` of its fd
     (SCM_RIGHTS) and ``recvmsg`` of it over a ``SOCK_SEQPACKET`` pair, ``mmap`` of the
-    received fd, ``munmap`` and both ``close``s. Median over ``passes`` passes of
-    ``count`` messages (after one that warms up)."""
+    received fd, ``munmap`` and the ``close``s. Median over ``passes`` passes of ``count``
+    messages (after one that warms up)."""
     import mmap
     import socket
 
     src = bytes(ARRAY_BYTES)
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    kept = -1 if fresh else os.memfd_create("aiomp-bench-floor", os.MFD_CLOEXEC)
     per = []
     try:
         for _ in range(passes + 1):
             t0 = c.now()
             for _ in range(count):
-                fd = os.memfd_create("aiomp-bench-floor", os.MFD_CLOEXEC)
+                fd = os.memfd_create("aiomp-bench-floor", os.MFD_CLOEXEC) if fresh else kept
                 try:
-                    if os.write(fd, src) != ARRAY_BYTES:
+                    if os.pwrite(fd, src, 0) != ARRAY_BYTES:
                         raise OSError("short write into a memfd")
                     socket.send_fds(a, [b"h"], [fd])
                 finally:
-                    os.close(fd)
+                    if fresh:
+                        os.close(fd)
                 _, fds, _, _ = socket.recv_fds(b, 16, 1)
                 try:
                     mmap.mmap(fds[0], ARRAY_BYTES).close()
@@ -307,6 +310,8 @@ def fd_pass_per_message(count: int = 200, passes: int = 3) -> float:
     finally:
         a.close()
         b.close()
+        if not fresh:
+            os.close(kept)
     return c.median(per[1:])
 
 
@@ -340,9 +345,11 @@ async def main() -> None:
             samples: dict[str, list[float]] = {}
             memcpy: list[float] = []
             fdpass: list[float] = []
+            fdkept: list[float] = []
             for i in range(c.reps(ROUNDS, 1)):
                 memcpy.append(memcpy_per_array())
-                fdpass.append(fd_pass_per_message())
+                fdpass.append(fd_pass_per_message(fresh=True))
+                fdkept.append(fd_pass_per_message(fresh=False))
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
                         n = items(kind, v)
@@ -354,6 +361,7 @@ async def main() -> None:
             run = {k: c.median(s) for k, s in samples.items()}
             run["memcpy"] = c.median(memcpy)
             run["fd passing"] = c.median(fdpass)
+            run["fd passing, kept memfd"] = c.median(fdkept)
             runs.append(run)
             print(
                 f"run {r + 1}: "
@@ -477,6 +485,18 @@ async def main() -> None:
             f"bounds 'arrays at memory bandwidth' for a fresh fd per message; {note}",
         )
     )
+    got, ref, note = median_run("fd passing, kept memfd", "memcpy")
+    rows.append(
+        c.row(
+            "fd-passing floor per message, one memfd kept (a recycled block): write 100 KiB, "
+            "SCM_RIGHTS sendmsg/recvmsg, mmap, munmap, close (one process)",
+            got,
+            ref,
+            "one np.copyto of 100 KiB into mapped memory",
+            None,
+            f"the same without a fresh memfd and its new pages; {note}",
+        )
+    )
     for v in ("async children", "sync children (q.sync)"):
         got, ref, note = median_run(f"aiomp.Queue, {v}|array", "fd passing")
         rows.append(
@@ -504,8 +524,8 @@ async def main() -> None:
         f"a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent. The datagram "
         "floor: the same six processes and protocol (multiprocessing.Queues for go and "
         "done), each item a raw 64 B send/recv on one shared blocking SOCK_SEQPACKET pair. "
-        "The fd-passing floor: in the parent, once per round like the memcpy, median of "
-        "3 passes of 200 messages.",
+        "The fd-passing floors: in the parent, once per round like the memcpy, median of "
+        "3 passes of 200 messages, with a fresh memfd per message and with one kept.",
         "1-min load average at the start of each run and at the end: "
         + ", ".join(f"{x:.2f}" for x in loads),
     ]
