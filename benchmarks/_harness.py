@@ -34,8 +34,8 @@ class Variant:
     #: seconds a batch may take before it stops early (a slow variant must not stall a run)
     budget: float | None = 5.0
 
-    #: (parent, children) CPU seconds per round trip, one pair per timed batch (set on the
-    #: instance by the first timed batch: subclasses need not call ``__init__``)
+    #: (parent, children) CPU seconds per round trip, one pair per timed batch
+    #: (:func:`interleave` gives each variant its list: subclasses need no ``__init__``)
     cpu: list[tuple[float, float]]
 
     def pids(self) -> list[int]:
@@ -68,12 +68,12 @@ class Variant:
         parent1 = time.process_time()
         child1 = children_cpu(pids)
         per = ((parent1 - parent0) / len(out), (child1 - child0) / len(out))
-        vars(self).setdefault("cpu", []).append(per)
+        self.cpu.append(per)
         return out
 
     def cpu_medians(self) -> tuple[float, float] | None:
         """Median (parent, children) CPU seconds per round trip over the timed batches."""
-        cpu = vars(self).get("cpu")
+        cpu = getattr(self, "cpu", None)
         if not cpu:
             return None
         return c.median(p for p, _ in cpu), c.median(ch for _, ch in cpu)
@@ -112,6 +112,7 @@ async def interleave(
     started: list[Variant] = []
     try:
         for v in variants:
+            v.cpu = []
             await v.start()
             started.append(v)
             await v.batch(warmup)

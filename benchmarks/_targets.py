@@ -182,8 +182,9 @@ def trivial(x: object = None) -> object:
 
 def compute_floor(n: int) -> float:
     """Seconds, in this process, for what any pool must do serially for
-    ``map(trivial, range(n))``: the calls, and pickling and unpickling their result list
-    (the result crosses to the parent whole). The pool's own round trips are not in it."""
+    ``map(trivial, range(n))``: the calls, and pickling and unpickling their results
+    (every result crosses to the parent). The pool's own messages and wake-ups are not in
+    it."""
     import pickle
 
     pin_child()

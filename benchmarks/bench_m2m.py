@@ -24,6 +24,11 @@ Baseline for arrays: the memory bandwidth of this machine in the same run, one
 in the parent. Targets: aiomp at least 2x ``multiprocessing.Queue``'s messages/s for
 small items, and arrays at memory bandwidth (time per array at most one memcpy of it).
 
+Floors, in the same run (rows marked ``info``): for small items, :class:`DatagramFloor`,
+the same processes and protocol with one raw 64 B ``send``/``recv`` per item on a shared
+``SOCK_SEQPACKET`` pair; for arrays, :func:`fd_pass_per_message`, what passing and mapping
+an fd per message costs in one process, with a fresh memfd and with one kept.
+
 A run is :data:`ROUNDS` rounds of every variant and kind, alternating, so that a burst of
 load from the machine's other users lands on all of them alike; each figure is a median
 within a run. Every ratio is taken within one run; the rows show the run with the median

@@ -9,6 +9,10 @@ one core and the worker on the other (the task pins its process on first use).
 - ``await pool.map(trivial, range(10_000))``: >= 10x aiomultiprocess ``Pool.map``'s
   throughput; <= 0.6x the time of ``multiprocessing.Pool.map`` (default chunksize).
 
+Rows marked ``info`` bound those targets: apply's CPU per round trip (parent + worker)
+against the floor's (parent + echo child), and a compute floor for map, the calls and the
+pickling of their results timed inside one worker, against ``multiprocessing.Pool.map``.
+
 The targets are DESIGN.md section 4's second round (issue 17); the first round's were 1.5x
 and 2x.
 

@@ -22,7 +22,11 @@ socket and then its overflow in shared memory. Target: at least 1.5x faster.
 Every loop: the async-parent, async-child round trip and the raw floor are measured again
 with the parent on asyncio, uvloop and trio (each in a fresh interpreter, ``--parent-loop``;
 trio's floor awaits ``trio.socket``'s ``send``/``recv``). Targets: at most 1.4x the floor
-on every loop, and at least 1.5x faster than ``multiprocessing.Queue``.
+on every loop, and at least 1.5x faster than ``multiprocessing.Queue``. Rows marked
+``info`` bound those targets: the same floor over a ``SOCK_SEQPACKET`` pair (a queue's
+kind), and both with an async echo child on the loop aiomp's async children run, so that
+what any async child pays and what datagrams cost show apart; and the CPU per round trip
+(parent + child) of aiomp, the floor and ``multiprocessing.Queue`` next to their times.
 """
 
 from __future__ import annotations
