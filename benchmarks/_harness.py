@@ -137,15 +137,18 @@ class SocketFloor(Variant):
     ``aiomp.Queue``'s); ``async_child`` makes the child await ``sock_recv`` and
     ``sock_sendall`` on the loop aiomp's async children run (see
     :func:`~benchmarks._targets.echo_socket_async`). Together they separate what any async
-    child pays from what datagrams cost.
+    child pays from what datagrams cost. ``kept_reader`` (with both) makes the async child
+    the leanest one: one reader kept registered, as aiomp's waits do.
     """
 
     name = "raw async socketpair"
 
-    def __init__(self, seqpacket: bool = False, async_child: bool = False) -> None:
-        self.seqpacket, self.async_child = seqpacket, async_child
+    def __init__(
+        self, seqpacket: bool = False, async_child: bool = False, kept_reader: bool = False
+    ) -> None:
+        self.seqpacket, self.async_child, self.kept_reader = seqpacket, async_child, kept_reader
         if seqpacket or async_child:
-            self.name = floor_name(seqpacket, async_child)
+            self.name = floor_name(seqpacket, async_child, kept_reader)
 
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc.pid is not None else []
@@ -156,9 +159,13 @@ class SocketFloor(Variant):
 
         kind = socket.SOCK_SEQPACKET if self.seqpacket else socket.SOCK_STREAM
         a, b = socket.socketpair(socket.AF_UNIX, kind)
-        target = echo_socket_async if self.async_child else echo_socket
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=target, args=(b,), daemon=True)
+        if self.async_child:
+            self.proc = ctx.Process(
+                target=echo_socket_async, args=(b, self.kept_reader), daemon=True
+            )
+        else:
+            self.proc = ctx.Process(target=echo_socket, args=(b,), daemon=True)
         self.proc.start()
         b.close()
         return a
@@ -189,9 +196,11 @@ class SocketFloor(Variant):
             self.proc.join()
 
 
-def floor_name(seqpacket: bool, async_child: bool) -> str:
+def floor_name(seqpacket: bool, async_child: bool, kept_reader: bool = False) -> str:
     kind = "SOCK_SEQPACKET" if seqpacket else "stream"
     child = "async echo child (aiomp's child loop)" if async_child else "sync echo child"
+    if kept_reader:
+        child += ", reader kept"
     return f"raw async socketpair ({kind}), {child}"
 
 

@@ -80,11 +80,15 @@ def echo_socket(sock: socket.socket) -> None:
     sock.close()
 
 
-def echo_socket_async(sock: socket.socket) -> None:
+def echo_socket_async(sock: socket.socket, kept_reader: bool = False) -> None:
     """Raw floor with an async child: :func:`echo_socket` awaiting the loop's
     ``sock_recv``/``sock_sendall``, on the loop kind aiomp's async children run (uvloop
     when installed, else asyncio: ``aiomp._child.new_runner``; not imported from there, so
-    the floor's child loads no aiomp)."""
+    the floor's child loads no aiomp).
+
+    ``kept_reader``: the leanest async child instead, as aiomp's own waits are: one reader
+    registered for good, a plain non-blocking ``recv`` first, a future awaited only when
+    the socket is empty, and a plain ``send`` (64 bytes always fit)."""
     pin_child()
     import asyncio
 
@@ -110,9 +114,32 @@ def echo_socket_async(sock: socket.socket) -> None:
                 data += more
             await send(sock, data)
 
+    async def serve_kept() -> None:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        loop.add_reader(sock.fileno(), readable)
+        try:
+            while True:
+                try:
+                    data = sock.recv(64)
+                except BlockingIOError:
+                    waiter = loop.create_future()
+                    await waiter
+                    continue
+                if len(data) < 64:  # EOF (this floor runs on datagrams: whole messages)
+                    break
+                sock.send(data)
+        finally:
+            loop.remove_reader(sock.fileno())
+
     sock.setblocking(False)
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve())
+        runner.run(serve_kept() if kept_reader else serve())
     sock.close()
 
 

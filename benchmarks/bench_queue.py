@@ -220,12 +220,13 @@ async def backlog(rounds: int) -> tuple[float, float, list[float], list[float]]:
 LOOPS = ("asyncio", "uvloop", "trio")
 
 
-#: The floors measured on every loop: (key, stream or datagram, async child)
+#: The floors measured on every loop: (key, datagrams, async child, reader kept)
 FLOORS = (
-    ("floor", False, False),
-    ("floor_seqpacket", True, False),
-    ("floor_async", False, True),
-    ("floor_async_seqpacket", True, True),
+    ("floor", False, False, False),
+    ("floor_seqpacket", True, False, False),
+    ("floor_async", False, True, False),
+    ("floor_async_seqpacket", True, True, False),
+    ("floor_async_kept", True, True, True),
 )
 
 
@@ -234,7 +235,7 @@ async def per_loop(loop: str) -> dict[str, Any]:
     the time per round trip (``key``) and of its CPU (``key|cpu_parent``, ``key|cpu_child``)."""
     pinning = c.pin_parent()
     cls = TrioSocketFloor if loop == "trio" else h.SocketFloor
-    variants: dict[str, h.Variant] = {k: cls(dgram, ach) for k, dgram, ach in FLOORS}
+    variants: dict[str, h.Variant] = {k: cls(*how) for k, *how in FLOORS}
     variants["mp"] = MpQueue()
     variants["aiomp"] = AiompQueue(False, False)
     s = await h.interleave(list(variants.values()), c.reps(10, 2), c.reps(500, 200))
@@ -350,15 +351,19 @@ async def main() -> None:
             rows += loop_limits(loop, got)
         notes.append(
             "per loop: the parent on asyncio, uvloop and trio, each in a fresh interpreter "
-            "with only the four floors, multiprocessing.Queue and aiomp alive, interleaved as "
+            "with only the five floors, multiprocessing.Queue and aiomp alive, interleaved as "
             "above (the asyncio rows at the top run with four other variants' children "
             "alive). The floors: the parent on that loop's own socket calls; the pair a stream "
             "or SOCK_SEQPACKET (an aiomp.Queue's kind); the echo child a blocking recv, or "
             "sock_recv/sock_sendall awaited on the loop aiomp's async children run (uvloop "
             "when installed; its sock_recv adds and removes a reader per call, which aiomp's "
-            "kept reader does not). CPU per round trip: the parent's process clock and the "
-            "child's scheduler run time (/proc/PID/task/*/schedstat, every thread) over each "
-            "batch, median of the batches. Pinning per loop: " + "; ".join(pinned) + "."
+            "kept reader does not), or, leanest, with one reader kept registered, a plain "
+            "non-blocking recv first and a future awaited only on an empty socket (the "
+            "'reader kept' floor, SOCK_SEQPACKET). CPU per round trip: the parent's process "
+            "clock and the child's scheduler run time (/proc/PID/task/*/schedstat, every "
+            "thread) over each batch, median of the batches. Pinning per loop: "
+            + "; ".join(pinned)
+            + "."
         )
     c.emit("queue", rows, notes)
 
@@ -382,8 +387,8 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
     pair and an async child, and the CPU per round trip next to the time."""
     rows = []
     what = f"64 B round trip, async parent ({loop}), async child"
-    for key, dgram, ach in FLOORS[1:]:
-        name = h.floor_name(dgram, ach).replace("raw async socketpair", f"raw floor on {loop}")
+    for key, *how in FLOORS[1:]:
+        name = h.floor_name(*how).replace("raw async socketpair", f"raw floor on {loop}")
         floor = got[key]
         rows.append(
             c.row(
@@ -410,8 +415,8 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
         )
         if key == "floor":
             note += "; the other floors: " + "; ".join(
-                f"{h.floor_name(d, a).replace('raw async socketpair ', '')} {cpu_split(got, k)}"
-                for k, d, a in FLOORS[1:]
+                f"{h.floor_name(*how).replace('raw async socketpair ', '')} {cpu_split(got, k)}"
+                for k, *how in FLOORS[1:]
             )
         rows.append(c.row(what, aiomp_cpu, cpu_of(got, key), desc, None, note))
     return rows
