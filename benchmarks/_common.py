@@ -44,8 +44,12 @@ def _set_affinity_all_threads(cpus: set[int]) -> None:
 def pin_parent() -> str:
     """Pin this process to the first core and tell children to use the second.
 
-    Returns a description for the results. With one core, nothing is pinned.
+    Returns a description for the results. With one core, nothing is pinned. A process
+    started by a pinned benchmark (``CHILD_CPU_ENV`` set) first widens the one-core mask it
+    inherited: otherwise it would find one core and share it with its children.
     """
+    if CHILD_CPU_ENV in os.environ:
+        unpin_parent()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         os.environ.pop(CHILD_CPU_ENV, None)

@@ -4,14 +4,21 @@ A *variant* is one way of doing a round trip (aiomp, a baseline, the raw floor).
 is started once; then batches of every variant alternate, so a burst of load from another
 user of the machine lands on all of them alike, and each figure is the median of all its
 samples.
+
+CPU: every batch also records the CPU time per round trip of the parent (its process
+clock, every thread) and of the variant's children (``/proc/PID/task/*/schedstat``, the
+scheduler's nanosecond run time, every thread; ``/proc/PID/stat``'s utime and stime tick
+only every 10 ms, coarser than a batch), on :attr:`Variant.cpu`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import time
 
 from benchmarks import _common as c
-from benchmarks._targets import PAYLOAD, echo_socket
+from benchmarks._targets import PAYLOAD, echo_socket, echo_socket_async
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -26,6 +33,14 @@ class Variant:
     is_async = True
     #: seconds a batch may take before it stops early (a slow variant must not stall a run)
     budget: float | None = 5.0
+
+    #: (parent, children) CPU seconds per round trip, one pair per timed batch
+    #: (:func:`interleave` gives each variant its list: subclasses need no ``__init__``)
+    cpu: list[tuple[float, float]]
+
+    def pids(self) -> list[int]:
+        """The variant's child processes, for their CPU time (none: not counted)."""
+        return []
 
     async def start(self) -> None:
         pass
@@ -44,22 +59,69 @@ class Variant:
             return await c.atime_calls(self.once, n, self.budget)
         return c.time_calls(self.once_sync, n, self.budget)
 
+    async def timed_batch(self, n: int) -> list[float]:
+        """:meth:`batch`, recording its CPU per round trip on :attr:`cpu`."""
+        pids = self.pids()
+        child0 = children_cpu(pids)
+        parent0 = time.process_time()
+        out = await self.batch(n)
+        parent1 = time.process_time()
+        child1 = children_cpu(pids)
+        per = ((parent1 - parent0) / len(out), (child1 - child0) / len(out))
+        self.cpu.append(per)
+        return out
+
+    def cpu_medians(self) -> tuple[float, float] | None:
+        """Median (parent, children) CPU seconds per round trip over the timed batches."""
+        cpu = getattr(self, "cpu", None)
+        if not cpu:
+            return None
+        return c.median(p for p, _ in cpu), c.median(ch for _, ch in cpu)
+
+
+def children_cpu(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have run so far, every thread (a thread that
+    ended is no longer counted: the variants' children keep theirs)."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return total / 1e9
+
 
 async def interleave(
     variants: list[Variant], batches: int, n: int, warmup: int = 50
 ) -> dict[str, list[float]]:
-    """Start every variant, warm each up, then alternate batches of ``n`` round trips."""
+    """Start every variant, warm each up, then alternate batches of ``n`` round trips.
+
+    Each batch starts with ``n // 10`` (at most 10) round trips that are not timed, for
+    every variant alike: the first ten of a batch measured 8-15 % slower than the rest
+    (``Pool.apply`` and the floor, alternating or alone; cause not pinned down), which
+    moved a median of 120 by 1-2 %. See benchmarks/RESULTS.md, Findings.
+    """
+    rewarm = min(10, n // 10)
     samples: dict[str, list[float]] = {v.name: [] for v in variants}
     started: list[Variant] = []
     try:
         for v in variants:
+            v.cpu = []
             await v.start()
             started.append(v)
             await v.batch(warmup)
         for b in range(batches):
             order = variants if b % 2 == 0 else variants[::-1]
             for v in order:
-                samples[v.name].extend(await v.batch(n))
+                if rewarm:
+                    await v.batch(rewarm)
+                samples[v.name].extend(await v.timed_batch(n))
     finally:
         for v in reversed(started):
             await v.stop()
@@ -68,20 +130,51 @@ async def interleave(
 
 class SocketFloor(Variant):
     """The raw floor: 64 bytes over a socketpair to a child that echoes them, awaited with
-    the event loop's own ``sock_sendall``/``sock_recv``."""
+    the event loop's own ``sock_sendall``/``sock_recv``.
+
+    By default the pair is a stream and the child a blocking ``recv`` (the fastest
+    wake-up there is). ``seqpacket`` makes it a ``SOCK_SEQPACKET`` pair (datagrams, as an
+    ``aiomp.Queue``'s); ``async_child`` makes the child await ``sock_recv`` and
+    ``sock_sendall`` on the loop aiomp's async children run (see
+    :func:`~benchmarks._targets.echo_socket_async`). Together they separate what any async
+    child pays from what datagrams cost. ``kept_reader`` (with both) makes the async child
+    the leanest one: one reader kept registered, as aiomp's waits do.
+    """
 
     name = "raw async socketpair"
 
-    async def start(self) -> None:
-        import asyncio
+    def __init__(
+        self, seqpacket: bool = False, async_child: bool = False, kept_reader: bool = False
+    ) -> None:
+        self.seqpacket, self.async_child, self.kept_reader = seqpacket, async_child, kept_reader
+        if seqpacket or async_child:
+            self.name = floor_name(seqpacket, async_child, kept_reader)
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc.pid is not None else []
+
+    def pair(self) -> socket.socket:
+        """Start the echo child on one end of a new pair; the parent's end (blocking)."""
         import socket
 
-        self.loop = asyncio.get_running_loop()
-        a, b = socket.socketpair()
+        kind = socket.SOCK_SEQPACKET if self.seqpacket else socket.SOCK_STREAM
+        a, b = socket.socketpair(socket.AF_UNIX, kind)
         ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=echo_socket, args=(b,), daemon=True)
+        if self.async_child:
+            self.proc = ctx.Process(
+                target=echo_socket_async, args=(b, self.kept_reader), daemon=True
+            )
+        else:
+            self.proc = ctx.Process(target=echo_socket, args=(b,), daemon=True)
         self.proc.start()
         b.close()
+        return a
+
+    async def start(self) -> None:
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        a = self.pair()
         a.setblocking(False)
         self.sock: socket.socket = a
 
@@ -101,6 +194,14 @@ class SocketFloor(Variant):
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+def floor_name(seqpacket: bool, async_child: bool, kept_reader: bool = False) -> str:
+    kind = "SOCK_SEQPACKET" if seqpacket else "stream"
+    child = "async echo child (aiomp's child loop)" if async_child else "sync echo child"
+    if kept_reader:
+        child += ", reader kept"
+    return f"raw async socketpair ({kind}), {child}"
 
 
 def loop_name() -> str:

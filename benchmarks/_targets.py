@@ -16,6 +16,7 @@ from benchmarks._common import pin_child
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from typing import Any
 
 PAYLOAD = b"x" * 64
 
@@ -76,6 +77,69 @@ def echo_socket(sock: socket.socket) -> None:
                 return
             data += more
         send(data)
+    sock.close()
+
+
+def echo_socket_async(sock: socket.socket, kept_reader: bool = False) -> None:
+    """Raw floor with an async child: :func:`echo_socket` awaiting the loop's
+    ``sock_recv``/``sock_sendall``, on the loop kind aiomp's async children run (uvloop
+    when installed, else asyncio: ``aiomp._child.new_runner``; not imported from there, so
+    the floor's child loads no aiomp).
+
+    ``kept_reader``: the leanest async child instead, as aiomp's own waits are: one reader
+    registered for good, a plain non-blocking ``recv`` first, a future awaited only when
+    the socket is empty, and a plain ``send`` (64 bytes always fit)."""
+    pin_child()
+    import asyncio
+
+    factory: Any
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = asyncio.new_event_loop
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        recv, send = loop.sock_recv, loop.sock_sendall
+        while True:
+            data = await recv(sock, 64)
+            if not data:
+                break
+            while len(data) < 64:
+                more = await recv(sock, 64 - len(data))
+                if not more:
+                    return
+                data += more
+            await send(sock, data)
+
+    async def serve_kept() -> None:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] | None = None
+
+        def readable() -> None:
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        loop.add_reader(sock.fileno(), readable)
+        try:
+            while True:
+                try:
+                    data = sock.recv(64)
+                except BlockingIOError:
+                    waiter = loop.create_future()
+                    await waiter
+                    continue
+                if len(data) < 64:  # EOF (this floor runs on datagrams: whole messages)
+                    break
+                sock.send(data)
+        finally:
+            loop.remove_reader(sock.fileno())
+
+    sock.setblocking(False)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve_kept() if kept_reader else serve())
     sock.close()
 
 
@@ -141,6 +205,20 @@ def trivial(x: object = None) -> object:
     """A task that does nothing: what is left is the pool's own round trip."""
     pin_child()
     return x
+
+
+def compute_floor(n: int) -> float:
+    """Seconds, in this process, for what any pool must do serially for
+    ``map(trivial, range(n))``: the calls, and pickling and unpickling their results
+    (every result crosses to the parent). The pool's own messages and wake-ups are not in
+    it."""
+    import pickle
+
+    pin_child()
+    t0 = time.perf_counter()
+    out = list(map(trivial, range(n)))
+    pickle.loads(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))
+    return time.perf_counter() - t0
 
 
 async def trivial_coro(x: object = None) -> object:

@@ -157,3 +157,35 @@ async def consume_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None
             else:
                 count += 1
         await report(count)
+
+
+# -- the datagram floor ------------------------------------------------------------------------
+
+
+def produce_dgram(rank: int, sock: Any, gos: Any, done: Any) -> None:
+    """A producer for the datagram floor: each item one raw 64 B ``send`` on the shared
+    ``SOCK_SEQPACKET`` socket (blocking), no pickling; the mark is a 1-byte ``m``.
+    ``gos`` and ``done`` are ``multiprocessing.Queue``s, as for the baselines."""
+    go, send = gos[rank], sock.send
+    done.put("ready")
+    while (msg := go.get())[1] > 0:
+        for _ in range(msg[1]):
+            send(SMALL)
+        send(b"m")
+
+
+def consume_dgram(rank: int, sock: Any, gos: Any, done: Any) -> None:
+    """A consumer for the datagram floor: ``recv`` until the parent's 1-byte ``e``."""
+    go, recv, report = gos[rank], sock.recv, done.put
+    report("ready")
+    while go.get():
+        count = 0
+        while True:
+            x = recv(64)
+            if len(x) == 64:
+                count += 1
+            elif x == b"m":
+                report("mark")
+            else:
+                break
+        report(count)

@@ -24,6 +24,11 @@ Baseline for arrays: the memory bandwidth of this machine in the same run, one
 in the parent. Targets: aiomp at least 2x ``multiprocessing.Queue``'s messages/s for
 small items, and arrays at memory bandwidth (time per array at most one memcpy of it).
 
+Floors, in the same run (rows marked ``info``): for small items, :class:`DatagramFloor`,
+the same processes and protocol with one raw 64 B ``send``/``recv`` per item on a shared
+``SOCK_SEQPACKET`` pair; for arrays, :func:`fd_pass_per_message`, what passing and mapping
+an fd per message costs in one process, with a fresh memfd and with one kept.
+
 A run is :data:`ROUNDS` rounds of every variant and kind, alternating, so that a burst of
 load from the machine's other users lands on all of them alike; each figure is a median
 within a run. Every ratio is taken within one run; the rows show the run with the median
@@ -184,11 +189,15 @@ class MpVariant(Variant):
         for _ in range(PRODUCERS):
             assert self.done.get(timeout=300) == "mark"
         elapsed = c.now() - t0
-        for _ in range(CONSUMERS):
-            self.data.put(None)
+        self.end_round()
         counts = [self.done.get(timeout=60) for _ in range(CONSUMERS)]
         assert sum(counts) == PRODUCERS * n, counts
         return elapsed
+
+    def end_round(self) -> None:
+        """Tell each consumer to report its count."""
+        for _ in range(CONSUMERS):
+            self.data.put(None)
 
     async def stop(self) -> None:
         for g in self.pgos:
@@ -202,17 +211,56 @@ class MpVariant(Variant):
                 p.join()
 
 
-_TICKS = os.sysconf("SC_CLK_TCK")
+class DatagramFloor(MpVariant):
+    """The floor for small items: the same 4 x 2 processes and protocol, each item one raw
+    64 B ``send``/``recv`` on one shared ``SOCK_SEQPACKET`` pair in blocking mode, no
+    pickling (what one datagram per item costs with a Python loop around it)."""
+
+    name = "datagram floor"
+    kinds = ("small",)
+
+    def __init__(self) -> None:
+        self.use_torch = False
+
+    async def start(self) -> None:
+        import multiprocessing
+        import socket
+
+        from benchmarks import _targets_m2m as t
+
+        ctx = multiprocessing.get_context("spawn")
+        self.done = ctx.Queue()
+        self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
+        self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
+        self.tx, rx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.procs = []
+        for fn, n, gos, sock in (
+            (t.consume_dgram, CONSUMERS, self.cgos, rx),
+            (t.produce_dgram, PRODUCERS, self.pgos, self.tx),
+        ):
+            for rank in range(n):
+                p = ctx.Process(target=fn, args=(rank, sock, gos, self.done), daemon=True)
+                p.start()
+                self.procs.append(p)
+        rx.close()  # the children have their own copies by now (spawn sent them)
+        for _ in range(PRODUCERS + CONSUMERS):
+            assert self.done.get(timeout=120) == "ready"
+
+    def end_round(self) -> None:
+        for _ in range(CONSUMERS):
+            self.tx.send(b"e")
+
+    async def stop(self) -> None:
+        await super().stop()
+        self.tx.close()
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (user and system, every thread) the live processes ``pids`` have used."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICKS
+    """CPU time (every thread) the live processes ``pids`` have used: the scheduler's
+    nanosecond run time (``/proc/PID/stat``'s utime and stime tick every 10 ms)."""
+    from benchmarks._harness import children_cpu
+
+    return children_cpu(pids)
 
 
 def memcpy_per_array(passes: int = 3) -> float:
@@ -232,6 +280,46 @@ def memcpy_per_array(passes: int = 3) -> float:
     return c.median(per[1:])
 
 
+def fd_pass_per_message(fresh: bool, count: int = 200, passes: int = 3) -> float:
+    """Seconds for what a message that carries a shared block costs at least, in one
+    process: ``memfd_create`` (``fresh``; else one memfd kept for every message, as a pool
+    of recycled blocks would), ``write`` of 100 KiB into it, ``sendmsg`` of its fd
+    (SCM_RIGHTS) and ``recvmsg`` of it over a ``SOCK_SEQPACKET`` pair, ``mmap`` of the
+    received fd, ``munmap`` and the ``close``s. Median over ``passes`` passes of ``count``
+    messages (after one that warms up)."""
+    import mmap
+    import socket
+
+    src = bytes(ARRAY_BYTES)
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    kept = -1 if fresh else os.memfd_create("aiomp-bench-floor", os.MFD_CLOEXEC)
+    per = []
+    try:
+        for _ in range(passes + 1):
+            t0 = c.now()
+            for _ in range(count):
+                fd = os.memfd_create("aiomp-bench-floor", os.MFD_CLOEXEC) if fresh else kept
+                try:
+                    if os.pwrite(fd, src, 0) != ARRAY_BYTES:
+                        raise OSError("short write into a memfd")
+                    socket.send_fds(a, [b"h"], [fd])
+                finally:
+                    if fresh:
+                        os.close(fd)
+                _, fds, _, _ = socket.recv_fds(b, 16, 1)
+                try:
+                    mmap.mmap(fds[0], ARRAY_BYTES).close()
+                finally:
+                    os.close(fds[0])
+            per.append((c.now() - t0) / count)
+    finally:
+        a.close()
+        b.close()
+        if not fresh:
+            os.close(kept)
+    return c.median(per[1:])
+
+
 def rates(per_item: float, nbytes: int) -> str:
     """Messages/s (and GB/s for arrays) of a time per item."""
     text = f"{1 / per_item:,.0f} msg/s"
@@ -243,7 +331,7 @@ def rates(per_item: float, nbytes: int) -> str:
 async def main() -> None:
     c.unpin_parent()
     missing = c.aiomp_missing("_context", "_queue")
-    variants: list[Variant] = [MpVariant(False)]
+    variants: list[Variant] = [MpVariant(False), DatagramFloor()]
     if c.have("torch"):
         variants.append(MpVariant(True))
     if missing is None:
@@ -261,8 +349,12 @@ async def main() -> None:
             loads.append(os.getloadavg()[0])
             samples: dict[str, list[float]] = {}
             memcpy: list[float] = []
+            fdpass: list[float] = []
+            fdkept: list[float] = []
             for i in range(c.reps(ROUNDS, 1)):
                 memcpy.append(memcpy_per_array())
+                fdpass.append(fd_pass_per_message(fresh=True))
+                fdkept.append(fd_pass_per_message(fresh=False))
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
                         n = items(kind, v)
@@ -273,6 +365,8 @@ async def main() -> None:
                         samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
             run = {k: c.median(s) for k, s in samples.items()}
             run["memcpy"] = c.median(memcpy)
+            run["fd passing"] = c.median(fdpass)
+            run["fd passing, kept memfd"] = c.median(fdkept)
             runs.append(run)
             print(
                 f"run {r + 1}: "
@@ -321,6 +415,30 @@ async def main() -> None:
                     note,
                 )
             )
+    dg = DatagramFloor.name
+    got, ref, note = median_run(f"{dg}|small", f"{mp}|small")
+    rows.append(
+        c.row(
+            f"{shape}, 64 B items, time per item, datagram floor (raw SOCK_SEQPACKET "
+            "send/recv, no pickling)",
+            got,
+            ref,
+            f"{mp}, sync children",
+            None,
+            f"bounds the 2x target: one datagram per item; {note}",
+        )
+    )
+    got, ref, note = median_run(f"{dg}|small|cpu", f"{mp}|small|cpu")
+    rows.append(
+        c.row(
+            f"{shape}, CPU time per 64 B item, all six children, datagram floor",
+            got,
+            ref,
+            f"{mp}, sync children",
+            None,
+            note,
+        )
+    )
     for v in ("async children", "sync children (q.sync)"):
         for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
             got, ref, note = median_run(f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
@@ -360,6 +478,42 @@ async def main() -> None:
                     note,
                 )
             )
+    got, ref, note = median_run("fd passing", "memcpy")
+    rows.append(
+        c.row(
+            "fd-passing floor per message: memfd_create, write 100 KiB, SCM_RIGHTS "
+            "sendmsg/recvmsg, mmap, munmap, close (one process)",
+            got,
+            ref,
+            "one np.copyto of 100 KiB into mapped memory",
+            None,
+            f"bounds 'arrays at memory bandwidth' for a fresh fd per message; {note}",
+        )
+    )
+    got, ref, note = median_run("fd passing, kept memfd", "memcpy")
+    rows.append(
+        c.row(
+            "fd-passing floor per message, one memfd kept (a recycled block): write 100 KiB, "
+            "SCM_RIGHTS sendmsg/recvmsg, mmap, munmap, close (one process)",
+            got,
+            ref,
+            "one np.copyto of 100 KiB into mapped memory",
+            None,
+            f"the same without a fresh memfd and its new pages; {note}",
+        )
+    )
+    for v in ("async children", "sync children (q.sync)"):
+        got, ref, note = median_run(f"aiomp.Queue, {v}|array", "fd passing")
+        rows.append(
+            c.row(
+                f"{shape}, 100 KiB numpy arrays, time per array, {v}",
+                got,
+                ref,
+                "the fd-passing floor per message (one process)",
+                None,
+                note,
+            )
+        )
     if not c.have("torch"):
         rows = [r for r in rows if tq not in r["baseline_name"]]
     notes = [
@@ -369,9 +523,14 @@ async def main() -> None:
         "first go to the fourth producer's end mark reaching the parent through a "
         "consumer; figures are medians within a run; each row is the run with the median "
         "ratio; children started once (spawn), unpinned; consumers count items without "
-        "reading the arrays; CPU time: the six children's user and system time (every "
-        "thread) over a round, per item; the memcpy baseline: np.copyto of 100 KiB into "
-        f"a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent.",
+        "reading the arrays; CPU time: the six children's run time (every thread, "
+        "/proc/PID/task/*/schedstat) over a round, per item; the memcpy baseline: "
+        "np.copyto of 100 KiB into "
+        f"a {RING_BYTES >> 20} MiB ring of mapped buffers, in the parent. The datagram "
+        "floor: the same six processes and protocol (multiprocessing.Queues for go and "
+        "done), each item a raw 64 B send/recv on one shared blocking SOCK_SEQPACKET pair. "
+        "The fd-passing floors: in the parent, once per round like the memcpy, median of "
+        "3 passes of 200 messages, with a fresh memfd per message and with one kept.",
         "1-min load average at the start of each run and at the end: "
         + ", ".join(f"{x:.2f}" for x in loads),
     ]

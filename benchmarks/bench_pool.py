@@ -9,6 +9,10 @@ one core and the worker on the other (the task pins its process on first use).
 - ``await pool.map(trivial, range(10_000))``: >= 10x aiomultiprocess ``Pool.map``'s
   throughput; <= 0.6x the time of ``multiprocessing.Pool.map`` (default chunksize).
 
+Rows marked ``info`` bound those targets: apply's CPU per round trip (parent + worker)
+against the floor's (parent + echo child), and a compute floor for map, the calls and the
+pickling of their results timed inside one worker, against ``multiprocessing.Pool.map``.
+
 The targets are DESIGN.md section 4's second round (issue 17); the first round's were 1.5x
 and 2x.
 
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks._targets import trivial, trivial_coro
+from benchmarks._targets import compute_floor, trivial, trivial_coro
 
 N_MAP = 10_000
 
@@ -33,6 +37,9 @@ class AiompApply(h.Variant):
 
         self.pool = aiomp.Pool(1, grace_period=1.0)
         await self.pool.__aenter__()
+
+    def pids(self) -> list[int]:
+        return self.pool.pids()
 
     async def once(self) -> None:
         await self.pool.apply(trivial)
@@ -124,6 +131,27 @@ class MpPoolMap(h.Variant):
         self.pool.join()
 
 
+class ComputeFloor(h.Variant):
+    """Not a pool's map: the time a worker takes for :func:`compute_floor` (the calls of a
+    map of ``N_MAP`` items and the pickling of their results), timed inside the worker of a
+    one-process ``multiprocessing.Pool`` started for it."""
+
+    name = "compute floor"
+    is_async = False
+
+    async def start(self) -> None:
+        import multiprocessing
+
+        self.pool = multiprocessing.get_context("spawn").Pool(1)
+
+    async def batch(self, n: int) -> list[float]:
+        return [self.pool.apply(compute_floor, (N_MAP,)) for _ in range(n)]
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
+
+
 async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
@@ -134,9 +162,10 @@ async def main() -> None:
     # Many short batches: the machine's speed drifts within seconds, and alternating often
     # spreads a drift over every variant alike.
     batches, n = c.reps(20, 2), c.reps(120, 100)
-    variants: list[h.Variant] = [h.SocketFloor(), AnyioToProcess(), Executor()]
+    floor, apply_ = h.SocketFloor(), AiompApply()
+    variants: list[h.Variant] = [floor, AnyioToProcess(), Executor()]
     if missing is None:
-        variants.insert(0, AiompApply())
+        variants.insert(0, apply_)
     s = await h.interleave(variants, batches, n)
     med = {k: c.median(v) for k, v in s.items()}
     a = med.get(AiompApply.name)
@@ -150,13 +179,28 @@ async def main() -> None:
         c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3), missing or "")
     )
     rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
+    floor_cpu, apply_cpu = floor.cpu_medians(), apply_.cpu_medians()
+    if floor_cpu is not None and apply_cpu is not None and a is not None:
+        wall = a / med[h.SocketFloor.name]
+        rows.append(
+            c.row(
+                "Pool.apply(trivial), CPU per round trip (parent + worker)",
+                sum(apply_cpu),
+                sum(floor_cpu),
+                "raw async socketpair (parent + echo child)",
+                None,
+                f"{apply_cpu[0] * 1e6:.1f} µs parent + {apply_cpu[1] * 1e6:.1f} µs worker vs "
+                f"{floor_cpu[0] * 1e6:.1f} µs parent + {floor_cpu[1] * 1e6:.1f} µs child; "
+                f"wall-clock {wall:.2f}x",
+            )
+        )
 
     # -- map ------------------------------------------------------------------------------
     # Many maps: each takes a few ms, and under load one in three or so meets a stall of
     # several ms (a wake-up that waits for a core); with 15 the same tree's ratio to
     # multiprocessing ranged 0.76x-1.82x over runs at a 1-min load of 10-16.
     mb = c.reps(61, 3)
-    maps: list[h.Variant] = [MpPoolMap()]
+    maps: list[h.Variant] = [MpPoolMap(), ComputeFloor()]
     if missing is None:
         maps.insert(0, AiompMap())
     s = await h.interleave(maps, mb, 1, warmup=1)
@@ -190,11 +234,27 @@ async def main() -> None:
             missing or "",
         )
     )
+    floor_map = med[ComputeFloor.name]
+    rows.append(
+        c.row(
+            f"compute floor: list(map(trivial, range({N_MAP:_}))) + pickle.dumps + loads "
+            "of the results, in one worker",
+            floor_map,
+            med[MpPoolMap.name],
+            MpPoolMap.name + " (default chunksize)",
+            None,
+            f"bounds the 0.6x target: a pool's map cannot take less; aiomp's map is "
+            f"{a / floor_map:.2f}x this floor"
+            if a is not None
+            else "",
+        )
+    )
     notes.append(
         f"pool: {pinning}; one worker per pool; loop {h.loop_name()}; apply: median of "
         f"{batches * n} round trips per variant in {batches} alternating batches; map: "
         f"median of {mb} maps (aiomultiprocess: {len(s.get(AiomultiprocessMap.name, []))}, "
-        "run alone)."
+        "run alone); the compute floor: median of as many calls, timed inside the worker of "
+        "its own one-process multiprocessing.Pool, alternating with the maps."
     )
     c.emit("pool", rows, notes)
 

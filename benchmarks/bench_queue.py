@@ -22,7 +22,11 @@ socket and then its overflow in shared memory. Target: at least 1.5x faster.
 Every loop: the async-parent, async-child round trip and the raw floor are measured again
 with the parent on asyncio, uvloop and trio (each in a fresh interpreter, ``--parent-loop``;
 trio's floor awaits ``trio.socket``'s ``send``/``recv``). Targets: at most 1.4x the floor
-on every loop, and at least 1.5x faster than ``multiprocessing.Queue``.
+on every loop, and at least 1.5x faster than ``multiprocessing.Queue``. Rows marked
+``info`` bound those targets: the same floor over a ``SOCK_SEQPACKET`` pair (a queue's
+kind), and both with an async echo child on the loop aiomp's async children run, so that
+what any async child pays and what datagrams cost show apart; and the CPU per round trip
+(parent + child) of aiomp, the floor and ``multiprocessing.Queue`` next to their times.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ from benchmarks._targets import (
     echo_aiomp_sync,
     echo_coro,
     echo_mp_queue,
-    echo_socket,
 )
 from benchmarks._targets_queue import drain_aiomp, drain_mp
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class AiompQueue(h.Variant):
@@ -47,6 +54,9 @@ class AiompQueue(h.Variant):
         self.parent_sync, self.child_sync = parent_sync, child_sync
         self.is_async = not parent_sync
         self.name = aiomp_name(parent_sync, child_sync)
+
+    def pids(self) -> list[int]:
+        return self.ctx.pids()
 
     async def start(self) -> None:
         import aiomp
@@ -84,16 +94,9 @@ class TrioSocketFloor(h.SocketFloor):
     """The raw floor on trio: ``trio.socket``'s own ``send``/``recv`` on the socketpair."""
 
     async def start(self) -> None:
-        import multiprocessing
-        import socket
-
         import trio
 
-        a, b = socket.socketpair()
-        ctx = multiprocessing.get_context("spawn")
-        self.proc = ctx.Process(target=echo_socket, args=(b,), daemon=True)
-        self.proc.start()
-        b.close()
+        a = self.pair()
         self.tsock = trio.socket.from_stdlib_socket(a)
         self.sock = a
 
@@ -119,6 +122,9 @@ class MpQueue(h.Variant):
         self.qin, self.qout = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=echo_mp_queue, args=(self.qin, self.qout), daemon=True)
         self.proc.start()
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc.pid is not None else []
 
     def once_sync(self) -> None:
         self.qin.put(PAYLOAD)
@@ -214,21 +220,35 @@ async def backlog(rounds: int) -> tuple[float, float, list[float], list[float]]:
 LOOPS = ("asyncio", "uvloop", "trio")
 
 
-async def per_loop(loop: str) -> dict[str, float]:
-    """The floor and the async-async round trip with the parent on ``loop``: medians."""
-    c.pin_parent()
-    floor: h.Variant = TrioSocketFloor() if loop == "trio" else h.SocketFloor()
-    mp = MpQueue()
-    variants = [floor, mp, AiompQueue(False, False)]
-    s = await h.interleave(variants, c.reps(10, 2), c.reps(500, 200))
-    return {
-        "floor": c.median(s[floor.name]),
-        "mp": c.median(s[mp.name]),
-        "aiomp": c.median(s[variants[2].name]),
-    }
+#: The floors measured on every loop: (key, datagrams, async child, reader kept)
+FLOORS = (
+    ("floor", False, False, False),
+    ("floor_seqpacket", True, False, False),
+    ("floor_async", False, True, False),
+    ("floor_async_seqpacket", True, True, False),
+    ("floor_async_kept", True, True, True),
+)
 
 
-def run_on(loop: str) -> dict[str, float]:
+async def per_loop(loop: str) -> dict[str, Any]:
+    """The floors and the async-async round trip with the parent on ``loop``: medians of
+    the time per round trip (``key``) and of its CPU (``key|cpu_parent``, ``key|cpu_child``)."""
+    pinning = c.pin_parent()
+    cls = TrioSocketFloor if loop == "trio" else h.SocketFloor
+    variants: dict[str, h.Variant] = {k: cls(*how) for k, *how in FLOORS}
+    variants["mp"] = MpQueue()
+    variants["aiomp"] = AiompQueue(False, False)
+    s = await h.interleave(list(variants.values()), c.reps(10, 2), c.reps(500, 200))
+    out: dict[str, Any] = {"pinning": pinning}
+    for key, v in variants.items():
+        out[key] = c.median(s[v.name])
+        cpu = v.cpu_medians()
+        if cpu is not None:
+            out[f"{key}|cpu_parent"], out[f"{key}|cpu_child"] = cpu
+    return out
+
+
+def run_on(loop: str) -> dict[str, Any]:
     """:func:`per_loop` in a fresh interpreter whose parent runs ``loop``."""
     import json
     import subprocess
@@ -311,8 +331,10 @@ async def main() -> None:
             f"{[round(x, 3) for x in sm]}."
         )
     if missing is None:
+        pinned = []
         for loop in LOOPS:
             got = run_on(loop)
+            pinned.append(f"{loop}: {got['pinning']}")
             what = f"64 B round trip, async parent ({loop}), async child"
             rows.append(
                 c.row(what, got["aiomp"], got["floor"], f"raw floor on {loop}", c.at_most(1.4))
@@ -326,13 +348,78 @@ async def main() -> None:
                     c.faster(1.5),
                 )
             )
+            rows += loop_limits(loop, got)
         notes.append(
             "per loop: the parent on asyncio, uvloop and trio, each in a fresh interpreter "
-            "with only the floor and aiomp alive, interleaved as above (the asyncio rows at "
-            "the top run with four other variants' children alive), with multiprocessing.Queue "
-            "measured in the same fresh interpreter."
+            "with only the five floors, multiprocessing.Queue and aiomp alive, interleaved as "
+            "above (the asyncio rows at the top run with four other variants' children "
+            "alive). The floors: the parent on that loop's own socket calls; the pair a stream "
+            "or SOCK_SEQPACKET (an aiomp.Queue's kind); the echo child a blocking recv, or "
+            "sock_recv/sock_sendall awaited on the loop aiomp's async children run (uvloop "
+            "when installed; its sock_recv adds and removes a reader per call, which aiomp's "
+            "kept reader does not), or, leanest, with one reader kept registered, a plain "
+            "non-blocking recv first and a future awaited only on an empty socket (the "
+            "'reader kept' floor, SOCK_SEQPACKET). CPU per round trip: the parent's process "
+            "clock and the child's scheduler run time (/proc/PID/task/*/schedstat, every "
+            "thread) over each batch, median of the batches. Pinning per loop: "
+            + "; ".join(pinned)
+            + "."
         )
     c.emit("queue", rows, notes)
+
+
+def cpu_of(got: dict[str, float], key: str) -> float | None:
+    """Parent + child CPU per round trip of ``key`` in a :func:`per_loop` result."""
+    if f"{key}|cpu_parent" not in got:
+        return None
+    return got[f"{key}|cpu_parent"] + got[f"{key}|cpu_child"]
+
+
+def cpu_split(got: dict[str, float], key: str) -> str:
+    return (
+        f"{got[f'{key}|cpu_parent'] * 1e6:.1f} µs parent + "
+        f"{got[f'{key}|cpu_child'] * 1e6:.1f} µs child"
+    )
+
+
+def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
+    """The rows that bound the per-loop targets: aiomp against the floors with a datagram
+    pair and an async child, and the CPU per round trip next to the time."""
+    rows = []
+    what = f"64 B round trip, async parent ({loop}), async child"
+    for key, *how in FLOORS[1:]:
+        name = h.floor_name(*how).replace("raw async socketpair", f"raw floor on {loop}")
+        floor = got[key]
+        rows.append(
+            c.row(
+                what,
+                got["aiomp"],
+                floor,
+                name,
+                None,
+                f"this floor is {floor / got['floor']:.2f}x the stream, sync-child floor",
+            )
+        )
+    what = f"CPU per 64 B round trip (parent + child), async parent ({loop}), async child"
+    aiomp_cpu = cpu_of(got, "aiomp")
+    for key, desc in (
+        ("floor", f"raw floor on {loop}, stream, sync echo child"),
+        ("mp", "multiprocessing.Queue, sync parent, sync child"),
+    ):
+        if aiomp_cpu is None or cpu_of(got, key) is None:
+            rows.append(c.row(what, None, None, desc, None, "not measured"))
+            continue
+        note = (
+            f"{cpu_split(got, 'aiomp')} vs {cpu_split(got, key)}; wall-clock "
+            f"{got['aiomp'] / got[key]:.2f}x"
+        )
+        if key == "floor":
+            note += "; the other floors: " + "; ".join(
+                f"{h.floor_name(*how).replace('raw async socketpair ', '')} {cpu_split(got, k)}"
+                for k, *how in FLOORS[1:]
+            )
+        rows.append(c.row(what, aiomp_cpu, cpu_of(got, key), desc, None, note))
+    return rows
 
 
 def _loop_arg() -> str | None:
