@@ -681,6 +681,7 @@ class _BlockPool:
         weakref.finalize(block, self._give_back, alloc).atexit = False
         return block
 
+    @_lifecycle.finalizer
     def _give_back(self, alloc: _Alloc) -> None:
         with _lock:
             if self is _block_pool and self.pid == os.getpid():
@@ -1170,6 +1171,7 @@ def _open_failed(meta: IpcArrayMeta, exc: BaseException) -> str:
     return f"could not open a CUDA array sent by process {meta.pid}, which {alive}: {exc}; {hint}"
 
 
+@_lifecycle.finalizer
 def _release(
     cons: _Consumer,
     key: tuple[tuple[int, int], int],

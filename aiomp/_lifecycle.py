@@ -1,4 +1,5 @@
-"""Whether a process is alive, and the hooks other layers hang on process events.
+"""Whether a process is alive, the hooks other layers hang on process events, and the
+mark of a finalizer that Ctrl-C must not interrupt.
 
 The lowest layer of the process toolkit: standard library only, imported by children
 (``_child``, ``_worker``), by ``_shm`` and ``_cuda`` (which register hooks here when they
@@ -13,11 +14,26 @@ import os
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from typing import TypeVar
+
+    F = TypeVar("F", bound=Callable[..., None])
 
 #: Run before a ``fork`` start; each raises to refuse it (CUDA initialised, say).
 _fork_checks: list[Callable[[], None]] = []
 #: Run after a child aiomp started was seen to exit abnormally (a non-zero exit code).
 _failed_exits: list[Callable[[], None]] = []
+
+
+def finalizer(fn: F) -> F:
+    """Mark ``fn``, run by the garbage collector (a ``weakref`` callback, a ``finalize``),
+    so that trio does not raise KeyboardInterrupt inside it: Python reports an exception
+    raised in a finalizer ("Exception ignored in") and drops it, so a Ctrl-C landing there
+    would be lost, and the finalizer cut short. trio protects every frame whose code is
+    named ``__del__`` and delivers the interrupt at its next checkpoint instead; the
+    function keeps its qualified name. See *Finalizers and Ctrl-C* in docs/architecture.md.
+    """
+    fn.__code__ = fn.__code__.replace(co_name="__del__")
+    return fn
 
 
 def on_fork_check(fn: Callable[[], None]) -> Callable[[], None]:

@@ -36,7 +36,7 @@ import sys
 import time
 import weakref
 
-from . import _overflow, _reduction, _transport
+from . import _lifecycle, _overflow, _reduction, _transport
 from ._errors import QueueClosed, QueueItemError
 from ._fdwait import FdWaiters
 
@@ -560,6 +560,7 @@ def _message(obj: object) -> _reduction.Message:
     return _reduction.dumps(obj)
 
 
+@_lifecycle.finalizer
 def _close_all(
     send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow, *fds: int
 ) -> None:
@@ -651,6 +652,7 @@ class SyncEvent:
         return _transport.wait_fd_sync(self._e._fd, deadline=deadline)
 
 
+@_lifecycle.finalizer
 def _close_event(fd: int) -> None:
     _transport.forget(fd)
     os.close(fd)

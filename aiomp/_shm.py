@@ -213,6 +213,7 @@ class Segment:
         self._finalizer()
 
 
+@_lifecycle.finalizer
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -302,6 +303,7 @@ def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     return exporter
 
 
+@_lifecycle.finalizer
 def _drop_block(
     segment: Segment,
     index: int,

@@ -1444,3 +1444,31 @@ def test_empty_and_zeros_refuse_bad_shapes(shape: Any) -> None:
             np.empty(shape)
         with pytest.raises(numpy_err.type):
             make(shape)
+
+
+def test_a_ctrl_c_is_not_lost_in_a_finalizer_under_trio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: chaos's ``test_sigint_to_the_parent[trio]`` timed out once. trio raised
+    the KeyboardInterrupt inside ``_shm._drop_block``, a weak reference's callback, where
+    Python reports it ("Exception ignored in") and drops it: the parent never saw its
+    Ctrl-C. Finalizers are now protected (see *Finalizers and Ctrl-C*): trio delivers the
+    interrupt at its next checkpoint instead."""
+    import trio
+
+    protected: list[bool] = []
+    retire = _shm._pool.retire
+
+    def spy(*args: Any) -> None:
+        protected.append(trio.lowlevel.currently_ki_protected())
+        retire(*args)
+
+    monkeypatch.setattr(_shm._pool, "retire", spy)
+
+    async def main() -> None:
+        a = aiomp.empty(1 << 20, np.uint8)
+        assert not trio.lowlevel.currently_ki_protected()  # the user's code is not
+        del a
+        gc.collect()
+
+    trio.run(main)
+    assert protected == [True]
+    assert _shm._drop_block.__qualname__ == "_drop_block"  # tracebacks still name it
