@@ -207,10 +207,18 @@ def write_results(results: list[dict[str, object]], when: str, facts: str) -> No
         f.write(text)
 
 
+USAGE = "usage: python -m benchmarks.run [--quick] [--no-write] [NAME ...]; NAME is one of "
+
+
 def main(argv: list[str]) -> int:
+    options = {a for a in argv if a.startswith("-")}
+    if options - {"--quick", "--no-write"}:
+        # --help included: an unknown option must not start (and write) a full run
+        print(USAGE + ", ".join(NAMES), file=sys.stderr)
+        return 0 if options & {"-h", "--help"} else 2
     quick = "--quick" in argv
     write = "--no-write" not in argv
-    names = [a for a in argv if not a.startswith("--")] or list(NAMES)
+    names = [a for a in argv if not a.startswith("-")] or list(NAMES)
     unknown = [n for n in names if n not in NAMES]
     if unknown:
         print(f"unknown comparison(s) {unknown}; choose from {', '.join(NAMES)}", file=sys.stderr)
