@@ -2,7 +2,7 @@
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair shared by every process holding it
 (see *Datagram queues* in docs/architecture.md), an overflow log in shared memory
-(:mod:`aiomp._overflow`, see *Queue overflow*) and two eventfds: wake-up tokens for the
+(:mod:`aiomp._overflow`, see *Queue overflow*) and eventfds: wake-up tokens for the
 consumers of a bounded queue, and a wake-up for producers that wait (see *Queue
 wake-ups*; an unbounded queue counts its items as in *Queue counts*). An item is in the
 kernel when ``put`` returns, and an unpicklable item fails in ``put``, in the caller.
@@ -111,13 +111,15 @@ class Queue:
         send, recv = _transport.socketpair()
         fds: list[int] = []
         try:
-            fds.append(os.eventfd(0, _EFD | os.EFD_SEMAPHORE))
+            # Consumers' tokens: a bounded queue's only (an unbounded one's consumers wait
+            # for the socket; see *Queue counts*), so an unbounded queue has one fd fewer.
+            fds.append(os.eventfd(0, _EFD | os.EFD_SEMAPHORE) if maxsize else -1)
             fds.append(os.eventfd(0, _EFD))
             fds.append(_overflow.create())
         except BaseException:  # EMFILE, ENOMEM: nothing half-made is left open
             send.close()
             recv.close()
-            _transport.close_fds(fds)
+            _transport.close_fds([fd for fd in fds if fd >= 0])
             raise
         self._setup(os.urandom(16), maxsize, send, recv, *fds)
 
@@ -136,7 +138,7 @@ class Queue:
         self._send = send
         self._recv = recv
         # Bounded: wake-up tokens for consumers, never fewer than the items (see
-        # _overflow, "Bounded"). Unbounded: unused (qsize counts in the log's header).
+        # _overflow, "Bounded"). Unbounded: -1 (qsize counts in the log's header).
         self._items = items
         # Written when an item that frees room is taken: a put waiting for a slot
         # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
@@ -160,7 +162,7 @@ class Queue:
         fds = (
             add(self._send.fileno()),
             add(self._recv.fileno()),
-            add(self._items),
+            add(self._items) if self._maxsize else -1,
             add(self._room),
             add(self._ovf.fd),
         )
@@ -585,7 +587,7 @@ def _rebuild_queue(
         maxsize,
         socket.socket(fileno=take(send)),
         socket.socket(fileno=take(recv)),
-        take(items),
+        take(items) if maxsize else -1,
         take(room),
         take(log),
     )

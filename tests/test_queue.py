@@ -10,6 +10,7 @@ events, and every await on them is bounded by ``anyio.fail_after``.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import resource
@@ -1366,3 +1367,21 @@ def test_plain_items_and_the_general_path_keep_one_order() -> None:
         q.put_nowait(b"late")
     with pytest.raises(aiomp.QueueClosed):
         q.sync.put(1)
+
+
+def test_an_unbounded_queue_makes_no_tokens_eventfd() -> None:
+    """An unbounded queue made (and its pickled form carried) the bounded queue's tokens
+    eventfd it never used: an fd more in every process holding it."""
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    q = aiomp.Queue()
+    # the socket pair, the room eventfd, the overflow log and its mapping's duplicate
+    assert open_fds() - before == 5
+    bounded = aiomp.Queue(3)
+    assert open_fds() - before == 11  # and the consumers' tokens
+    del q, bounded
+    gc.collect()
+    assert open_fds() == before
