@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import socket
+import sys
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any
@@ -357,6 +358,7 @@ class SpawnHandle:
         self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self._task: object = None  # the asyncio task that entered the block
 
     def __await__(self) -> Generator[Any, None, ProcessContext]:
         return self._start().__await__()
@@ -371,6 +373,7 @@ class SpawnHandle:
         tg = self._tg = anyio.create_task_group()
         await tg.__aenter__()
         tg.start_soon(self._supervise, ctx, tg.cancel_scope)
+        self._task = _asyncio_task()
         return ctx
 
     @staticmethod
@@ -388,6 +391,17 @@ class SpawnHandle:
     ) -> bool:
         ctx, tg = self._ctx, self._tg
         assert ctx is not None and tg is not None
+        if self._task is not _asyncio_task():
+            # Its task group cannot be left here: stop everything it runs, and say why.
+            tg.cancel_scope.cancel()
+            await ctx.terminate()
+            raise RuntimeError(
+                "the `async with aiomp.spawn(...)` block was left by another task than the "
+                "one that entered it (a pytest-asyncio yield fixture does this); its "
+                "children were terminated. spawn's block must be left where it was entered, "
+                "since a child's failure cancels it: spawn inside the test itself, or use "
+                "anyio's pytest plugin (an aiomp.Pool may be held by such a fixture)"
+            ) from exc
         swallowed = clean = False
         try:
             swallowed = await exit_task_group(tg, exc)
@@ -402,6 +416,15 @@ class SpawnHandle:
         if ctx._failure is not None and (exc is None or swallowed):
             raise ctx._failure
         return False
+
+
+def _asyncio_task() -> object:
+    """The running asyncio task (uvloop's included), or None on trio."""
+    aio = sys.modules.get("asyncio")
+    try:
+        return None if aio is None else aio.current_task()
+    except RuntimeError:  # no asyncio loop runs here (trio)
+        return None
 
 
 async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:

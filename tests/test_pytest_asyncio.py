@@ -80,3 +80,21 @@ async def test_queue_carries_an_array_through_a_child() -> None:
         del b
         q.close()
     assert len(ctx.results) == 1
+
+
+@pytest_asyncio.fixture
+async def spawned() -> AsyncIterator[None]:
+    """A spawn held by a yield fixture: its teardown runs in another task."""
+    from tests import _funcs
+
+    with pytest.raises(RuntimeError, match="left by another task"):
+        async with aiomp.spawn(_funcs.block_forever, 1, grace_period=0.3):
+            yield
+
+
+@pytest.mark.asyncio
+async def test_spawn_in_a_yield_fixture_says_why_at_teardown(spawned: None) -> None:
+    """spawn cannot be hosted like the Pool (a child's failure cancels its block): left by
+    pytest-asyncio's teardown task it raised anyio's "exit cancel scope in a different
+    task" and left its output pipes open. It now terminates its children, closes all, and
+    says why; the fixture above checks the message, the leak check the rest."""
