@@ -29,26 +29,18 @@ def on_asyncio() -> bool:
     return True
 
 
-async def test_enter_and_leave_in_different_tasks() -> None:
+@pytest.mark.parametrize("error", [None, ValueError("the body failed")])
+async def test_enter_and_leave_in_different_tasks(error: Exception | None) -> None:
+    """Enter in one task, call and leave in others; leaving with an exception terminates
+    the workers and lets it go on."""
     if not on_asyncio():
         pytest.skip("trio: a nursery is left by the task that opened it, as trio requires")
     p = aiomp.Pool(2, grace_period=0.3)
     with anyio.fail_after(TIMEOUT):
         await asyncio.create_task(p.__aenter__())
         assert await asyncio.create_task(p.apply(funcs.square, (6,))) == 36
-        await asyncio.create_task(p.__aexit__(None, None, None))
-
-
-async def test_left_by_another_task_with_an_error() -> None:
-    """Leaving with an exception from another task terminates the workers and re-raises."""
-    if not on_asyncio():
-        pytest.skip("trio: a nursery is left by the task that opened it, as trio requires")
-    p = aiomp.Pool(1, grace_period=0.3)
-    with anyio.fail_after(TIMEOUT):
-        await asyncio.create_task(p.__aenter__())
-        assert await p.apply(funcs.square, (2,)) == 4
-        error = ValueError("the body failed")
-        assert not await asyncio.create_task(p.__aexit__(ValueError, error, None))
+        exit_args = (None, None, None) if error is None else (type(error), error, None)
+        assert not await asyncio.create_task(p.__aexit__(*exit_args))
 
 
 async def test_a_failing_own_task_breaks_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
