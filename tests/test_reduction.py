@@ -134,8 +134,8 @@ def test_loads_closes_fds_no_object_took() -> None:
 def test_aiomp_objects_resolve_to_themselves_in_their_own_process() -> None:
     q, e = aiomp.Queue(), aiomp.Event()
     out = _reduction.dumps((q, e, q))
-    # a queue: 2 sockets, the items and room eventfds, its overflow log; an event: 1
-    assert len(out.fds) == 5 + 1
+    # an unbounded queue: 2 sockets, the room eventfd, its overflow log; an event: 1
+    assert len(out.fds) == 4 + 1
     fds = received(out)
     q2, e2, q3 = _reduction.loads(out.body, fds)  # type: ignore[misc]
     assert q2 is q and q3 is q and e2 is e
