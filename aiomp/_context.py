@@ -420,11 +420,8 @@ class SpawnHandle:
 
 def _asyncio_task() -> object:
     """The running asyncio task (uvloop's included), or None on trio."""
-    aio = sys.modules.get("asyncio")
-    try:
-        return None if aio is None else aio.current_task()
-    except RuntimeError:  # no asyncio loop runs here (trio)
-        return None
+    loop = _transport.running_asyncio_loop()
+    return None if loop is None else sys.modules["asyncio"].current_task(loop)
 
 
 async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:

@@ -52,7 +52,8 @@ from ._errors import BrokenWorkerError, ProcessRaisedException
 from ._handle import WorkerHandle
 from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
 from ._taskhost import TaskHost
-from ._wakeup import Wakeup, running_asyncio_loop
+from ._transport import running_asyncio_loop
+from ._wakeup import Wakeup
 
 if TYPE_CHECKING:
     import asyncio

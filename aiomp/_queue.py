@@ -76,8 +76,7 @@ def _loop_running() -> bool:
     Looks only at modules already imported: a sync child that never imported asyncio or
     trio cannot be running their loops, and pays two dict lookups.
     """
-    aio = sys.modules.get("asyncio")
-    if aio is not None and aio._get_running_loop() is not None:
+    if _transport.running_asyncio_loop() is not None:
         return True
     trio = sys.modules.get("trio")
     if trio is not None:

@@ -10,7 +10,7 @@ import anyio
 import anyio.abc
 
 from . import _context
-from ._wakeup import running_asyncio_loop
+from ._transport import running_asyncio_loop
 
 
 class TaskHost:

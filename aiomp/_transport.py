@@ -32,6 +32,7 @@ from ._errors import TransportError
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
+    import asyncio
     from typing import Any
 
 #: Largest body sent inside the datagram; larger bodies go through a memfd.
@@ -284,6 +285,15 @@ async def recv_async(sock: socket.socket) -> tuple[bytes, list[int]]:
 # -- waiting on the running event loop -------------------------------------------------
 
 
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop (uvloop's included), or None: no loop runs in this
+    thread, or another library's does (trio). Looks only at a module already imported:
+    a process that never imported asyncio cannot be running its loop."""
+    aio = sys.modules.get("asyncio")
+    loop: asyncio.AbstractEventLoop | None = None if aio is None else aio._get_running_loop()
+    return loop
+
+
 async def wait_readable(fd: int) -> None:
     """Wait until ``fd`` is readable, on the running loop (asyncio, uvloop or trio).
 
@@ -295,8 +305,7 @@ async def wait_readable(fd: int) -> None:
     at a time (the queue's waiters fan out). Cancellation leaves nothing behind but the
     idle watch. See *Queue wake-ups* in docs/architecture.md.
     """
-    aio = sys.modules.get("asyncio")
-    loop = None if aio is None else aio._get_running_loop()
+    loop = running_asyncio_loop()
     if loop is None:
         import trio
 

@@ -9,25 +9,12 @@ side, always a task, makes what it waits on.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 import anyio
 
 if TYPE_CHECKING:
     import asyncio
-
-
-def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The running asyncio loop, or None on another library (trio)."""
-    module = sys.modules.get("asyncio")
-    if module is None:
-        return None
-    try:
-        loop: asyncio.AbstractEventLoop = module.get_running_loop()
-    except RuntimeError:
-        return None
-    return loop
 
 
 class Signal:

@@ -47,7 +47,7 @@ import anyio
 from . import _pool
 from . import _protocol as P
 from ._ray_handle import ActorHandle
-from ._wakeup import running_asyncio_loop
+from ._transport import running_asyncio_loop
 
 __all__ = ("ARRAY_THRESHOLD", "ActorInfo", "Pool")
 
