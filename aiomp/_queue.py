@@ -209,10 +209,10 @@ class Queue:
             os.eventfd_write(self._items, 1)  # wake consumers: a token no one takes
 
     # -- the non-waiting core -------------------------------------------------------
-    def _send_now(self, msg: _reduction.Message) -> bool:
+    def _send_now(self, datagram: bytes, fds: list[int]) -> bool:
         """Send on the socket if its buffer has room: True if sent."""
         try:
-            sent = _transport.try_send(self._send, *msg.datagram())
+            sent = _transport.try_send(self._send, datagram, fds)
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
         if sent:
@@ -229,16 +229,7 @@ class Queue:
         if type(obj) not in _PLAIN or self._maxsize or self._hint[HINT]:
             return False
         data = _DATA + pickle.dumps(obj, 5)
-        if len(data) > _transport.MAX_INLINE:
-            return False
-        try:
-            sent = _transport.try_send(self._send, data, _NO_FDS)
-        except _transport.Closed:
-            raise QueueClosed("put on a closed aiomp.Queue") from None
-        self._used_socket = True
-        if sent:
-            self._count(_overflow.SENT)
-        return sent
+        return len(data) <= _transport.MAX_INLINE and self._send_now(data, _NO_FDS)
 
     def _try_put(self, msg: _reduction.Message) -> bool:
         """Put if there is room: True if put (socket or overflow).
@@ -250,10 +241,10 @@ class Queue:
             return self._ovf.append(msg.body, msg.fds, None, False, self._maxsize, self._items)
         # The socket while the overflow is empty; else the overflow, behind the items
         # already there (it tries the socket again once it finds itself empty).
-        if not self._hint[HINT] and self._send_now(msg):
+        if not self._hint[HINT] and self._send_now(*msg.datagram()):
             return True
         used, self._used_socket = self._used_socket, False
-        return self._ovf.append(msg.body, msg.fds, lambda: self._send_now(msg), used)
+        return self._ovf.append(msg.body, msg.fds, lambda: self._send_now(*msg.datagram()), used)
 
     def _put_wait_fd(self, msg: _reduction.Message) -> int:
         """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
@@ -301,14 +292,8 @@ class Queue:
                     continue
                 return _MISSING
             self._count(_overflow.RECEIVED)
-            data, fds = got
-            if fds or data[0] != _transport.KIND_DATA:
-                _, body, fds = _transport.decode(data, fds)
-                return _load(body, fds)
-            try:
-                return pickle.loads(memoryview(data)[1:])
-            except Exception:  # noqa: BLE001 - the error is made where it is explained
-                return _load(memoryview(data)[1:], fds)
+            _, body, fds = _transport.decode(*got)
+            return _load(body, fds)
 
     def _recv_locked(self) -> _overflow.Popped | None:
         """The overflow's look at the socket, under its mutex: ``(body, fds, True)`` or
