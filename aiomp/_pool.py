@@ -206,8 +206,7 @@ class Pool:
         self._output = output
 
         self._state = _NEW
-        self._host: TaskHost | None = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._host: TaskHost | None = None  # where the pool's own tasks run, once open
         self._loop: asyncio.AbstractEventLoop | None = None  # None on trio
         self._init: _reduction.Message | None = None
         self._init_sends = 0
@@ -263,7 +262,6 @@ class Pool:
             self._release_init()
             raise
         self._host = host
-        self._tg = tg
         self._loop = running_asyncio_loop()
         self._wake = Wakeup(self._loop)
         self._state = _OPEN
@@ -356,10 +354,7 @@ class Pool:
             self._sched.terminate(RuntimeError("the pool was terminated before the task started"))
             if self._supervisor is not None:
                 self._supervisor.cancel()
-            handles = list(self._handles)
-            for h in handles:
-                self._sched.kill(h, " (the pool was shutting down)")
-                h.kill(now=interrupted is not None)  # and those the scheduler forgot
+            handles = self._kill_workers(" (the pool was shutting down)", interrupted is not None)
             interrupted = await _reap(handles, interrupted)
             self._release_init()
         return interrupted
@@ -371,9 +366,22 @@ class Pool:
         if self._state == _CLOSED:
             return
         self._sched.fail(RuntimeError("one of the pool's own tasks failed"))
-        for h in list(self._handles):
-            self._sched.kill(h, " (one of the pool's own tasks failed)")
-            h.kill(now=True)
+        self._kill_workers(" (one of the pool's own tasks failed)", now=True)
+
+    def _kill_workers(self, reason: str, now: bool) -> list[_Handle]:
+        """Fail each worker's tasks (BrokenWorkerError, ``reason``) and kill it: SIGTERM
+        and the grace period, or SIGKILL ``now``. Those the scheduler forgot too. Returns
+        them, to reap."""
+        handles = list(self._handles)
+        for h in handles:
+            self._sched.kill(h, reason)
+            h.kill(now=now)
+        return handles
+
+    @property
+    def _tg(self) -> anyio.abc.TaskGroup | None:
+        """The pool's task group (see *Hosted task group*), once open."""
+        return None if self._host is None else self._host.tg
 
     def _release_init(self) -> None:
         init, self._init = self._init, None
