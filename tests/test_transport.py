@@ -569,6 +569,15 @@ uvloop_only = pytest.mark.parametrize(
 )
 
 
+async def loop_turns(n: int) -> None:
+    """Let the event loop run ``n`` iterations: a waiter registers, a level-triggered
+    report repeats. Handshake-free: the loop itself is what is tested, no child."""
+    import asyncio
+
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 @pytest.fixture
 def watched_pair() -> Iterator[tuple[socket.socket, socket.socket, int]]:
     """A datagram pair ``(a, b, b's fd)``; the fd is forgotten and both closed after."""
@@ -592,8 +601,7 @@ async def test_plain_asyncio_keeps_no_reader_between_waits(
 
     a, b, fd = watched_pair
     waiter = asyncio.ensure_future(t.wait_readable(fd))
-    for _ in range(3):  # loop turns, not a wait: the waiter registers and sleeps
-        await asyncio.sleep(0)
+    await loop_turns(3)  # the waiter registers and sleeps
     assert not waiter.done() and fd not in t._readers
     assert t.try_send(a, b"\x00x", [])
     await asyncio.wait_for(waiter, 30)
@@ -618,19 +626,16 @@ async def test_kept_reader_wakes_each_wait_and_stops_when_nobody_waits(
     readers = []
     for i in range(3):
         waiter = asyncio.ensure_future(get())
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await loop_turns(3)
         assert not waiter.done(), "nothing to read yet"
         assert t.try_send(a, bytes([0, i]), [])
         got = await asyncio.wait_for(waiter, 30)
         assert got is not None and got[0] == bytes([0, i])
-        for _ in range(3):  # a stale report of the datagram just read wakes nobody
-            await asyncio.sleep(0)
+        await loop_turns(3)  # a stale report of the datagram just read wakes nobody
         readers.append(t._readers[fd])
     assert readers[0] is readers[1] is readers[2], "one reader for every wait"
     assert t.try_send(a, b"\x00x", [])
-    for _ in range(5):  # readable, and nobody waits: it stops watching
-        await asyncio.sleep(0)
+    await loop_turns(5)  # readable, and nobody waits: it stops watching
     assert fd not in t._readers
     assert t.try_recv(b) is not None
 
@@ -644,7 +649,7 @@ async def test_forget_stops_watching_and_closes_the_duplicate(
 
     _, _, fd = watched_pair
     waiter = asyncio.ensure_future(t.wait_readable(fd))
-    await asyncio.sleep(0)
+    await loop_turns(1)
     waiter.cancel()  # a cancelled wait leaves only the idle watch
     with pytest.raises(asyncio.CancelledError):
         await waiter
