@@ -64,9 +64,13 @@ def produce_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> No
 def consume_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> None:
     if use_torch:
         import torch  # noqa: F401  (rebuilding the tensors needs it)
-    go, get, report = gos[rank], data.get, done.put
+    _consume(gos[rank].get, data.get, done.put)
+
+
+def _consume(go: Any, get: Any, report: Any) -> None:
+    """A blocking consumer's protocol (the module docstring), for any queue's calls."""
     report("ready")
-    while go.get():
+    while go():
         count = 0
         while (x := get()) is not None:
             if x.__class__ is int:
@@ -108,16 +112,7 @@ def produce_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
 
 
 def consume_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
-    go, get, report = gos[rank].sync, data.sync.get, done.sync.put
-    report("ready")
-    while go.get():
-        count = 0
-        while (x := get()) is not None:
-            if x.__class__ is int:
-                report("mark")
-            else:
-                count += 1
-        report(count)
+    _consume(gos[rank].sync.get, data.sync.get, done.sync.put)
 
 
 async def produce_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None:
