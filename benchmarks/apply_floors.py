@@ -1,0 +1,84 @@
+"""Which floor ``Pool.apply`` is measured against, and what separates them (issue 17).
+
+Run as ``python -m benchmarks.apply_floors [batches]``. Prints, in one run and alternating
+batches (the ``bench_pool`` method: parent on one core, children on the other), the median
+round trip and the CPU per round trip (parent + child) of:
+
+- the raw floor of ``bench_pool``: 64 B over a stream pair to a blocking echo child,
+  the parent awaiting the loop's ``sock_sendall``/``sock_recv`` (which add and remove a
+  reader on every round trip);
+- the same child, the parent reading with a reader callback that stays registered and
+  resolves the awaited future (the pattern ``Pool.apply`` uses: see *Dispatch* and
+  *Apply wake-ups* in docs/architecture.md);
+- ``Pool.apply(trivial)``.
+
+Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from benchmarks import _common as c
+from benchmarks import _harness as h
+from benchmarks._targets import PAYLOAD
+from benchmarks.bench_pool import AiompApply
+
+
+class KeptReaderFloor(h.SocketFloor):
+    """The raw floor's child; the parent keeps one reader registered (as the pool does)."""
+
+    name = "raw floor, reader kept (sync echo child)"
+
+    async def start(self) -> None:
+        await super().start()
+        self.waiter = None
+        sock = self.sock
+
+        def readable() -> None:
+            try:
+                data = sock.recv(64)
+            except BlockingIOError:
+                return
+            self.got += len(data)
+            if self.got >= 64 and self.waiter is not None:
+                self.waiter.set_result(None)
+
+        self.got = 0
+        self.loop.add_reader(sock.fileno(), readable)
+
+    async def once(self) -> None:
+        self.got = 0
+        self.waiter = waiter = self.loop.create_future()
+        self.sock.send(PAYLOAD)
+        await waiter
+
+    async def stop(self) -> None:
+        self.loop.remove_reader(self.sock.fileno())
+        await super().stop()
+
+
+async def main() -> None:
+    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    pinning = c.pin_parent()
+    variants: list[h.Variant] = [h.SocketFloor(), KeptReaderFloor(), AiompApply()]
+    s = await h.interleave(variants, batches, 120)
+    base = c.median(s[variants[0].name])
+    print(
+        f"{pinning}; {batches} batches of 120; loop {h.loop_name()}; load {os.getloadavg()[0]:.2f}"
+    )
+    for v in variants:
+        m = c.median(s[v.name])
+        cpu = v.cpu_medians() or (0.0, 0.0)
+        print(
+            f"{v.name:45s} {m * 1e6:7.1f} µs {m / base:5.2f}x  CPU {cpu[0] * 1e6:5.1f} + "
+            f"{cpu[1] * 1e6:5.1f} µs"
+        )
+
+
+if __name__ == "__main__":
+    import anyio
+
+    c.allow_bytecode()
+    anyio.run(main)
