@@ -176,7 +176,7 @@ def _encode(
         # apply(f, (1, "a")): nothing in it can carry an fd or an array. (Not for a map's
         # chunk: looking at each of thousands of items costs more than the pickler does.)
         if fid and not items:
-            return P.task_frame(tid, flags | P.F_NOARGS, fid, b"")
+            return P.noargs_task(tid, flags | P.F_NOARGS, fid)
         if (fid or type(fn) in _BUILTIN_FUNCTIONS) and all(type(x) in P.PLAIN for x in items):
             body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
             if P.fits_inline(body):
@@ -247,7 +247,12 @@ async def apply(
     """
     if pool._state != 1 or pool._sched.broken is not None:  # not _OPEN
         pool._check_open()
-    info = fn_info(fn)
+    try:
+        info = _fn_cache.get(_ref(fn))  # fn_info's cache, read here: a frame less
+    except TypeError:
+        info = None
+    if info is None:
+        info = fn_info(fn)
     flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
     loop = pool._loop
     task = make_task(
@@ -262,14 +267,21 @@ async def apply(
         # The round trip's hot path: the task is sent before this task yields, so the
         # worker runs it while the loop is still on its way to waiting (measured: sending
         # after the yield costs 11 to 17 % of the round trip), and the reader callback
-        # resolves the future awaited here directly. Unless a cancellation may be pending:
-        # then the task goes to the pool from a callback that runs once this task has
-        # yielded, and is dropped unsent if the wait was cancelled by then.
-        task.waiter = waiter = loop.create_future()
+        # resolves the future awaited here directly. What can wait (the future) is made
+        # after the send (see *Apply critical path* in docs/architecture.md). Unless a
+        # cancellation may be pending: then the task goes to the pool from a callback
+        # that runs once this task has yielded, and is dropped unsent if the wait was
+        # cancelled by then.
         if _cancel_pending(loop):
+            task.waiter = waiter = loop.create_future()
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:
             pool._sched.submit(task)
+            if task.state == DONE:  # failed at once (a broken pool): nothing to wait for
+                if task.ok:
+                    return task.value
+                raise task.value
+            task.waiter = waiter = loop.create_future()
         try:
             await waiter
         except BaseException:
@@ -295,8 +307,21 @@ async def apply(
 def _cancel_pending(loop: asyncio.AbstractEventLoop) -> bool:
     """Whether a cancellation may be pending for the current asyncio task (or there is
     no task): then a call must yield before it sends anything."""
-    current = sys.modules["asyncio"].current_task(loop)
+    current = _current_task(loop)
     return current is None or bool(current.cancelling()) or _anyio_scope_cancelled(current, loop)
+
+
+def _current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
+    """``asyncio.current_task(loop)``. Python 3.11's is a Python function reading a dict;
+    the dict is read directly instead, without that frame on ``apply``'s hot path."""
+    global _current_task
+    asyncio = sys.modules["asyncio"]
+    tasks = getattr(asyncio.tasks, "_current_tasks", None)
+    if isinstance(asyncio.current_task, types.FunctionType) and type(tasks) is dict:
+        _current_task = tasks.get  # type: ignore[assignment]
+    else:  # a C current_task (3.12+), or asyncio changed
+        _current_task = asyncio.current_task
+    return _current_task(loop)
 
 
 def _anyio_scope_cancelled(task: asyncio.Task[Any], loop: asyncio.AbstractEventLoop) -> bool:

@@ -66,6 +66,9 @@ S = TypeVar("S")
 T = TypeVar("T")
 
 _NEW, _OPEN, _CLOSING, _CLOSED = range(4)
+_KIND_DATA = _transport.KIND_DATA
+_HEAD = P.HEAD.unpack_from
+_SMALL = P.COPY_BELOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,7 +483,12 @@ class Pool:
 
     def _on_message(self, h: WorkerHandle, got: tuple[bytes, list[int]]) -> None:
         """One message from a worker (in the reader callback on asyncio)."""
-        op, tid, _, payload, fds = P.unpack(*got)
+        data, fds = got
+        if data[0] == _KIND_DATA and len(data) < _SMALL:  # P.unpack's common case, inline
+            _, op, tid, _ = _HEAD(data)
+            payload: bytes | memoryview = data[11:]
+        else:
+            op, tid, _, payload, fds = P.unpack(data, fds)
         if op == P.OP_OK:
             try:
                 value: Any = _reduction.loads(payload, fds) if fds else pickle.loads(payload)

@@ -28,6 +28,7 @@ A *child* module: every worker imports it (see *Light children* in docs/architec
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 
@@ -56,14 +57,14 @@ F_NOARGS = 8
 HEADER_SIZE = 10
 _KIND_DATA = _transport.KIND_DATA
 #: An inline datagram: the transport's kind byte, then the header.
-_HEAD = struct.Struct("<BBQB")
+HEAD = struct.Struct("<BBQB")
 #: The same behind its stream frame header (datagram length, fd count).
 _FRAMED_HEAD = struct.Struct("<IBBBQB")
 #: A framed TASK header with its function id.
 _FRAMED_TASK = struct.Struct("<IBBBQBI")
 FID = struct.Struct("<I")
 #: Below this a received payload is copied out of its datagram (cheaper than a view).
-_COPY_BELOW = 2048
+COPY_BELOW = 2048
 
 #: Values of these types cannot hold an fd or an array: plain pickle, a third of the cost.
 PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
@@ -93,6 +94,14 @@ def task_frame(tid: int, flags: int, fid: int, pickled: bytes) -> bytes:
     )
 
 
+#: ``noargs_task(tid, flags, fid)``: the whole framed TASK of ``fn()`` (flags with
+#: ``F_NOARGS``), packed in one C call: the ``apply`` round trip's hot path.
+noargs_task = functools.partial(_FRAMED_TASK.pack, HEADER_SIZE + 5, 0, _KIND_DATA, OP_TASK)
+#: The fused header of a received inline TASK datagram (after its stream frame header):
+#: kind, op, task id, flags, function id.
+TASK_HEAD = struct.Struct("<BBQBI")
+
+
 def task_body(fid: int, pickled: bytes) -> bytes:
     """What follows a TASK header: the function id, then the pickle."""
     return FID.pack(fid) + pickled
@@ -110,8 +119,8 @@ def function_id(payload: bytes | memoryview) -> int:
 def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryview, list[int]]:
     """``(op, tid, flags, payload, fds)`` of a received datagram."""
     if data[0] == _KIND_DATA:
-        _, op, tid, flags = _HEAD.unpack_from(data)
-        payload = data[11:] if len(data) < _COPY_BELOW else memoryview(data)[11:]
+        _, op, tid, flags = HEAD.unpack_from(data)
+        payload = data[11:] if len(data) < COPY_BELOW else memoryview(data)[11:]
         return op, tid, flags, payload, fds
     _, body, fds = _transport.decode(data, fds)
     view = memoryview(body)

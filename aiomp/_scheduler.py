@@ -503,28 +503,27 @@ class Scheduler:
                 self.queued += 1
 
     def _start(self, w: Worker, task: Task) -> bool:
-        """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued."""
-        task.state = RUNNING
-        task.worker = w
-        w.running[task.tid] = task
-        w.load += task.weight
+        """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
+
+        The send comes first and the bookkeeping after it: the worker wakes while this
+        runs (see *Apply critical path* in docs/architecture.md). Nothing can complete the
+        task in between: a result is read by a later loop callback.
+        """
         try:
             sent = w.handle.send(task)
         except OSError as exc:  # its fds cannot travel (fd limit): that task's failure
-            del w.running[task.tid]
-            w.load -= task.weight
             self._finish(task, False, exc)
             if w.load == 0 and w.usable:
                 self.idle[w] = None
             return True
         if not sent:
-            del w.running[task.tid]
-            w.load -= task.weight
-            task.state = QUEUED
-            task.worker = None
             w.gone = True
             self.idle.pop(w, None)
             return False
+        task.state = RUNNING
+        task.worker = w
+        w.running[task.tid] = task
+        w.load += task.weight
         w.dispatched += 1
         if self.maxtasks is not None and w.dispatched >= self.maxtasks and not w.retiring:
             w.retiring = True

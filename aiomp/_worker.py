@@ -33,6 +33,7 @@ import itertools
 import pickle
 import signal
 import socket
+import struct
 import sys
 import types
 
@@ -47,6 +48,14 @@ if TYPE_CHECKING:
 _NONE = pickle.dumps(None, protocol=5)
 FID = P.FID.unpack_from
 _Coroutine = types.CoroutineType
+# The round trip's hot path (see *Apply critical path* in docs/architecture.md): a TASK
+# datagram of ``fn()`` is its fused header alone, and ``None`` has a constant reply.
+_NOARGS_SIZE = P.TASK_HEAD.size
+_NOARGS_HEAD = P.TASK_HEAD.unpack_from
+_APPLY_NOARGS = P.F_APPLY | P.F_NOARGS
+_KIND_DATA = _transport.KIND_DATA
+_OK_NONE_HEAD = P.framed(P.OP_OK, 0, 0, _NONE)[:7]  # frame header, kind, op
+_TID = struct.Struct("<QB")  # task id, flags
 
 
 def send(chan: _transport.Stream, op: int, tid: int, payload: object) -> None:
@@ -132,10 +141,20 @@ class Worker:
     def serve(self) -> None:
         """Serve tasks until EXIT or end of stream; switch to a loop for an async task."""
         recv = self.chan.recv_sync
+        fns = self.fns
         while True:
             got = recv()  # one blocking recvmsg
-            assert got is not None
-            op, tid, flags, payload, fds = P.unpack(*got)
+            assert got is not None  # (no deadline)
+            data, fds = got
+            if len(data) == _NOARGS_SIZE and not fds:
+                # ``fn()`` of a DEF'd sync function: one unpack, no payload, no pickle.
+                kind, op, tid, flags, fid = _NOARGS_HEAD(data)
+                if kind == _KIND_DATA and op == P.OP_TASK and flags == _APPLY_NOARGS:
+                    fn = fns.get(fid)
+                    if fn is not None and type(fn) is not _BadDef:
+                        self.call(tid, flags, fn, (), None)
+                        continue
+            op, tid, flags, payload, fds = P.unpack(data, fds)
             if op == P.OP_TASK:
                 if flags & P.F_ASYNC:
                     self.run_coro(self.serve_async((tid, flags, payload, fds)))
@@ -192,16 +211,12 @@ class Worker:
             return None
 
     def run_sync(self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]) -> None:
-        # The round trip's hot path: `fn()` of a DEF'd function needs no unpickling at all.
-        fn = self.fns.get(FID(payload)[0]) if flags & P.F_NOARGS else None
-        msg: tuple[Any, Any, Any] | None
-        if fn is not None and type(fn) is not _BadDef:
-            msg = (fn, (), None)
-        else:
-            msg = self.load(tid, flags, payload, fds)
-        if msg is None:
-            return
-        fn, items, kwds = msg
+        msg = self.load(tid, flags, payload, fds)
+        if msg is not None:
+            self.call(tid, flags, *msg)
+
+    def call(self, tid: int, flags: int, fn: Any, items: Any, kwds: Any) -> None:
+        """Run a sync task (an apply's call, or a map's chunk) and send its outcome."""
         try:
             if flags & P.F_APPLY:
                 result = fn(*items, **kwds) if kwds else fn(*items)
@@ -213,12 +228,12 @@ class Worker:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001
-            del msg, fn, items, kwds
+            del fn, items, kwds
             send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
-        del msg, items, kwds
+        del items, kwds
         if result is None:
-            self.chan.send_sync(P.framed(P.OP_OK, tid, 0, _NONE), [])
+            self.chan.send_sync(_OK_NONE_HEAD + _TID.pack(tid, 0) + _NONE, [])
         else:
             self.reply(tid, fn, result, chunk=not flags & P.F_APPLY)
 

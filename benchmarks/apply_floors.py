@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
@@ -59,10 +60,55 @@ class KeptReaderFloor(h.SocketFloor):
         await super().stop()
 
 
+class SpinAfterSendFloor(KeptReaderFloor):
+    """A kept reader whose parent stays busy (a spin) for ``SPIN_NS`` after each send:
+    whether the floor's advantage is how long its parent has been idle when the reply
+    comes."""
+
+    name = "raw floor, reader kept, parent spins 10 µs after send"
+    spin_ns = 10_000
+
+    async def once(self) -> None:
+        self.got = 0
+        self.waiter = waiter = self.loop.create_future()
+        self.sock.send(PAYLOAD)
+        until = time.monotonic_ns() + self.spin_ns
+        while time.monotonic_ns() < until:
+            pass
+        await waiter
+
+
+class ReaderPerCallFloor(h.SocketFloor):
+    """A reader registered after each send and removed in its callback (what ``sock_recv``
+    does, without its first, failing ``recv``)."""
+
+    name = "raw floor, reader added per call"
+
+    async def once(self) -> None:
+        loop, sock = self.loop, self.sock
+        waiter = loop.create_future()
+        fd = sock.fileno()
+
+        def readable() -> None:
+            data = sock.recv(64)
+            loop.remove_reader(fd)
+            waiter.set_result(data)
+
+        sock.send(PAYLOAD)
+        loop.add_reader(fd, readable)
+        await waiter
+
+
 async def main() -> None:
     batches = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     pinning = c.pin_parent()
-    variants: list[h.Variant] = [h.SocketFloor(), KeptReaderFloor(), AiompApply()]
+    variants: list[h.Variant] = [
+        h.SocketFloor(),
+        KeptReaderFloor(),
+        SpinAfterSendFloor(),
+        ReaderPerCallFloor(),
+        AiompApply(),
+    ]
     s = await h.interleave(variants, batches, 120)
     base = c.median(s[variants[0].name])
     print(
@@ -72,7 +118,7 @@ async def main() -> None:
         m = c.median(s[v.name])
         cpu = v.cpu_medians() or (0.0, 0.0)
         print(
-            f"{v.name:45s} {m * 1e6:7.1f} µs {m / base:5.2f}x  CPU {cpu[0] * 1e6:5.1f} + "
+            f"{v.name:55s} {m * 1e6:7.1f} µs {m / base:5.2f}x  CPU {cpu[0] * 1e6:5.1f} + "
             f"{cpu[1] * 1e6:5.1f} µs"
         )
 

@@ -98,8 +98,11 @@ def _parent_hooks() -> None:
     _scheduler.Task.finish = timed_finish  # type: ignore[method-assign]
 
 
-def echo_timed(sock: socket.socket, n: int) -> None:
-    """The floor's blocking echo child, recording its events; sends them at the end."""
+def echo_timed(sock: socket.socket, n: int, delay_ns: int = 0) -> None:
+    """The floor's blocking echo child, recording its events; sends them at the end.
+
+    ``delay_ns``: it spins that long before each reply, standing in for a worker's own
+    work: how the reply's cost depends on how long the parent has been asleep."""
     import pickle
 
     c.pin_child()
@@ -111,6 +114,10 @@ def echo_timed(sock: socket.socket, n: int) -> None:
         while len(data) < 64:
             data += sock.recv(64 - len(data))
         note(("recv", _now()))
+        if delay_ns:
+            until = _now() + delay_ns
+            while _now() < until:
+                pass
         note(("reply", _now()))
         sock.sendall(data)
         note(("replied", _now()))
@@ -164,12 +171,14 @@ async def pool_trips(n: int) -> list[list[tuple[str, int]]]:
     return _split(mine + theirs, starts)
 
 
-async def floor_trips(n: int) -> list[list[tuple[str, int]]]:
+async def floor_trips(n: int, delay_ns: int = 0) -> list[list[tuple[str, int]]]:
     import multiprocessing
     import pickle
 
     a, b = socket.socketpair()
-    proc = multiprocessing.get_context("spawn").Process(target=echo_timed, args=(b, n + 200))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=echo_timed, args=(b, n + 200, delay_ns)
+    )
     proc.start()
     b.close()
     a.setblocking(False)
@@ -210,8 +219,11 @@ async def floor_trips(n: int) -> list[list[tuple[str, int]]]:
 async def main(n: int) -> None:
     print(c.pin_parent(), f"; {n} round trips each")
     _parent_hooks()
+    delays = [int(x) for x in sys.argv[2:]]  # µs the floor's child spins before replying
     for _ in range(2):
         _report("floor", await floor_trips(n))
+        for d in delays:
+            _report(f"floor, child spins {d} µs", await floor_trips(n, d * 1000))
         _report("apply", await pool_trips(n))
 
 
