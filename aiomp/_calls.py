@@ -141,6 +141,8 @@ def make_task(
     fid = info.fid
     if pool._encode is not None:  # aiomp.ray: a message that Ray carries
         message: Any = pool._encode(tid, fn, info, flags, items, kwds, group)
+    elif fid and flags & P.F_APPLY and not items and not kwds:  # fn(): _encode's hot case
+        message = P.noargs_task(tid, flags | P.F_NOARGS, fid)
     else:
         try:
             message = _encode(tid, fn, fid, flags, items, kwds)
@@ -272,7 +274,8 @@ async def apply(
         # cancellation may be pending: then the task goes to the pool from a callback
         # that runs once this task has yielded, and is dropped unsent if the wait was
         # cancelled by then.
-        if _cancel_pending(loop):
+        current = _current_task(loop)  # (_cancel_pending's test, a frame less)
+        if current is None or current.cancelling() or _anyio_scope_cancelled(current, loop):
             task.waiter = waiter = loop.create_future()
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:

@@ -377,7 +377,18 @@ class Scheduler:
         self.unfinished -= 1
         self.completed += 1
         task.finish(ok, value)
-        self._make_available(w)
+        if (
+            w.load
+            or self.queue
+            or not w.ready
+            or w.retiring
+            or w.killed
+            or w.gone
+            or self._state == _CLOSED
+        ):
+            self._make_available(w)
+        else:  # idle again, nothing waits: _make_available's common case, a frame less
+            self.idle[w] = None
         if not self.unfinished and self.on_drained is not None:
             self.on_drained()
         return True
