@@ -1,0 +1,119 @@
+"""The ``apply`` round trip's hot path: what each side runs per call, and that the short
+paths keep every outcome of the general ones (see *Apply critical path* in
+docs/architecture.md).
+
+Guards are counts, not timings: the Python calls into aiomp's modules per ``apply`` in
+the worker and in the parent, measured with ``sys.setprofile`` (deterministic, and
+independent of the machine's load).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+import aiomp
+from aiomp import _protocol as P
+from tests import _funcs_pool2 as f
+
+TIMEOUT = 20
+N = 200
+
+pytestmark = pytest.mark.anyio
+
+asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])
+asyncio_loops = pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
+    ids=["asyncio", "uvloop"],
+)
+
+
+def pool(**kwargs: Any) -> aiomp.Pool:
+    return aiomp.Pool(1, start_method="forkserver", grace_period=0.3, **kwargs)
+
+
+@asyncio_only
+async def test_a_worker_runs_fn_in_four_aiomp_calls() -> None:
+    """The worker serves ``apply(fn)`` of a sync function it was sent once with four
+    calls into aiomp: receive (two: the stream's read), run, send. Pins the hot path that
+    replaced six (``P.unpack``, ``run_sync`` and ``P.framed`` per call)."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            await p.apply(f.nothing)
+            await p.apply(f.start_counting)
+            for _ in range(N):
+                await p.apply(f.nothing)
+            counts = await p.apply(f.stop_counting)
+    total = sum(counts.values())
+    # The ends of the two counting tasks' own round trips are in the total too.
+    assert total <= 4 * N + 16, counts
+    assert counts.get("_protocol.py:unpack", 0) <= 2, counts
+    assert counts.get("_worker.py:run_sync", 0) <= 2, counts
+
+
+@asyncio_loops
+async def test_the_parent_makes_at_most_16_aiomp_calls_per_apply() -> None:
+    """``apply(fn)`` in the parent on asyncio and uvloop: at most 16 Python calls into
+    aiomp per round trip, sending and receiving included (22 before the hot path was
+    trimmed: ``fn_info``, ``_encode``, ``task_frame``, ``_cancel_pending``, ``unpack`` and
+    ``_make_available`` each added a frame)."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            for _ in range(20):
+                await p.apply(f.nothing)
+            f.start_counting()
+            try:
+                for _ in range(N):
+                    await p.apply(f.nothing)
+            finally:
+                counts = f.stop_counting()
+    assert sum(counts.values()) <= 16 * N + 16, counts
+
+
+async def test_fn_results_errors_and_coroutines_on_the_short_path() -> None:
+    """``apply(fn)`` with no arguments takes the worker's short path: a value, None, an
+    exception (same type, the worker's traceback as its cause) and a returned coroutine
+    (awaited in the worker) come back as from the general path."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            assert await p.apply(f.forty_two) == 42
+            assert await p.apply(f.nothing) is None
+            with pytest.raises(LookupError, match="refused") as info:
+                await p.apply(f.refuse)
+            assert isinstance(info.value.__cause__, P.RemoteTraceback)
+            assert "refuse" in str(info.value.__cause__)
+            assert await p.apply(f.coroutine) == "awaited"
+            # The same functions with arguments take the general path, alike.
+            assert await p.apply(f.forty_two, kwds={}) == 42
+            assert await p.apply(max, (1, 2)) == 2
+
+
+@asyncio_only
+async def test_a_no_argument_task_on_a_broken_pool_fails_without_waiting() -> None:
+    """A task the scheduler fails at once (here: a pool broken between the call's check
+    and its submission) returns its error without awaiting a future nobody would set."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            await p.apply(f.nothing)
+            sched = p._sched
+            submit = sched.submit
+
+            def break_then_submit(task: Any) -> None:
+                sched.fail(RuntimeError("broken meanwhile"))
+                submit(task)
+
+            sched.submit = break_then_submit  # type: ignore[method-assign]
+            try:
+                with pytest.raises(aiomp.BrokenPoolError, match="broken meanwhile"):
+                    await p.apply(f.nothing)
+            finally:
+                del sched.submit
+
+
+def test_no_argument_frame_is_the_general_frame() -> None:
+    """``P.noargs_task`` packs the same bytes as ``P.task_frame`` with no pickle."""
+    for tid, flags, fid in ((1, P.F_APPLY | P.F_NOARGS, 7), (2**63, 13, 2**32 - 1)):
+        assert P.noargs_task(tid, flags, fid) == P.task_frame(tid, flags, fid, b"")
