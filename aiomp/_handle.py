@@ -52,6 +52,7 @@ class WorkerHandle:
         slot: int,
         child: _process.Child,
         sock: socket.socket,
+        results: socket.socket,
         loop: asyncio.AbstractEventLoop | None,
         grace: float,
         on_message: Callable[[WorkerHandle, tuple[bytes, list[int]]], None],
@@ -61,7 +62,10 @@ class WorkerHandle:
     ) -> None:
         self.slot = slot
         self.child = child
-        self.chan = _transport.Stream(sock)
+        self.chan = _transport.Stream(sock)  # tasks and control frames, to the worker
+        # Its results, from the worker: a second pair, so that reading a result wakes
+        # nobody (see *Two channels* in docs/architecture.md).
+        self.results = _transport.Stream(results)
         self._loop = loop
         self._grace = grace
         self._on_message = on_message
@@ -227,11 +231,12 @@ class WorkerHandle:
         self._partial = None
         self.closed = True
         self.chan.close()
+        self.results.close()
         return unsent
 
     async def _read(self) -> None:
-        """The one reader of the channel, until end of stream or cancellation."""
-        chan = self.chan
+        """The one reader of the results channel, until end of stream or cancellation."""
+        chan = self.results
         loop = self._loop
         if loop is None:
             while True:
@@ -290,7 +295,7 @@ class WorkerHandle:
     def _drain(self) -> None:
         while True:
             try:
-                got = self.chan.try_recv()
+                got = self.results.try_recv()
             except (_transport.Closed, OSError):
                 return
             if got is None or not self._handle(got):

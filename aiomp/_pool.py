@@ -428,7 +428,15 @@ class Pool:
             if self._output == "inherit"
             else _output.Forwarder(slot, self._output, label="worker")
         )
-        sock, theirs = _transport.stream_socketpair()  # the worker's channel
+        # Two channels: tasks to the worker, results from it (see *Two channels* in
+        # docs/architecture.md).
+        sock, theirs = _transport.stream_socketpair()
+        try:
+            results, their_results = _transport.stream_socketpair()
+        except BaseException:
+            sock.close()
+            theirs.close()
+            raise
         try:
             child = _process.launch(
                 _process.Child,
@@ -437,16 +445,21 @@ class Pool:
                 self._start_method,
                 True,
                 theirs,
+                extra=(their_results,),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
             )
         except BaseException:
             sock.close()
+            results.close()
             raise
+        finally:
+            their_results.close()
         h = WorkerHandle(
             slot,
             child,
             sock,
+            results,
             self._loop,
             self._grace,
             self._on_message,

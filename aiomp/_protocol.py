@@ -1,8 +1,8 @@
 """The wire format between :class:`aiomp.Pool` and its workers, used by both sides.
 
-Every message, both ways, is one ``_transport`` datagram framed on the worker's
-:class:`_transport.Stream` (a stream socket: see *Stream wake-ups* in docs/architecture.md
-for why). Its body is a 10-byte header
+Every message is one ``_transport`` datagram framed on a :class:`_transport.Stream` (a
+stream socket: see *Stream wake-ups* in docs/architecture.md for why), one per direction
+(see *Two channels*). Its body is a 10-byte header
 followed by a pickle made with ``_reduction`` (so fds of shared arrays ride in the same
 datagram)::
 

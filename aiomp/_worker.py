@@ -2,9 +2,9 @@
 
 A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 
-1. closes the datagram socket ``launch`` gave it (the pool's channel is a second, stream
-   socket: see the wire format below), asks the kernel to SIGKILL it when its parent
-   dies, ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group; the
+1. reads the pool's messages from one stream socket and writes its own to a second one
+   (see *Two channels* in docs/architecture.md), asks the kernel to SIGKILL it when its
+   parent dies, ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group; the
    parent decides what happens to its workers), and clears the ``daemon`` flag
    ``multiprocessing`` gave it, so that a task may start processes of its own (a nested
    pool, a data loader);
@@ -92,8 +92,9 @@ class _BadDef:
 class Worker:
     """The state of one worker process."""
 
-    def __init__(self, chan: _transport.Stream) -> None:
-        self.chan = chan
+    def __init__(self, tasks: _transport.Stream, chan: _transport.Stream) -> None:
+        self.tasks = tasks  # read: the pool's messages
+        self.chan = chan  # written: the replies (see *Two channels* in docs/architecture.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
         # The logging-records socket to the parent, until logging is imported here (by the
@@ -117,7 +118,7 @@ class Worker:
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> bool:
-        got = self.chan.recv_sync()
+        got = self.tasks.recv_sync()
         assert got is not None
         op, _, _, payload, fds = P.unpack(*got)
         assert op == P.OP_INIT, op
@@ -140,7 +141,7 @@ class Worker:
     # -- sync mode -----------------------------------------------------------------
     def serve(self) -> None:
         """Serve tasks until EXIT or end of stream; switch to a loop for an async task."""
-        recv = self.chan.recv_sync
+        recv = self.tasks.recv_sync
         fns = self.fns
         while True:
             got = recv()  # one blocking recvmsg
@@ -318,7 +319,7 @@ class Worker:
                 if not finished.done():
                     finished.set_exception(exc)
 
-        chan = self.chan
+        chan = self.tasks
         tid, flags, payload, fds = first
         handle(tid, P.OP_TASK, flags, payload, fds)
         fd = chan.fileno()
@@ -374,12 +375,14 @@ def main(
     rank: int,
     stream: socket.socket,
     parent_pid: int,
+    results: socket.socket,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
-    ``stream`` is the stream socket the pool made (``_transport.stream_socketpair``): the pool
-    talks to its worker over it. ``output``: the ends of the parent's output forwarder
+    ``stream`` and ``results`` are stream sockets the pool made
+    (``_transport.stream_socketpair``): the pool's messages come on ``stream``, the
+    worker's go on ``results``. ``output``: the ends of the parent's output forwarder
     (``aiomp._output``), unless the pool inherits its fds.
     """
     _child.begin(parent_pid, output)
@@ -390,7 +393,7 @@ def main(
         multiprocessing.current_process().daemon = False
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
-    worker = Worker(_transport.Stream(stream))
+    worker = Worker(_transport.Stream(stream), _transport.Stream(results))
     if output is not None:
         worker.records = (output[3], output[4])
     try:
@@ -402,6 +405,7 @@ def main(
     finally:
         if worker.runner is not None:
             worker.runner.close()
+        worker.tasks.close()
         worker.chan.close()
         if worker.records is not None:
             worker.records[0].close()

@@ -18,6 +18,7 @@ Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by han
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
@@ -99,6 +100,53 @@ class ReaderPerCallFloor(h.SocketFloor):
         await waiter
 
 
+def echo_two_sockets(rx: socket.socket, tx: socket.socket) -> None:
+    """The floor's blocking echo child, reading from one pair and answering on another."""
+    c.pin_child()
+    rx.setblocking(True)
+    tx.setblocking(True)
+    while True:
+        data = rx.recv(64)
+        if not data:
+            break
+        while len(data) < 64:
+            data += rx.recv(64 - len(data))
+        tx.sendall(data)
+    rx.close()
+    tx.close()
+
+
+class TwoPairFloor(KeptReaderFloor):
+    """A kept reader and a blocking echo child, with the request and the reply on two
+    socket pairs: reading the reply then wakes nobody (on one pair it wakes the child,
+    asleep in ``recv`` on the same socket, for the room the read freed)."""
+
+    name = "raw floor, reader kept, two pairs"
+
+    def pair(self) -> socket.socket:
+        import multiprocessing
+
+        a, b = socket.socketpair()
+        ra, rb = socket.socketpair()
+        ctx = multiprocessing.get_context("spawn")
+        self.proc = ctx.Process(target=echo_two_sockets, args=(b, rb), daemon=True)
+        self.proc.start()
+        b.close()
+        rb.close()
+        self.tx = a
+        return ra
+
+    async def once(self) -> None:
+        self.got = 0
+        self.waiter = waiter = self.loop.create_future()
+        self.tx.send(PAYLOAD)
+        await waiter
+
+    async def stop(self) -> None:
+        self.tx.close()
+        await super().stop()
+
+
 async def main() -> None:
     batches = int(sys.argv[1]) if len(sys.argv) > 1 else 20
     pinning = c.pin_parent()
@@ -107,6 +155,7 @@ async def main() -> None:
         KeptReaderFloor(),
         SpinAfterSendFloor(),
         ReaderPerCallFloor(),
+        TwoPairFloor(),
         AiompApply(),
     ]
     s = await h.interleave(variants, batches, 120)
