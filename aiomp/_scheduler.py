@@ -92,7 +92,6 @@ class Task:
         weight: int,
         is_async: bool,
         message: Any,
-        *,
         fn_id: int = 0,
         define: bytes = b"",
         group: object = None,
