@@ -9,7 +9,12 @@ round trip and the CPU per round trip (parent + child) of:
   reader on every round trip);
 - the same child, the parent reading with a reader callback that stays registered and
   resolves the awaited future (the pattern ``Pool.apply`` uses: see *Dispatch* and
-  *Apply wake-ups* in docs/architecture.md);
+  *Apply critical path* in docs/architecture.md);
+- the same, the parent spinning 10 µs after each send (whether the floor's advantage is
+  how long its parent has been idle when the reply comes);
+- a reader added after each send and removed in its callback (``sock_recv`` without its
+  first, failing ``recv``);
+- a kept reader with the request and the reply on two socket pairs (see *Two channels*);
 - ``Pool.apply(trivial)``.
 
 Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by hand.
@@ -62,7 +67,7 @@ class KeptReaderFloor(h.SocketFloor):
 
 
 class SpinAfterSendFloor(KeptReaderFloor):
-    """A kept reader whose parent stays busy (a spin) for ``SPIN_NS`` after each send:
+    """A kept reader whose parent stays busy (a spin) for ``spin_ns`` after each send:
     whether the floor's advantage is how long its parent has been idle when the reply
     comes."""
 

@@ -15,7 +15,7 @@ and worker on the other as in ``bench_pool``:
   child, ``returned`` (``sock_recv`` returned in the parent).
 
 The hooks wrap private methods (a few hundred ns each), so the pool's figures are a little
-later than without them; the floor's child records its events inline. See *Apply wake-ups*
+later than without them; the floor's child records its events inline. See *Apply critical path*
 in docs/architecture.md and the Findings in RESULTS.md.
 """
 
