@@ -55,6 +55,8 @@ _ONE = (1).to_bytes(8, "little")
 _MISSING = object()
 HINT = _overflow.HINT
 U64 = _overflow.U64
+_SENT = _overflow.SENT
+_RECEIVED = _overflow.RECEIVED
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 _PLAIN = _reduction.PLAIN
@@ -149,8 +151,9 @@ class Queue:
         self._hint = self._ovf._header  # byte HINT: 0 only while the overflow is empty
         self._used_socket = True  # sent on the socket since this process last overflowed
         self._waited = True  # the last async get found the queue empty (see _get)
-        self._slot = -1  # this process's slot of socket counts, claimed on first use
-        self._counts: dict[int, int] = {}
+        # This process's slot of socket counts (claimed on first use) and its counts.
+        self._slot = -1
+        self._sent = self._received = 0
         self._waiters = FdWaiters(_transport.wait_readable)
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
@@ -216,7 +219,7 @@ class Queue:
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
         if sent:
-            self._count(_overflow.SENT)
+            self._count_sent()
         self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
@@ -291,7 +294,7 @@ class Queue:
                 if hint[HINT]:  # a producer overflowed meanwhile
                     continue
                 return _MISSING
-            self._count(_overflow.RECEIVED)
+            self._took()
             _, body, fds = _transport.decode(*got)
             return _load(body, fds)
 
@@ -313,17 +316,22 @@ class Queue:
         _, body, fds = _transport.decode(*got)
         return body, fds, True
 
-    def _took(self) -> None:
-        self._count(_overflow.RECEIVED)
-
-    def _count(self, field: int) -> None:
-        """One more item sent or received on the socket by this process (for qsize: a
-        store in shared memory, no syscall; see *Queue counts* in docs/architecture.md)."""
+    # One more item sent or received on the socket by this process (for qsize: a store in
+    # shared memory, no syscall; see *Queue counts* in docs/architecture.md).
+    def _count_sent(self) -> None:
         if self._slot < 0:
-            self._slot, sent, received = self._ovf.claim_slot()
-            self._counts = {_overflow.SENT: sent, _overflow.RECEIVED: received}
-        n = self._counts[field] = self._counts[field] + 1
-        U64.pack_into(self._hint, self._slot + field, n)
+            self._claim_slot()
+        self._sent += 1
+        U64.pack_into(self._hint, self._slot + _SENT, self._sent)
+
+    def _took(self) -> None:
+        if self._slot < 0:
+            self._claim_slot()
+        self._received += 1
+        U64.pack_into(self._hint, self._slot + _RECEIVED, self._received)
+
+    def _claim_slot(self) -> None:
+        self._slot, self._sent, self._received = self._ovf.claim_slot()
 
     def _took_from_log(self, had_fds: bool) -> None:
         if had_fds:
@@ -372,9 +380,21 @@ class Queue:
             return item
         self._waited = True
         while item is _MISSING:
-            await self._waiters.wait(self._wait_fd)
+            await self._wait_readable(self._wait_fd)
             item = self._try_get()
         return item
+
+    async def _wait_readable(self, fd: int) -> None:
+        """Wait for ``fd`` (one of this queue's) to be readable, or for the task that
+        waits on it here to wake. On uvloop, straight on the reader kept for ``fd``,
+        which wakes every task that waits; elsewhere one task waits on the fd and the
+        others on it (see *One waiter per fd*). On cancellation nothing changes."""
+        loop = _transport.running_asyncio_loop()
+        fut = None if loop is None else _transport.kept_readable(loop, fd)
+        if fut is None:
+            await self._waiters.wait(fd)
+        else:
+            await _transport.wait_kept(fd, fut)
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,

@@ -299,11 +299,11 @@ async def wait_readable(fd: int) -> None:
 
     On uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`) instead of
     adding and removing a reader per wait; on asyncio's own loops a reader is added and
-    removed around each wait (a reader kept there made a round trip with a process blocked
-    in ``recvmsg`` about 15 us slower); on trio this is trio's own ``wait_readable``. The
-    fd's owner calls :func:`forget` before closing it. One task per process and fd waits
-    at a time (the queue's waiters fan out). Cancellation leaves nothing behind but the
-    idle watch. See *Queue wake-ups* in docs/architecture.md.
+    removed around each wait; on trio this is trio's own ``wait_readable``. The fd's
+    owner calls :func:`forget` before closing it. On asyncio and trio one task per process
+    and fd waits at a time (the queue's waiters fan out); on uvloop any number may (see
+    :func:`kept_readable`). Cancellation leaves nothing behind but the idle watch. See
+    *Queue wake-ups* in docs/architecture.md.
     """
     loop = running_asyncio_loop()
     if loop is None:
@@ -311,32 +311,60 @@ async def wait_readable(fd: int) -> None:
 
         await trio.lowlevel.wait_readable(fd)
         return
-    if not type(loop).__module__.startswith("uvloop"):
+    fut = kept_readable(loop, fd)
+    if fut is None:
         import anyio
 
         await anyio.wait_readable(fd)
         return
-    reader = _readers.get(fd)
-    if reader is not None and reader.loop is not loop:
-        if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
-            import anyio
+    await wait_kept(fd, fut)
 
-            await anyio.wait_readable(fd)
-            return
-        reader.remove()
-        reader = None
-    if reader is None:
+
+def kept_readable(loop: Any, fd: int) -> asyncio.Future[None] | None:
+    """A future of ``loop`` resolved once ``fd`` is readable, through the reader kept for
+    ``fd`` (made on first use), or None where no reader is kept (asyncio's own loop, or a
+    task of another thread's loop waits on ``fd``): then wait another way. Any number of
+    tasks may wait on one fd this way: the reader resolves every future it holds. The
+    caller awaits it with :func:`wait_kept`."""
+    keeps = _keeps_reader.get(type(loop))
+    if keeps is None:
+        keeps = _keeps_reader[type(loop)] = _keeps(type(loop))
+    if not keeps:
+        return None
+    reader = _readers.get(fd)
+    if reader is None or reader.loop is not loop:
+        if reader is not None:
+            if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
+                return None
+            reader.remove()
         reader = _readers[fd] = _Reader(loop, fd)
-    fut = loop.create_future()
+    fut: asyncio.Future[None] = loop.create_future()
     reader.waiters.append(fut)
+    reader.idle = 0
+    return fut
+
+
+async def wait_kept(fd: int, fut: asyncio.Future[None]) -> None:
+    """Await a future from :func:`kept_readable`. On cancellation the future is cancelled
+    and dropped from the reader; nothing else changes."""
     try:
         await fut
     finally:
-        if not fut.done():  # cancelled: this waiter is gone
-            try:
-                reader.waiters.remove(fut)
-            except ValueError:
-                pass
+        if fut.cancelled():
+            reader = _readers.get(fd)
+            if reader is not None:
+                try:
+                    reader.waiters.remove(fut)
+                except ValueError:
+                    pass
+
+
+def _keeps(loop_type: type) -> bool:
+    return loop_type.__module__.startswith("uvloop")
+
+
+#: loop type -> whether a reader is kept on loops of that type (see :func:`kept_readable`)
+_keeps_reader: dict[type, bool] = {}
 
 
 def forget(fd: int) -> None:
@@ -351,39 +379,41 @@ class _Reader:
 
     It watches its own duplicate of the fd, closed only once the loop no longer watches
     it: so a registration never outlives the fd it names, whoever closes the original.
-    The loop reports readiness level-triggered, once more after a waiter woke and before
-    it has read, so :meth:`fire` checks with ``poll`` first. With nobody waiting and the fd
-    readable, it stops watching (it would fire at every turn of the loop).
+    A report with waiters wakes them all, without looking at the fd first: the loop has
+    just found it readable, and a waiter that finds nothing (another process read first)
+    waits again. A loop may report the fd once more after a waiter woke and before it
+    read; so a report with nobody waiting is ignored once, and the second in a row since
+    the last wait stops the watch (the fd is readable and nobody here waits: it would fire
+    at every turn of the loop).
     """
 
-    __slots__ = ("fd", "loop", "poll", "thread", "waiters", "watched")
+    __slots__ = ("fd", "idle", "loop", "thread", "waiters", "watched")
 
     def __init__(self, loop: Any, fd: int) -> None:
         self.loop = loop
         self.fd = fd
         self.thread = threading.get_ident()
         self.waiters: list[Any] = []
+        self.idle = 0  # reports with nobody waiting, since the last wait began
         self.watched = os.dup(fd)
         try:
-            self.poll = select.poll()
-            self.poll.register(self.watched, select.POLLIN)
             loop.add_reader(self.watched, self.fire)
         except BaseException:
             os.close(self.watched)
             raise
 
     def fire(self) -> None:
-        if not self.poll.poll(0):
-            return  # what made it readable was read since the loop looked
         waiters = self.waiters
         if not waiters:
-            if _readers.get(self.fd) is self:
-                del _readers[self.fd]
-            self.remove()
+            self.idle += 1
+            if self.idle > 1:
+                if _readers.get(self.fd) is self:
+                    del _readers[self.fd]
+                self.remove()
             return
         self.waiters = []
         for fut in waiters:
-            if not fut.done():
+            if not fut.done():  # a cancelled waiter's future is done
                 fut.set_result(None)
 
     def remove(self) -> None:
