@@ -297,13 +297,12 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
 async def wait_readable(fd: int) -> None:
     """Wait until ``fd`` is readable, on the running loop (asyncio, uvloop or trio).
 
-    On uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`) instead of
-    adding and removing a reader per wait; on asyncio's own loops a reader is added and
-    removed around each wait; on trio this is trio's own ``wait_readable``. The fd's
-    owner calls :func:`forget` before closing it. On asyncio and trio one task per process
-    and fd waits at a time (the queue's waiters fan out); on uvloop any number may (see
-    :func:`kept_readable`). Cancellation leaves nothing behind but the idle watch. See
-    *Queue wake-ups* in docs/architecture.md.
+    On asyncio and uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`,
+    see :func:`kept_readable`: any number of tasks may wait) instead of adding and
+    removing a reader per wait; on trio this is trio's own ``wait_readable`` (one task per
+    process and fd at a time: the queue's waiters fan out). The fd's owner calls
+    :func:`forget` before closing it. Cancellation leaves nothing behind but the idle
+    watch. See *Queue wake-ups* in docs/architecture.md.
     """
     loop = running_asyncio_loop()
     if loop is None:
@@ -322,22 +321,24 @@ async def wait_readable(fd: int) -> None:
 
 def kept_readable(loop: Any, fd: int) -> asyncio.Future[None] | None:
     """A future of ``loop`` resolved once ``fd`` is readable, through the reader kept for
-    ``fd`` (made on first use), or None where no reader is kept (asyncio's own loop, or a
-    task of another thread's loop waits on ``fd``): then wait another way. Any number of
-    tasks may wait on one fd this way: the reader resolves every future it holds. The
-    caller awaits it with :func:`wait_kept`."""
-    keeps = _keeps_reader.get(type(loop))
-    if keeps is None:
-        keeps = _keeps_reader[type(loop)] = _keeps(type(loop))
-    if not keeps:
-        return None
+    ``fd`` (made on first use), or None where no reader can be kept (a task of another
+    thread's loop waits on ``fd``, or the loop has no ``add_reader``): then wait another
+    way. Any number of tasks may wait on one fd this way: the reader resolves every
+    future it holds. The caller awaits it with :func:`wait_kept`."""
     reader = _readers.get(fd)
     if reader is None or reader.loop is not loop:
         if reader is not None:
             if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
                 return None
             reader.remove()
-        reader = _readers[fd] = _Reader(loop, fd)
+        if type(loop) in _readerless:
+            return None
+        try:
+            reader = _Reader(loop, fd)
+        except NotImplementedError:
+            _readerless.add(type(loop))
+            return None
+        _readers[fd] = reader
     fut: asyncio.Future[None] = loop.create_future()
     reader.waiters.append(fut)
     reader.idle = 0
@@ -357,14 +358,6 @@ async def wait_kept(fd: int, fut: asyncio.Future[None]) -> None:
                     reader.waiters.remove(fut)
                 except ValueError:
                     pass
-
-
-def _keeps(loop_type: type) -> bool:
-    return loop_type.__module__.startswith("uvloop")
-
-
-#: loop type -> whether a reader is kept on loops of that type (see :func:`kept_readable`)
-_keeps_reader: dict[type, bool] = {}
 
 
 def forget(fd: int) -> None:
@@ -436,6 +429,8 @@ def _unwatch(loop: Any, fd: int) -> None:
     os.close(fd)
 
 
+#: Loop types without ``add_reader`` (an asyncio loop may lack it): waits go through anyio.
+_readerless: set[type] = set()
 #: fd -> the reader watching it, in this process (a forked child inherits none).
 _readers: dict[int, _Reader] = {}
 

@@ -212,6 +212,13 @@ async def measure_cpu(n: int = 20000) -> dict[str, float]:
     return out
 
 
+def _user_sys(pid: int) -> tuple[int, int]:
+    """A process's user and system CPU ticks (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
 def _child_cpu_ns(pid: int) -> int:
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -259,6 +266,7 @@ async def round_trips(n: int, cprofile: bool) -> None:
             await put(PAYLOAD)
             await get()
         rows = []
+        us0, t0 = _user_sys(pid), os.times()
         for _ in range(5):
             t, p, c = time.perf_counter(), time.process_time(), _child_cpu_ns(pid)
             for _ in range(n):
@@ -271,8 +279,15 @@ async def round_trips(n: int, cprofile: bool) -> None:
                     (_child_cpu_ns(pid) - c) / n / 1e3,
                 )
             )
+        us1, t1 = _user_sys(pid), os.times()
         await put(None)
         await ctx.join()
+    tick = os.sysconf("SC_CLK_TCK")
+    user, system = ((b - a) / tick / (5 * n) * 1e6 for a, b in zip(us0, us1, strict=True))
+    print(
+        f"user/system CPU per round trip: parent {(t1.user - t0.user) / (5 * n) * 1e6:.1f}"
+        f" / {(t1.system - t0.system) / (5 * n) * 1e6:.1f} µs, child {user:.1f} / {system:.1f} µs"
+    )
     for wall, parent, child in rows:
         print(f"round trip {wall:6.1f} µs; CPU parent {parent:5.1f} µs, child {child:5.1f} µs")
     if cprofile:
