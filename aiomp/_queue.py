@@ -225,14 +225,19 @@ class Queue:
 
     def _put_plain(self, obj: object) -> bool:
         """Put a plain item (bytes, str, a number: no reducer, no fd, no exception) of an
-        unbounded queue straight onto the socket: True if sent. False: not plain, the
-        overflow holds items, or the socket is full; nothing is put then, and the caller
-        takes the general path. The general path's work, without its objects: about a
-        third of a small item's ``put`` (see *Queue fast path*)."""
-        if type(obj) not in _PLAIN or self._maxsize or self._hint[HINT]:
+        unbounded queue: on the socket, or behind the overflow's items, without a Message.
+        True if put. False: not plain, a bounded queue, or too large for a datagram;
+        nothing is put then, and the caller takes the general path. The general path's
+        work, without its objects (see *Queue fast path*)."""
+        if type(obj) not in _PLAIN or self._maxsize:
             return False
-        data = _DATA + pickle.dumps(obj, 5)
-        return len(data) <= _transport.MAX_INLINE and self._send_now(data, _NO_FDS)
+        body = pickle.dumps(obj, 5)
+        if len(body) >= _transport.MAX_INLINE:
+            return False
+        if not self._hint[HINT] and self._send_now(_DATA + body, _NO_FDS):
+            return True
+        used, self._used_socket = self._used_socket, False
+        return self._ovf.append(body, _NO_FDS, lambda: self._send_now(_DATA + body, _NO_FDS), used)
 
     def _try_put(self, msg: _reduction.Message) -> bool:
         """Put if there is room: True if put (socket or overflow).
@@ -274,8 +279,8 @@ class Queue:
                 popped = self._ovf.pop(self._recv_locked)
                 if popped is not None:
                     body, fds, from_socket = popped
-                    if not from_socket:
-                        self._took_from_log(bool(fds))
+                    if fds and not from_socket:
+                        os.eventfd_write(self._room, 1)  # the vault has room again
                     return _load(body, fds)
             if peek and not hint[HINT] and self._ovf.socket_empty():
                 return _MISSING
@@ -332,10 +337,6 @@ class Queue:
 
     def _claim_slot(self) -> None:
         self._slot, self._sent, self._received = self._ovf.claim_slot()
-
-    def _took_from_log(self, had_fds: bool) -> None:
-        if had_fds:
-            os.eventfd_write(self._room, 1)  # the vault has room again
 
     # -- async ----------------------------------------------------------------------
     def put(self, obj: object) -> Coroutine[Any, Any, None]:
@@ -488,7 +489,8 @@ def _readable(fd: int) -> bool:
 def _load(body: bytes | memoryview, fds: list[int]) -> object:
     """Rebuild an item; one that cannot be rebuilt here is a QueueItemError."""
     try:
-        return _reduction.loads(body, fds)
+        # Without fds there is nothing for _reduction.loads to track: one call less.
+        return _reduction.loads(body, fds) if fds else pickle.loads(body)
     except (QueueClosed, QueueItemError):
         raise
     except Exception as exc:
