@@ -42,6 +42,7 @@ from ._fdwait import FdWaiters
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import AsyncIterator, Coroutine
     from typing import Any
 
@@ -60,7 +61,8 @@ _RECEIVED = _overflow.RECEIVED
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 _PLAIN = _reduction.PLAIN
-_DATA = bytes((_transport.KIND_DATA,))
+_KIND_DATA = _transport.KIND_DATA
+_DATA = bytes((_KIND_DATA,))
 _NO_FDS: list[int] = []  # never mutated
 
 
@@ -78,8 +80,10 @@ def _loop_running() -> bool:
     Looks only at modules already imported: a sync child that never imported asyncio or
     trio cannot be running their loops, and pays two dict lookups.
     """
-    if _transport.running_asyncio_loop() is not None:
-        return True
+    return _transport.running_asyncio_loop() is not None or _trio_running()
+
+
+def _trio_running() -> bool:
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
@@ -300,7 +304,10 @@ class Queue:
                     continue
                 return _MISSING
             self._took()
-            _, body, fds = _transport.decode(*got)
+            data, fds = got
+            if data[0] == _KIND_DATA:  # _transport.decode's common case, inlined
+                return _load(memoryview(data)[1:], fds)
+            _, body, fds = _transport.decode(data, fds)
             return _load(body, fds)
 
     def _recv_locked(self) -> _overflow.Popped | None:
@@ -368,11 +375,13 @@ class Queue:
         cannot be rebuilt here, and RuntimeError at once where no event loop runs: use
         ``q.sync.get``.
         """
-        if not _loop_running():
+        loop = _transport.running_asyncio_loop()
+        if loop is None and not _trio_running():
             raise _no_loop("Queue.get", "q.sync.get()")
-        return self._get()
+        return self._get(loop)
 
-    async def _get(self) -> Any:
+    async def _get(self, loop: asyncio.AbstractEventLoop | None) -> Any:
+        """``loop``: the running asyncio loop, None on trio."""
         # Look before reading only if the last get had to wait: a poll costs less than an
         # empty read's exception, but is wasted where items are waiting (a busy consumer).
         item = self._try_get(peek=self._waited)
@@ -381,21 +390,24 @@ class Queue:
             return item
         self._waited = True
         while item is _MISSING:
-            await self._wait_readable(self._wait_fd)
+            await self._wait_readable(self._wait_fd, loop)
             item = self._try_get()
         return item
 
-    async def _wait_readable(self, fd: int) -> None:
+    async def _wait_readable(self, fd: int, loop: asyncio.AbstractEventLoop | None) -> None:
         """Wait for ``fd`` (one of this queue's) to be readable, or for the task that
-        waits on it here to wake. On uvloop, straight on the reader kept for ``fd``,
-        which wakes every task that waits; elsewhere one task waits on the fd and the
+        waits on it here to wake. On asyncio and uvloop, straight on the reader kept for
+        ``fd``, which wakes every task that waits; on trio one task waits on the fd and the
         others on it (see *One waiter per fd*). On cancellation nothing changes."""
-        loop = _transport.running_asyncio_loop()
         fut = None if loop is None else _transport.kept_readable(loop, fd)
         if fut is None:
             await self._waiters.wait(fd)
-        else:
-            await _transport.wait_kept(fd, fut)
+            return
+        try:  # _transport.wait_kept, inlined: a coroutine frame less per wait
+            await fut
+        finally:
+            if fut.cancelled():
+                _transport.drop_waiter(fd, fut)
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
@@ -426,7 +438,7 @@ class Queue:
     async def _iterate(self) -> AsyncIterator[Any]:
         while True:
             try:
-                item = await self._get()
+                item = await self._get(_transport.running_asyncio_loop())
             except QueueClosed:
                 return
             yield item

@@ -352,12 +352,17 @@ async def wait_kept(fd: int, fut: asyncio.Future[None]) -> None:
         await fut
     finally:
         if fut.cancelled():
-            reader = _readers.get(fd)
-            if reader is not None:
-                try:
-                    reader.waiters.remove(fut)
-                except ValueError:
-                    pass
+            drop_waiter(fd, fut)
+
+
+def drop_waiter(fd: int, fut: asyncio.Future[None]) -> None:
+    """A future from :func:`kept_readable` was cancelled: the reader forgets it."""
+    reader = _readers.get(fd)
+    if reader is not None:
+        try:
+            reader.waiters.remove(fut)
+        except ValueError:
+            pass
 
 
 def forget(fd: int) -> None:
