@@ -353,7 +353,7 @@ class Queue:
         Raises :class:`~aiomp.QueueClosed` once the queue is closed, and RuntimeError at
         once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
-        if not _loop_running():
+        if _transport.running_asyncio_loop() is None and not _trio_running():
             raise _no_loop("Queue.put", "q.sync.put(obj)")
         return self._put(obj)
 
