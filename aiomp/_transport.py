@@ -377,15 +377,17 @@ class _Reader:
 
     It watches its own duplicate of the fd, closed only once the loop no longer watches
     it: so a registration never outlives the fd it names, whoever closes the original.
-    A report with waiters wakes them all, without looking at the fd first: the loop has
-    just found it readable, and a waiter that finds nothing (another process read first)
-    waits again. A loop may report the fd once more after a waiter woke and before it
-    read; so a report with nobody waiting is ignored once, and the second in a row since
-    the last wait stops the watch (the fd is readable and nobody here waits: it would fire
-    at every turn of the loop).
+    A report with waiters wakes them all. A loop may report the fd once more after a
+    waiter woke and before it read; so a report with nobody waiting is ignored once, and
+    the second in a row since the last wait stops the watch (the fd is readable and nobody
+    here waits: it would fire at every turn of the loop). On asyncio's own loop that
+    second report can also reach a waiter registered after the read (the loop queued it
+    before the woken task ran): there the reader looks with ``poll`` before waking anyone.
+    uvloop runs woken tasks before it looks at fds again: there it wakes without a look
+    (a waiter that finds nothing, another process having read first, waits again).
     """
 
-    __slots__ = ("fd", "idle", "loop", "thread", "waiters", "watched")
+    __slots__ = ("fd", "idle", "loop", "poll", "thread", "waiters", "watched")
 
     def __init__(self, loop: Any, fd: int) -> None:
         self.loop = loop
@@ -393,8 +395,12 @@ class _Reader:
         self.thread = threading.get_ident()
         self.waiters: list[Any] = []
         self.idle = 0  # reports with nobody waiting, since the last wait began
+        self.poll: select.poll | None = None
         self.watched = os.dup(fd)
         try:
+            if not type(loop).__module__.startswith("uvloop"):
+                self.poll = select.poll()
+                self.poll.register(self.watched, select.POLLIN)
             loop.add_reader(self.watched, self.fire)
         except BaseException:
             os.close(self.watched)
@@ -409,6 +415,8 @@ class _Reader:
                     del _readers[self.fd]
                 self.remove()
             return
+        if self.poll is not None and not self.poll.poll(0):
+            return  # a stale report: what made the fd readable was read since
         self.waiters = []
         for fut in waiters:
             if not fut.done():  # a cancelled waiter's future is done

@@ -65,8 +65,10 @@ async def test_a_woken_get_costs_no_poll_and_no_reader_churn() -> None:
     asyncio, through anyio's ``wait_readable`` (``add_reader`` and ``remove_reader``, two
     ``epoll_ctl``, per get) and, on uvloop, through the queue's FdWaiters and a ``poll``
     in the kept reader before every wake-up. Now both loops keep one reader, whose report
-    wakes the get directly: no ``poll``, no reader added or removed, no FdWaiters, and
-    about 20 calls of aiomp's own for the whole put-to-get hand-over."""
+    wakes the get directly: no reader added or removed, no FdWaiters, no ``poll`` on
+    uvloop, and about 20 calls of aiomp's own for the whole put-to-get hand-over."""
+    import asyncio
+
     q = aiomp.Queue()
     got: list[object] = []
     seen: list[str] = []
@@ -86,8 +88,12 @@ async def test_a_woken_get_costs_no_poll_and_no_reader_churn() -> None:
                     await q.put(PAYLOAD)
                     await done.wait()
     assert got == [PAYLOAD] * 3
-    churn = ("C:poll.poll", "C:Loop.add_reader", "C:Loop.remove_reader")
+    churn = ("C:Loop.add_reader", "C:Loop.remove_reader")
     assert not [c for c in seen if c in churn or c.endswith(("/add_reader", "/remove_reader"))]
+    # uvloop runs a woken task before it looks at fds again: the reader wakes without a
+    # look; asyncio's own loop may queue a stale report behind it: one poll there.
+    uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+    assert seen.count("C:poll.poll") == (0 if uvloop else 1), seen
     own = [c for c in seen if c.startswith("aiomp/")]
     assert "aiomp/wait" not in own, "FdWaiters.wait: the kept reader fans out itself"
     assert len(own) <= 20, own
