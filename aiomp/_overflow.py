@@ -49,6 +49,7 @@ _COPIES = (64, 96)
 _MUTEX = 128  # a pthread_mutex_t (40 bytes on x86_64, 48 on aarch64)
 _STATE = struct.Struct("<QQQ")  # head, tail, count; offsets into the data area
 _RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
+_RECORD_SIZE = _RECORD.size
 _NO_NONCE = bytes(8)
 #: The data area grows by at least this much, and is compacted past it.
 GROW = 1 << 20
@@ -126,14 +127,18 @@ class _Mutex:
         _check(libc.pthread_mutex_init(self.addr, attr))
 
     def acquire(self) -> None:
-        rc = self._lock(self.addr)
-        if rc:
-            if rc == errno.EOWNERDEAD:
-                # Its holder died. The log is consistent at every instruction (see *Queue
-                # overflow* in docs/reliability.md): only the mutex needs marking so.
-                libc: Any = _Mutex._libc
-                rc = libc.pthread_mutex_consistent(self.addr)
-            _check(rc)
+        if rc := self._lock(self.addr):
+            self.recover(rc)
+
+    def recover(self, rc: int) -> None:
+        """After ``pthread_mutex_lock`` returned ``rc`` (not 0): raise, or take over the
+        mutex of a holder that died."""
+        if rc == errno.EOWNERDEAD:
+            # Its holder died. The log is consistent at every instruction (see *Queue
+            # overflow* in docs/reliability.md): only the mutex needs marking so.
+            libc: Any = _Mutex._libc
+            rc = libc.pthread_mutex_consistent(self.addr)
+        _check(rc)
 
     def release(self) -> None:
         if rc := self._unlock(self.addr):
@@ -192,10 +197,12 @@ class Overflow:
 
     # -- the mutex and the committed state --------------------------------------------
     def _lock(self) -> _Mutex:
-        mutex = self._mutex
-        if mutex is None:
-            mutex = self._mutex = _Mutex(self._header)
+        mutex = self._mutex or self._make_mutex()
         mutex.acquire()
+        return mutex
+
+    def _make_mutex(self) -> _Mutex:
+        mutex = self._mutex = _Mutex(self._header)
         return mutex
 
     def _state(self) -> tuple[int, int, int]:
@@ -343,7 +350,11 @@ class Overflow:
         carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
         TransportError (no memory, or fd limits): nothing was put.
         """
-        mutex = self._lock()
+        # The lock and unlock calls inlined (not _lock()/release()): this runs per item
+        # once the socket is full (see *Queue overflow* in docs/architecture.md).
+        mutex = self._mutex or self._make_mutex()
+        if rc := mutex._lock(mutex.addr):
+            mutex.recover(rc)
         try:
             header = self._header
             if used_socket:  # first: whatever happens next, the flag has been passed on
@@ -357,7 +368,7 @@ class Overflow:
             if count == 0 and try_socket is not None and try_socket():
                 return True  # the log was empty: order allows the socket again
             length = len(body)
-            end = tail + ((_RECORD.size + length + 7) & ~7)
+            end = tail + ((_RECORD_SIZE + length + 7) & ~7)
             data = self._data
             if data is None or len(data) < end or end > U64.unpack_from(header, _SIZE)[0]:
                 data = self._mapped(end, grow=True)
@@ -368,7 +379,7 @@ class Overflow:
                     return False
                 self._step("producer: fds parked")
             _RECORD.pack_into(data, tail, length, len(fds), nonce)
-            start = tail + _RECORD.size
+            start = tail + _RECORD_SIZE
             data[start : start + length] = body
             if fault is not None:
                 fault("producer: record written")
@@ -381,7 +392,8 @@ class Overflow:
                 fault("producer: committed")
             return True
         finally:
-            mutex.release()
+            if rc := mutex._unlock(mutex.addr):
+                _check(rc)
 
     def pop(
         self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1, room_fd: int = -1
@@ -393,7 +405,9 @@ class Overflow:
         Bounded). The caller owns the fds returned. Raises TransportError if the item's fds cannot
         be received here (this process is at its fd limit): the item stays in the log.
         """
-        mutex = self._lock()
+        mutex = self._mutex or self._make_mutex()  # inlined, as in append
+        if rc := mutex._lock(mutex.addr):
+            mutex.recover(rc)
         try:
             header = self._header
             if try_socket is not None and not header[_DRAINED]:
@@ -412,17 +426,20 @@ class Overflow:
             if data is None or len(data) < tail:
                 data = self._mapped(tail, grow=False)
             length, nfds, nonce = _RECORD.unpack_from(data, head)
-            start = head + _RECORD.size
+            start = head + _RECORD_SIZE
             body = data[start : start + length]
             fds = self._claim_fds(nonce, nfds) if nfds else []
             if fault is not None:
                 fault("consumer: record read")
             if room_fd >= 0:
                 os.eventfd_write(room_fd, 1)  # before the commit: no wake-up is lost
+            other = 1 - header[_SELECT]  # the commit, as in _commit
             if count == 1:
-                self._commit(0, 0, 0)
+                _STATE.pack_into(header, _COPIES[other], 0, 0, 0)
             else:
-                self._commit(head + ((_RECORD.size + length + 7) & ~7), tail, count - 1)
+                next_head = head + ((_RECORD_SIZE + length + 7) & ~7)
+                _STATE.pack_into(header, _COPIES[other], next_head, tail, count - 1)
+            header[_SELECT] = other
             if fault is not None:
                 fault("consumer: committed")
             if nfds:
@@ -435,7 +452,8 @@ class Overflow:
                 self._compact()
             return body, fds, False
         finally:
-            mutex.release()
+            if rc := mutex._unlock(mutex.addr):
+                _check(rc)
 
     def _emptied(self, bounded: bool) -> None:
         """The log is empty (under the lock): clear the hint, free memory and the vault.

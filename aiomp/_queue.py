@@ -42,6 +42,7 @@ from ._fdwait import FdWaiters
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import AsyncIterator, Coroutine
     from typing import Any
 
@@ -55,10 +56,13 @@ _ONE = (1).to_bytes(8, "little")
 _MISSING = object()
 HINT = _overflow.HINT
 U64 = _overflow.U64
+_SENT = _overflow.SENT
+_RECEIVED = _overflow.RECEIVED
 
 _live: weakref.WeakValueDictionary[bytes, Any] = weakref.WeakValueDictionary()
 _PLAIN = _reduction.PLAIN
-_DATA = bytes((_transport.KIND_DATA,))
+_KIND_DATA = _transport.KIND_DATA
+_DATA = bytes((_KIND_DATA,))
 _NO_FDS: list[int] = []  # never mutated
 
 
@@ -76,8 +80,10 @@ def _loop_running() -> bool:
     Looks only at modules already imported: a sync child that never imported asyncio or
     trio cannot be running their loops, and pays two dict lookups.
     """
-    if _transport.running_asyncio_loop() is not None:
-        return True
+    return _transport.running_asyncio_loop() is not None or _trio_running()
+
+
+def _trio_running() -> bool:
     trio = sys.modules.get("trio")
     if trio is not None:
         try:
@@ -149,8 +155,9 @@ class Queue:
         self._hint = self._ovf._header  # byte HINT: 0 only while the overflow is empty
         self._used_socket = True  # sent on the socket since this process last overflowed
         self._waited = True  # the last async get found the queue empty (see _get)
-        self._slot = -1  # this process's slot of socket counts, claimed on first use
-        self._counts: dict[int, int] = {}
+        # This process's slot of socket counts (claimed on first use) and its counts.
+        self._slot = -1
+        self._sent = self._received = 0
         self._waiters = FdWaiters(_transport.wait_readable)
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
@@ -216,20 +223,25 @@ class Queue:
         except _transport.Closed:
             raise QueueClosed("put on a closed aiomp.Queue") from None
         if sent:
-            self._count(_overflow.SENT)
+            self._count_sent()
         self._used_socket = True  # the overflow's order needs to know (see _overflow)
         return sent
 
     def _put_plain(self, obj: object) -> bool:
         """Put a plain item (bytes, str, a number: no reducer, no fd, no exception) of an
-        unbounded queue straight onto the socket: True if sent. False: not plain, the
-        overflow holds items, or the socket is full; nothing is put then, and the caller
-        takes the general path. The general path's work, without its objects: about a
-        third of a small item's ``put`` (see *Queue fast path*)."""
-        if type(obj) not in _PLAIN or self._maxsize or self._hint[HINT]:
+        unbounded queue: on the socket, or behind the overflow's items, without a Message.
+        True if put. False: not plain, a bounded queue, or too large for a datagram;
+        nothing is put then, and the caller takes the general path. The general path's
+        work, without its objects (see *Queue fast path*)."""
+        if type(obj) not in _PLAIN or self._maxsize:
             return False
-        data = _DATA + pickle.dumps(obj, 5)
-        return len(data) <= _transport.MAX_INLINE and self._send_now(data, _NO_FDS)
+        body = pickle.dumps(obj, 5)
+        if len(body) >= _transport.MAX_INLINE:
+            return False
+        if not self._hint[HINT] and self._send_now(_DATA + body, _NO_FDS):
+            return True
+        used, self._used_socket = self._used_socket, False
+        return self._ovf.append(body, _NO_FDS, lambda: self._send_now(_DATA + body, _NO_FDS), used)
 
     def _try_put(self, msg: _reduction.Message) -> bool:
         """Put if there is room: True if put (socket or overflow).
@@ -271,8 +283,8 @@ class Queue:
                 popped = self._ovf.pop(self._recv_locked)
                 if popped is not None:
                     body, fds, from_socket = popped
-                    if not from_socket:
-                        self._took_from_log(bool(fds))
+                    if fds and not from_socket:
+                        os.eventfd_write(self._room, 1)  # the vault has room again
                     return _load(body, fds)
             if peek and not hint[HINT] and self._ovf.socket_empty():
                 return _MISSING
@@ -291,8 +303,11 @@ class Queue:
                 if hint[HINT]:  # a producer overflowed meanwhile
                     continue
                 return _MISSING
-            self._count(_overflow.RECEIVED)
-            _, body, fds = _transport.decode(*got)
+            self._took()
+            data, fds = got
+            if data[0] == _KIND_DATA:  # _transport.decode's common case, inlined
+                return _load(memoryview(data)[1:], fds)
+            _, body, fds = _transport.decode(data, fds)
             return _load(body, fds)
 
     def _recv_locked(self) -> _overflow.Popped | None:
@@ -313,21 +328,22 @@ class Queue:
         _, body, fds = _transport.decode(*got)
         return body, fds, True
 
-    def _took(self) -> None:
-        self._count(_overflow.RECEIVED)
-
-    def _count(self, field: int) -> None:
-        """One more item sent or received on the socket by this process (for qsize: a
-        store in shared memory, no syscall; see *Queue counts* in docs/architecture.md)."""
+    # One more item sent or received on the socket by this process (for qsize: a store in
+    # shared memory, no syscall; see *Queue counts* in docs/architecture.md).
+    def _count_sent(self) -> None:
         if self._slot < 0:
-            self._slot, sent, received = self._ovf.claim_slot()
-            self._counts = {_overflow.SENT: sent, _overflow.RECEIVED: received}
-        n = self._counts[field] = self._counts[field] + 1
-        U64.pack_into(self._hint, self._slot + field, n)
+            self._claim_slot()
+        self._sent += 1
+        U64.pack_into(self._hint, self._slot + _SENT, self._sent)
 
-    def _took_from_log(self, had_fds: bool) -> None:
-        if had_fds:
-            os.eventfd_write(self._room, 1)  # the vault has room again
+    def _took(self) -> None:
+        if self._slot < 0:
+            self._claim_slot()
+        self._received += 1
+        U64.pack_into(self._hint, self._slot + _RECEIVED, self._received)
+
+    def _claim_slot(self) -> None:
+        self._slot, self._sent, self._received = self._ovf.claim_slot()
 
     # -- async ----------------------------------------------------------------------
     def put(self, obj: object) -> Coroutine[Any, Any, None]:
@@ -337,7 +353,7 @@ class Queue:
         Raises :class:`~aiomp.QueueClosed` once the queue is closed, and RuntimeError at
         once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
-        if not _loop_running():
+        if _transport.running_asyncio_loop() is None and not _trio_running():
             raise _no_loop("Queue.put", "q.sync.put(obj)")
         return self._put(obj)
 
@@ -359,11 +375,13 @@ class Queue:
         cannot be rebuilt here, and RuntimeError at once where no event loop runs: use
         ``q.sync.get``.
         """
-        if not _loop_running():
+        loop = _transport.running_asyncio_loop()
+        if loop is None and not _trio_running():
             raise _no_loop("Queue.get", "q.sync.get()")
-        return self._get()
+        return self._get(loop)
 
-    async def _get(self) -> Any:
+    async def _get(self, loop: asyncio.AbstractEventLoop | None) -> Any:
+        """``loop``: the running asyncio loop, None on trio."""
         # Look before reading only if the last get had to wait: a poll costs less than an
         # empty read's exception, but is wasted where items are waiting (a busy consumer).
         item = self._try_get(peek=self._waited)
@@ -372,9 +390,24 @@ class Queue:
             return item
         self._waited = True
         while item is _MISSING:
-            await self._waiters.wait(self._wait_fd)
+            await self._wait_readable(self._wait_fd, loop)
             item = self._try_get()
         return item
+
+    async def _wait_readable(self, fd: int, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Wait for ``fd`` (one of this queue's) to be readable, or for the task that
+        waits on it here to wake. On asyncio and uvloop, straight on the reader kept for
+        ``fd``, which wakes every task that waits; on trio one task waits on the fd and the
+        others on it (see *One waiter per fd*). On cancellation nothing changes."""
+        fut = None if loop is None else _transport.kept_readable(loop, fd)
+        if fut is None:
+            await self._waiters.wait(fd)
+            return
+        try:  # _transport.wait_kept, inlined: a coroutine frame less per wait
+            await fut
+        finally:
+            if fut.cancelled():
+                _transport.drop_waiter(fd, fut)
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
@@ -405,7 +438,7 @@ class Queue:
     async def _iterate(self) -> AsyncIterator[Any]:
         while True:
             try:
-                item = await self._get()
+                item = await self._get(_transport.running_asyncio_loop())
             except QueueClosed:
                 return
             yield item
@@ -468,7 +501,8 @@ def _readable(fd: int) -> bool:
 def _load(body: bytes | memoryview, fds: list[int]) -> object:
     """Rebuild an item; one that cannot be rebuilt here is a QueueItemError."""
     try:
-        return _reduction.loads(body, fds)
+        # Without fds there is nothing for _reduction.loads to track: one call less.
+        return _reduction.loads(body, fds) if fds else pickle.loads(body)
     except (QueueClosed, QueueItemError):
         raise
     except Exception as exc:

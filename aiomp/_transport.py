@@ -297,13 +297,12 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
 async def wait_readable(fd: int) -> None:
     """Wait until ``fd`` is readable, on the running loop (asyncio, uvloop or trio).
 
-    On uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`) instead of
-    adding and removing a reader per wait; on asyncio's own loops a reader is added and
-    removed around each wait (a reader kept there made a round trip with a process blocked
-    in ``recvmsg`` about 15 us slower); on trio this is trio's own ``wait_readable``. The
-    fd's owner calls :func:`forget` before closing it. One task per process and fd waits
-    at a time (the queue's waiters fan out). Cancellation leaves nothing behind but the
-    idle watch. See *Queue wake-ups* in docs/architecture.md.
+    On asyncio and uvloop the loop keeps watching ``fd`` between waits (a :class:`_Reader`,
+    see :func:`kept_readable`: any number of tasks may wait) instead of adding and
+    removing a reader per wait; on trio this is trio's own ``wait_readable`` (one task per
+    process and fd at a time: the queue's waiters fan out). The fd's owner calls
+    :func:`forget` before closing it. Cancellation leaves nothing behind but the idle
+    watch. See *Queue wake-ups* in docs/architecture.md.
     """
     loop = running_asyncio_loop()
     if loop is None:
@@ -311,32 +310,59 @@ async def wait_readable(fd: int) -> None:
 
         await trio.lowlevel.wait_readable(fd)
         return
-    if not type(loop).__module__.startswith("uvloop"):
+    fut = kept_readable(loop, fd)
+    if fut is None:
         import anyio
 
         await anyio.wait_readable(fd)
         return
-    reader = _readers.get(fd)
-    if reader is not None and reader.loop is not loop:
-        if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
-            import anyio
+    await wait_kept(fd, fut)
 
-            await anyio.wait_readable(fd)
-            return
-        reader.remove()
-        reader = None
-    if reader is None:
-        reader = _readers[fd] = _Reader(loop, fd)
-    fut = loop.create_future()
+
+def kept_readable(loop: Any, fd: int) -> asyncio.Future[None] | None:
+    """A future of ``loop`` resolved once ``fd`` is readable, through the reader kept for
+    ``fd`` (made on first use), or None where no reader can be kept (a task of another
+    thread's loop waits on ``fd``, or the loop has no ``add_reader``): then wait another
+    way. Any number of tasks may wait on one fd this way: the reader resolves every
+    future it holds. The caller awaits it with :func:`wait_kept`."""
+    reader = _readers.get(fd)
+    if reader is None or reader.loop is not loop:
+        if reader is not None:
+            if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
+                return None
+            reader.remove()
+        if type(loop) in _readerless:
+            return None
+        try:
+            reader = _Reader(loop, fd)
+        except NotImplementedError:
+            _readerless.add(type(loop))
+            return None
+        _readers[fd] = reader
+    fut: asyncio.Future[None] = loop.create_future()
     reader.waiters.append(fut)
+    reader.idle = 0
+    return fut
+
+
+async def wait_kept(fd: int, fut: asyncio.Future[None]) -> None:
+    """Await a future from :func:`kept_readable`. On cancellation the future is cancelled
+    and dropped from the reader; nothing else changes."""
     try:
         await fut
     finally:
-        if not fut.done():  # cancelled: this waiter is gone
-            try:
-                reader.waiters.remove(fut)
-            except ValueError:
-                pass
+        if fut.cancelled():
+            drop_waiter(fd, fut)
+
+
+def drop_waiter(fd: int, fut: asyncio.Future[None]) -> None:
+    """A future from :func:`kept_readable` was cancelled: the reader forgets it."""
+    reader = _readers.get(fd)
+    if reader is not None:
+        try:
+            reader.waiters.remove(fut)
+        except ValueError:
+            pass
 
 
 def forget(fd: int) -> None:
@@ -351,39 +377,49 @@ class _Reader:
 
     It watches its own duplicate of the fd, closed only once the loop no longer watches
     it: so a registration never outlives the fd it names, whoever closes the original.
-    The loop reports readiness level-triggered, once more after a waiter woke and before
-    it has read, so :meth:`fire` checks with ``poll`` first. With nobody waiting and the fd
-    readable, it stops watching (it would fire at every turn of the loop).
+    A report with waiters wakes them all. A loop may report the fd once more after a
+    waiter woke and before it read; so a report with nobody waiting is ignored once, and
+    the second in a row since the last wait stops the watch (the fd is readable and nobody
+    here waits: it would fire at every turn of the loop). On asyncio's own loop that
+    second report can also reach a waiter registered after the read (the loop queued it
+    before the woken task ran): there the reader looks with ``poll`` before waking anyone.
+    uvloop runs woken tasks before it looks at fds again: there it wakes without a look
+    (a waiter that finds nothing, another process having read first, waits again).
     """
 
-    __slots__ = ("fd", "loop", "poll", "thread", "waiters", "watched")
+    __slots__ = ("fd", "idle", "loop", "poll", "thread", "waiters", "watched")
 
     def __init__(self, loop: Any, fd: int) -> None:
         self.loop = loop
         self.fd = fd
         self.thread = threading.get_ident()
         self.waiters: list[Any] = []
+        self.idle = 0  # reports with nobody waiting, since the last wait began
+        self.poll: select.poll | None = None
         self.watched = os.dup(fd)
         try:
-            self.poll = select.poll()
-            self.poll.register(self.watched, select.POLLIN)
+            if not type(loop).__module__.startswith("uvloop"):
+                self.poll = select.poll()
+                self.poll.register(self.watched, select.POLLIN)
             loop.add_reader(self.watched, self.fire)
         except BaseException:
             os.close(self.watched)
             raise
 
     def fire(self) -> None:
-        if not self.poll.poll(0):
-            return  # what made it readable was read since the loop looked
         waiters = self.waiters
         if not waiters:
-            if _readers.get(self.fd) is self:
-                del _readers[self.fd]
-            self.remove()
+            self.idle += 1
+            if self.idle > 1:
+                if _readers.get(self.fd) is self:
+                    del _readers[self.fd]
+                self.remove()
             return
+        if self.poll is not None and not self.poll.poll(0):
+            return  # a stale report: what made the fd readable was read since
         self.waiters = []
         for fut in waiters:
-            if not fut.done():
+            if not fut.done():  # a cancelled waiter's future is done
                 fut.set_result(None)
 
     def remove(self) -> None:
@@ -406,6 +442,8 @@ def _unwatch(loop: Any, fd: int) -> None:
     os.close(fd)
 
 
+#: Loop types without ``add_reader`` (an asyncio loop may lack it): waits go through anyio.
+_readerless: set[type] = set()
 #: fd -> the reader watching it, in this process (a forked child inherits none).
 _readers: dict[int, _Reader] = {}
 

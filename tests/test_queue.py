@@ -1304,13 +1304,14 @@ async def test_qsize_counts_items_sent_and_taken_by_every_process(start_method: 
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"])
+@pytest.mark.parametrize(
+    "anyio_backend", ["asyncio", ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
+)
 async def test_waiting_gets_keep_one_reader_on_the_loop() -> None:
     """Issue 17: every get that waited added a reader to the loop and removed it (on
     uvloop: a new poll handle, five epoll_ctl and an ioctl setting O_NONBLOCK on the shared
-    socket, per get). Now the reader stays registered between waits on uvloop (on
-    asyncio's own loop it is added per wait: see test_transport's
-    test_plain_asyncio_keeps_no_reader_between_waits)."""
+    socket, per get; on asyncio's own loop two epoll_ctl and anyio's wait). Now the reader
+    stays registered between waits on both (see *Queue wake-ups*)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
