@@ -4,8 +4,9 @@ The spawn API over the process toolkit in ``_process`` (which owns each child's 
 its signals and its termination). Each child is a :class:`_Spawned`: a
 :class:`aiomp._process.Child` plus the parent end of its report socket, on which the
 child sends ``("ok", result)`` or ``("err", text, exc)`` before its interpreter shuts
-down, so a failure reaches the parent within milliseconds. One task at a time waits on
-that socket; the others wait for it.
+down, so a failure reaches the parent within milliseconds. Every wait on a spawn's children
+(the supervisor's, ``join``'s, termination's) goes through one :class:`_Join`, which
+watches all their exit fds and report sockets at once on the event loop.
 
 Termination (on a failure, an exception in the ``async with`` body or cancellation) is
 :func:`aiomp._process.terminate_all`: SIGTERM, ``grace_period`` seconds, SIGKILL, reap;
@@ -20,7 +21,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -40,9 +41,143 @@ from ._process import (
     prepare_forkserver,
 )
 
+if TYPE_CHECKING:
+    import asyncio
+
+
+class _Join:
+    """Every wait on one spawn's children, driven by one set of fd watches on the loop.
+
+    Each live child's exit fd (its pidfd, or a forkserver child's sentinel) and its report
+    socket are watched at once: reader callbacks on asyncio and uvloop, one system task
+    per fd on trio (``wait_readable`` takes one fd). A readiness reads the report
+    (:meth:`_Spawned.poll_message`) or reaps the child (``poll_exit``), then wakes each
+    waiting task whose condition now holds, and only those: a spawn-4 that ends cleanly
+    wakes its waiter once. The watches exist while a task waits; a child forgets its fds
+    here before it closes them. Nothing reached from a callback touches anyio (see
+    *Nothing anyio in loop callbacks* and *One waiter per spawn* in docs/architecture.md).
+    """
+
+    __slots__ = ("_error", "_loop", "_waits", "_watched", "children", "wakeups")
+
+    def __init__(self) -> None:
+        self.children: list[_Spawned] = []
+        #: (condition, wake-up): an asyncio future, or a trio.Event, made by the waiter
+        self._waits: list[tuple[Callable[[], bool], Any]] = []
+        self._watched: dict[int, Any] = {}  # fd -> None (asyncio) or its trio.CancelScope
+        self._loop: asyncio.AbstractEventLoop | None = None  # the watches' loop; None: trio
+        self._error: Exception | None = None  # a callback's unexpected error, for the waiters
+        self.wakeups = 0  # waiting tasks woken by the watches (tests count them)
+
+    async def wait(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()`` holds; it is checked after each event on the fds.
+
+        Cancellation leaves the children as they were; the last waiter to leave drops
+        the watches.
+        """
+        if self._error is None and done():
+            return
+        loop = _transport.running_asyncio_loop()
+        if loop is not None:
+            woken: Any = loop.create_future()
+        else:
+            import trio
+
+            woken = trio.Event()
+        entry = (done, woken)
+        self._waits.append(entry)
+        try:
+            self._watch(loop)
+            self._check()  # a child may have been reaped meanwhile by another path
+            await (woken if loop is not None else woken.wait())
+        finally:
+            if entry in self._waits:
+                self._waits.remove(entry)
+            if not self._waits:
+                for fd in list(self._watched):
+                    self.forget(fd)
+        if self._error is not None:
+            raise RuntimeError("aiomp: watching the children failed") from self._error
+
+    def forget(self, fd: int) -> None:
+        """Stop watching ``fd`` (its owner calls this before closing it)."""
+        if fd not in self._watched:
+            return
+        scope = self._watched.pop(fd)
+        if scope is not None:
+            scope.cancel()  # trio delivers it at once: the fd leaves epoll now
+        elif self._loop is not None:
+            try:
+                self._loop.remove_reader(fd)
+            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
+                pass
+
+    def _watch(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if self._watched and loop is not self._loop:
+            for fd in list(self._watched):  # left from a wait on another loop
+                self.forget(fd)
+        self._loop = loop
+        for c in self.children:
+            if c.exitcode is None:
+                self._add(c.exit_fd, c, True, loop)
+                if c.sock is not None and c.outcome is None:
+                    self._add(c.sock.fileno(), c, False, loop)
+
+    def _add(self, fd: int, c: _Spawned, is_exit: bool, loop: Any) -> None:
+        if fd in self._watched:
+            return
+        if loop is not None:
+            self._watched[fd] = None
+            loop.add_reader(fd, self._ready, c, is_exit)
+        else:
+            import trio
+
+            scope = self._watched[fd] = trio.CancelScope()
+            trio.lowlevel.spawn_system_task(self._trio_watch, fd, c, is_exit, scope)
+
+    async def _trio_watch(self, fd: int, c: _Spawned, is_exit: bool, scope: Any) -> None:
+        import trio
+
+        with scope:
+            while self._watched.get(fd) is scope:
+                try:
+                    await trio.lowlevel.wait_readable(fd)
+                except Exception as exc:  # noqa: BLE001 - a system task must not raise
+                    self._error = exc
+                    self._check()
+                    return
+                self._ready(c, is_exit)
+
+    def _ready(self, c: _Spawned, is_exit: bool) -> None:
+        """A watched fd of ``c`` is readable (a loop callback on asyncio: no anyio here)."""
+        try:
+            if is_exit:
+                c.poll_exit()  # reaps it; its fds are forgotten and closed
+            else:
+                c.poll_message()
+                if c.outcome is not None and c.sock is not None:
+                    self.forget(c.sock.fileno())  # one report per child: nothing more to read
+        except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
+            self._error = exc
+        self._check()
+
+    def _check(self) -> None:
+        for entry in list(self._waits):
+            done, woken = entry
+            if self._error is not None or done():
+                self._waits.remove(entry)
+                self.wakeups += 1
+                if self._loop is not None:
+                    if not woken.done():
+                        woken.set_result(None)
+                else:
+                    woken.set()
+
 
 class _Spawned(_process.Child):
-    """A child :func:`spawn` started, with the socket its one report arrives on."""
+    """A child :func:`spawn` started, with the socket its one report arrives on.
+
+    Every wait on it goes through its spawn's :class:`_Join`."""
 
     def __init__(
         self,
@@ -51,10 +186,11 @@ class _Spawned(_process.Child):
         start_method: str,
         output: _output.Forwarder | None,
         report: socket.socket,
+        join: _Join,
     ) -> None:
         self.sock: socket.socket | None = report
-        self._sock_fd = report.fileno()
         self.outcome: tuple[str, object] | None = None  # ("ok", value) / ("err", exc)
+        self._join = join
         super().__init__(rank, process, start_method, output)
 
     def finished(self) -> bool:
@@ -64,10 +200,21 @@ class _Spawned(_process.Child):
         self.poll_message()  # sent before the exit: read it before the socket closes
 
     def _release(self) -> None:
-        if self.sock is not None and not self.waiters.waiting(self._sock_fd):
+        self._join.forget(self.exit_fd)
+        self._close_sock()
+        super()._release()
+
+    def _close_sock(self) -> None:
+        if self.sock is not None:
+            self._join.forget(self.sock.fileno())
             self.sock.close()
             self.sock = None
-        super()._release()
+
+    async def wait_exit(self) -> None:
+        """Wait until the child has exited and been reaped. Cancellation leaves it as it
+        was."""
+        if not self.poll_exit():
+            await self._join.wait(lambda: self.exitcode is not None)
 
     # -- messages -------------------------------------------------------------------
     def poll_message(self) -> None:
@@ -86,8 +233,7 @@ class _Spawned(_process.Child):
                 except (_transport.Closed, OSError):
                     pass
             if got is None:
-                self.sock.close()
-                self.sock = None
+                self._close_sock()
                 return
         except OSError as exc:
             self.outcome = (
@@ -128,20 +274,6 @@ class _Spawned(_process.Child):
                 ),
             )
 
-    async def wait_message(self) -> None:
-        """Wait until the child's report has arrived or its socket has closed.
-        Cancellation leaves it as it was."""
-        while self.outcome is None and self.sock is not None:
-            self.poll_message()
-            if self.outcome is not None or self.sock is None:
-                return
-            try:
-                await self.waiters.wait(self._sock_fd)
-            finally:
-                if self.exitcode is not None:
-                    self.poll_message()
-                    self._release()
-
     def failure(self) -> ProcessException | None:
         """The failure this child stands for, if any, as soon as it is known."""
         if self.outcome is not None and self.outcome[0] == "err":
@@ -153,27 +285,13 @@ class _Spawned(_process.Child):
             )
         return None
 
-    async def watch(self, on_failure: Callable[[], None]) -> None:
-        """Return once the child has exited; call ``on_failure`` as soon as it fails."""
-
-        async def messages() -> None:
-            await self.wait_message()
-            if self.failure() is not None:
-                on_failure()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(messages)
-            await self.wait_exit()
-            tg.cancel_scope.cancel()
-        if self.failure() is not None:
-            on_failure()
-
 
 class ProcessContext:
     """The processes started by :func:`spawn`: join them, read results, terminate them."""
 
-    def __init__(self, children: list[_Spawned], grace_period: float) -> None:
-        self._children = children
+    def __init__(self, join: _Join, grace_period: float) -> None:
+        self._join = join
+        self._children = join.children
         self.grace_period = grace_period
         self._failure: ProcessException | None = None
         self._results: list[object] | None = None
@@ -212,17 +330,12 @@ class ProcessContext:
             self._results = [c.outcome[1] if c.outcome else None for c in self._children]
         return self._results is not None
 
+    def _settled(self) -> bool:
+        return self._first_failure() is not None or all(c.exited for c in self._children)
+
     async def _watch_all(self) -> None:
         """Return once every child has exited, or as soon as one has failed."""
-        async with anyio.create_task_group() as tg:
-
-            def failed() -> None:
-                self._first_failure()
-                tg.cancel_scope.cancel()
-
-            for c in self._children:
-                if not c.exited:
-                    tg.start_soon(c.watch, failed)
+        await self._join.wait(self._settled)
 
     async def join(self, timeout: float | None = None) -> bool:
         """Wait for every process to exit successfully: True, or False if ``timeout`` passes.
@@ -288,14 +401,15 @@ async def start_children(
         check_fork_safe()
     # Pickle once, before any process starts: an unpicklable argument raises here.
     payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
-    children: list[_Spawned] = []
+    join = _Join()
+    children = join.children
     try:
         datagram, fds = payload.datagram()
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output)
+            c = _start_one(rank, start_method, daemon, target_fn, output, join)
             children.append(c)
             # Sent at once, not after every start: a forked child boots in a millisecond
             # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
@@ -311,18 +425,18 @@ async def start_children(
         raise
     finally:
         payload.close()
-    return ProcessContext(children, grace_period)
+    return ProcessContext(join, grace_period)
 
 
 def _start_one(
-    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output
+    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output, join: _Join
 ) -> _Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     ours, theirs = _transport.socketpair()
     try:
         return _process.launch(
-            functools.partial(_Spawned, report=ours),
+            functools.partial(_Spawned, report=ours, join=join),
             _child.main,
             rank,
             start_method,
