@@ -88,7 +88,7 @@ class _Join:
         self._waits.append(entry)
         try:
             self._watch(loop)
-            self._check()  # a child may have been reaped meanwhile by another path
+            self.check()  # a child may have been reaped meanwhile by another path
             await (woken if loop is not None else woken.wait())
         finally:
             if entry in self._waits:
@@ -144,7 +144,7 @@ class _Join:
                     await trio.lowlevel.wait_readable(fd)
                 except Exception as exc:  # noqa: BLE001 - a system task must not raise
                     self._error = exc
-                    self._check()
+                    self.check()
                     return
                 self._ready(c, is_exit)
 
@@ -159,9 +159,10 @@ class _Join:
                     self.forget(c.sock.fileno())  # one report per child: nothing more to read
         except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
             self._error = exc
-        self._check()
+        self.check()
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Wake each waiter whose condition holds now."""
         for entry in list(self._waits):
             done, woken = entry
             if self._error is not None or done():
@@ -203,6 +204,9 @@ class _Spawned(_process.Child):
         self._join.forget(self.exit_fd)
         self._close_sock()
         super()._release()
+        # Reaped, maybe by another path than the watches (terminate_all polls): the
+        # waiters must hear of it all the same.
+        self._join.check()
 
     def _close_sock(self) -> None:
         if self.sock is not None:
