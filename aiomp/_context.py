@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import select
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Generator
@@ -46,34 +47,47 @@ if TYPE_CHECKING:
 
 
 class _Join:
-    """Every wait on one spawn's children, driven by one set of fd watches on the loop.
+    """Every wait on one spawn's children, through one epoll set on the event loop.
 
-    Each live child's exit fd (its pidfd, or a forkserver child's sentinel) and its report
-    socket are watched at once: reader callbacks on asyncio and uvloop, one system task
-    per fd on trio (``wait_readable`` takes one fd). A readiness reads the report
-    (:meth:`_Spawned.poll_message`) or reaps the child (``poll_exit``), then wakes each
-    waiting task whose condition now holds, and only those: a spawn-4 that ends cleanly
-    wakes its waiter once. The watches exist while a task waits; a child forgets its fds
-    here before it closes them. Nothing reached from a callback touches anyio (see
-    *Nothing anyio in loop callbacks* and *One waiter per spawn* in docs/architecture.md).
+    While a task waits, each live child's exit fd (its pidfd, or a forkserver child's
+    sentinel) and its report socket are registered in an epoll instance of this join's
+    own, and that one fd is what the loop watches: a reader callback on asyncio and
+    uvloop, one system task on trio. When it is readable the callback takes every ready
+    fd at once, reads the report (:meth:`_Spawned.poll_message`) or reaps the child
+    (``poll_exit``), then wakes each waiting task whose condition now holds, and only
+    those: a spawn-4 that ends cleanly wakes its waiter once. The last waiter to leave
+    closes the epoll set; a child forgets its fds here before it closes them. Nothing
+    reached from the callback touches anyio (see *Nothing anyio in loop callbacks* and
+    *One waiter per spawn* in docs/architecture.md).
     """
 
-    __slots__ = ("_error", "_loop", "_waits", "_watched", "children", "wakeups")
+    __slots__ = (
+        "_epoll",
+        "_error",
+        "_fds",
+        "_loop",
+        "_trio_scope",
+        "_waits",
+        "children",
+        "wakeups",
+    )
 
     def __init__(self) -> None:
         self.children: list[_Spawned] = []
         #: (condition, wake-up): an asyncio future, or a trio.Event, made by the waiter
         self._waits: list[tuple[Callable[[], bool], Any]] = []
-        self._watched: dict[int, Any] = {}  # fd -> None (asyncio) or its trio.CancelScope
-        self._loop: asyncio.AbstractEventLoop | None = None  # the watches' loop; None: trio
+        self._epoll: select.epoll | None = None  # while a task waits
+        self._fds: dict[int, tuple[_Spawned, bool]] = {}  # in the epoll set: (child, is_exit)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the waiters' loop; None: trio
+        self._trio_scope: Any = None  # trio: the system task polling the set
         self._error: Exception | None = None  # a callback's unexpected error, for the waiters
         self.wakeups = 0  # waiting tasks woken by the watches (tests count them)
 
     async def wait(self, done: Callable[[], bool]) -> None:
         """Return once ``done()`` holds; it is checked after each event on the fds.
 
-        Cancellation leaves the children as they were; the last waiter to leave drops
-        the watches.
+        Cancellation leaves the children as they were; the last waiter to leave closes
+        the epoll set.
         """
         if self._error is None and done():
             return
@@ -94,59 +108,90 @@ class _Join:
             if entry in self._waits:
                 self._waits.remove(entry)
             if not self._waits:
-                for fd in list(self._watched):
-                    self.forget(fd)
+                self._unwatch()
         if self._error is not None:
             raise RuntimeError("aiomp: watching the children failed") from self._error
 
     def forget(self, fd: int) -> None:
         """Stop watching ``fd`` (its owner calls this before closing it)."""
-        if fd not in self._watched:
-            return
-        scope = self._watched.pop(fd)
-        if scope is not None:
-            scope.cancel()  # trio delivers it at once: the fd leaves epoll now
-        elif self._loop is not None:
-            try:
-                self._loop.remove_reader(fd)
-            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
-                pass
+        if self._fds.pop(fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(fd)
 
     def _watch(self, loop: asyncio.AbstractEventLoop | None) -> None:
-        if self._watched and loop is not self._loop:
-            for fd in list(self._watched):  # left from a wait on another loop
-                self.forget(fd)
-        self._loop = loop
+        if self._epoll is not None and loop is not self._loop:
+            self._unwatch()  # left from a wait on another loop
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            self._loop = loop
+            try:
+                if loop is not None:
+                    loop.add_reader(self._epoll.fileno(), self._poll)
+                else:
+                    import trio
+
+                    self._trio_scope = trio.CancelScope()
+                    trio.lowlevel.spawn_system_task(
+                        self._trio_poll, self._epoll, self._trio_scope, name="aiomp spawn join"
+                    )
+            except BaseException:
+                self._epoll.close()
+                self._epoll = None
+                raise
         for c in self.children:
             if c.exitcode is None:
-                self._add(c.exit_fd, c, True, loop)
+                self._add(c.exit_fd, c, True)
                 if c.sock is not None and c.outcome is None:
-                    self._add(c.sock.fileno(), c, False, loop)
+                    self._add(c.sock.fileno(), c, False)
 
-    def _add(self, fd: int, c: _Spawned, is_exit: bool, loop: Any) -> None:
-        if fd in self._watched:
+    def _add(self, fd: int, c: _Spawned, is_exit: bool) -> None:
+        if fd not in self._fds:
+            assert self._epoll is not None
+            self._epoll.register(fd, select.EPOLLIN)
+            self._fds[fd] = (c, is_exit)
+
+    def _unwatch(self) -> None:
+        ep, self._epoll = self._epoll, None
+        self._fds.clear()
+        if ep is None:
             return
-        if loop is not None:
-            self._watched[fd] = None
-            loop.add_reader(fd, self._ready, c, is_exit)
-        else:
-            import trio
+        if self._trio_scope is not None:
+            self._trio_scope.cancel()  # trio delivers it at once: the fd leaves its epoll
+            self._trio_scope = None
+        elif self._loop is not None:
+            try:
+                self._loop.remove_reader(ep.fileno())
+            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
+                pass
+        ep.close()
 
-            scope = self._watched[fd] = trio.CancelScope()
-            trio.lowlevel.spawn_system_task(self._trio_watch, fd, c, is_exit, scope)
-
-    async def _trio_watch(self, fd: int, c: _Spawned, is_exit: bool, scope: Any) -> None:
+    async def _trio_poll(self, ep: select.epoll, scope: Any) -> None:
         import trio
 
         with scope:
-            while self._watched.get(fd) is scope:
+            while self._epoll is ep:  # not closed before this task first ran
                 try:
-                    await trio.lowlevel.wait_readable(fd)
+                    await trio.lowlevel.wait_readable(ep.fileno())
                 except Exception as exc:  # noqa: BLE001 - a system task must not raise
                     self._error = exc
                     self.check()
                     return
-                self._ready(c, is_exit)
+                self._poll()
+
+    def _poll(self) -> None:
+        """The epoll set is readable: handle every ready fd (a loop callback on asyncio)."""
+        ep = self._epoll
+        if ep is None:
+            return
+        try:
+            ready = ep.poll(0)
+        except OSError as exc:
+            self._error = exc
+            ready = []
+        for fd, _ in ready:
+            what = self._fds.get(fd)  # None: forgotten while handling an earlier one
+            if what is not None:
+                self._ready(*what)
+        self.check()
 
     def _ready(self, c: _Spawned, is_exit: bool) -> None:
         """A watched fd of ``c`` is readable (a loop callback on asyncio: no anyio here)."""
@@ -159,7 +204,6 @@ class _Join:
                     self.forget(c.sock.fileno())  # one report per child: nothing more to read
         except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
             self._error = exc
-        self.check()
 
     def check(self) -> None:
         """Wake each waiter whose condition holds now."""

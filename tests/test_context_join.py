@@ -106,7 +106,7 @@ async def test_cancelled_wait_terminates_reaps_and_drops_every_watch(gate: Gate)
                     tg.start_soon(cancel_when_all_wait)
     assert scope.cancelled_caught
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 3
-    assert ctx._join._watched == {}
+    assert ctx._join._epoll is None  # no watch left on the loop
 
 
 @pytest.mark.anyio
@@ -122,7 +122,7 @@ async def test_terminate_from_the_body_while_the_block_watches(gate: Gate) -> No
                 await ctx.terminate()
     assert info.value.signal_name == "SIGTERM"
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 2
-    assert ctx._join._watched == {}
+    assert ctx._join._epoll is None  # no watch left on the loop
 
 
 class _Count:
