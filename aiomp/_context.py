@@ -481,7 +481,10 @@ def _start_one(
 ) -> _Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
-    ours, theirs = _transport.socketpair()
+    # One datagram each way (the payload, the report), each at most a 64 KiB body (a
+    # larger one rides in a memfd): the default buffers hold it, so no 4 MiB request
+    # (four setsockopt calls per child) as a queue's socket makes.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         return _process.launch(
             functools.partial(_Spawned, report=ours, join=join),
@@ -567,7 +570,7 @@ class SpawnHandle:
         swallowed = clean = False
         try:
             swallowed = await exit_task_group(tg, exc)
-            if exc is None:
+            if exc is None and not ctx._finish():  # (all done: no join, lock, or scope)
                 await ctx.join()
             clean = exc is None
         finally:

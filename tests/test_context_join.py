@@ -199,3 +199,14 @@ async def test_a_clean_spawn_of_four_wakes_one_waiting_task_once(start_method: s
     else:
         assert count.tasks == 1  # the supervisor
     assert ctx._join.wakeups == 1
+
+
+@pytest.mark.anyio
+async def test_a_large_payload_and_result_fit_the_report_sockets_default_buffers() -> None:
+    """The report socket keeps the kernel's default buffers (no 4 MiB request per
+    child): a body over 64 KiB rides in a memfd, each way."""
+    big = b"x" * (3 << 20)
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.echo, 2, args=(big,), grace_period=GRACE) as ctx:
+            pass
+    assert ctx.results == [(0, (big,)), (1, (big,))]
