@@ -210,3 +210,59 @@ async def test_a_large_payload_and_result_fit_the_report_sockets_default_buffers
         async with aiomp.spawn(funcs.echo, 2, args=(big,), grace_period=GRACE) as ctx:
             pass
     assert ctx.results == [(0, (big,)), (1, (big,))]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fail", ["start", "adopt"])
+async def test_a_failed_pipelined_start_kills_the_children_whose_pid_was_not_read(
+    fail: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """forkserver starts are pipelined: ranks 0 and 1 are in the fork server's hands,
+    their pids unread, when rank 2's start (or rank 1's pidfd) fails. They must be
+    killed and reaped, and the failure raised (the leak check sees any left)."""
+    from aiomp import _process
+
+    started: list[Any] = []
+    real_start, real_pidfd_open = _process.start, os.pidfd_open
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        if fail == "start" and len(started) == 2:  # as the real one fails: fds closed
+            args[4].close()
+            kwargs["output"].close()
+            raise OSError(24, "Too many open files (injected)")
+        started.append(real_start(*args, **kwargs))
+        return started[-1]
+
+    opened: list[int] = []
+
+    def pidfd_open(pid: int, flags: int = 0) -> int:
+        if fail == "adopt" and len(opened) == 1:
+            raise OSError(24, "Too many open files (injected)")
+        opened.append(pid)
+        return real_pidfd_open(pid, flags)
+
+    monkeypatch.setattr(_process, "start", start)
+    monkeypatch.setattr(os, "pidfd_open", pidfd_open)
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(funcs.echo, 1, start_method="forkserver"):
+            pass  # the fork server is up
+        started.clear()
+        opened.clear()
+        with pytest.raises(OSError, match="injected"):
+            await aiomp.spawn(funcs.block_forever, 4, start_method="forkserver", grace_period=GRACE)
+    monkeypatch.undo()
+    assert len(started) >= 2
+    assert [p.exitcode for p in started[:2]] == [-signal.SIGKILL] * 2
+
+
+@pytest.mark.anyio
+async def test_a_pipelined_forkserver_child_imports_no_parent_side_module() -> None:
+    """Regression: the pipelined start's Process subclass, pickled by name, made every
+    forkserver child import ``aiomp._process`` (anyio with it): 20 ms of CPU a child."""
+    names = ("aiomp._process", "aiomp._context", "anyio")
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(
+            funcs_fork.imported, 2, args=(names,), start_method="forkserver"
+        ) as ctx:
+            pass
+    assert ctx.results == [[], []]
