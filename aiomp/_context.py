@@ -451,36 +451,24 @@ async def start_children(
     payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
     join = _Join()
     children = join.children
-    pending: list[_Started] = []  # started, pid not read yet: nothing may await meanwhile
     try:
         datagram, fds = payload.datagram()
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
-        # The fork server gets every request before its first pid reply is read (see
-        # *Pipelined forkserver starts* in docs/architecture.md); other methods start
-        # one at a time.
-        batch = nprocs if start_method == "forkserver" else 1
-        for first in range(0, nprocs, batch):
-            for rank in range(first, min(first + batch, nprocs)):
-                pending.append(_start_one(rank, start_method, daemon, target_fn, output, batch > 1))
-            while pending:
-                c = pending[0].adopt(join)
-                del pending[0]
-                children.append(c)
-                # Sent at once, not after every start: a forked child boots in a
-                # millisecond and would wait for the rest (see *Start-up cost* in
-                # docs/architecture.md).
-                if c.rank:
-                    payload.sent_again()  # one message, sent once more
-                assert c.sock is not None
-                try:
-                    await _transport.send_async(c.sock, datagram, fds)
-                except _transport.Closed:
-                    pass  # it died already; join reports how
+        for rank in range(nprocs):
+            c = _start_one(rank, start_method, daemon, target_fn, output, join)
+            children.append(c)
+            # Sent at once, not after every start: a forked child boots in a millisecond
+            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
+            if rank:
+                payload.sent_again()  # one message, sent once more
+            assert c.sock is not None
+            try:
+                await _transport.send_async(c.sock, datagram, fds)
+            except _transport.Closed:
+                pass  # it died already; join reports how
     except BaseException:
-        for p in pending:
-            p.abandon()
         await _process.terminate_all(children, 0)  # not started yet: nothing to wait for
         raise
     finally:
@@ -488,50 +476,9 @@ async def start_children(
     return ProcessContext(join, grace_period)
 
 
-class _Started:
-    """A child started and not yet adopted: its process, report socket and forwarder."""
-
-    __slots__ = ("output", "proc", "rank", "report", "start_method")
-
-    def __init__(
-        self,
-        rank: int,
-        proc: multiprocessing.process.BaseProcess,
-        start_method: str,
-        report: socket.socket,
-        output: _output.Forwarder | None,
-    ) -> None:
-        self.rank, self.proc, self.start_method = rank, proc, start_method
-        self.report, self.output = report, output
-
-    def adopt(self, join: _Join) -> _Spawned:
-        """Read its pid if need be, and make its :class:`_Spawned` (it owns the rest)."""
-        try:
-            return _process.adopt(
-                functools.partial(_Spawned, report=self.report, join=join),
-                self.proc,
-                self.rank,
-                self.start_method,
-                self.output,
-            )
-        except BaseException:  # killed and reaped already
-            self.report.close()
-            raise
-
-    def abandon(self) -> None:
-        """Kill and reap it, close its fds."""
-        _process.abandon(self.proc, self.output)
-        self.report.close()
-
-
 def _start_one(
-    rank: int,
-    start_method: str,
-    daemon: bool,
-    fn: object,
-    output: _output.Output,
-    pipelined: bool,
-) -> _Started:
+    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output, join: _Join
+) -> _Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
@@ -539,7 +486,8 @@ def _start_one(
     # (four setsockopt calls per child) as a queue's socket makes.
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        proc = _process.start(
+        return _process.launch(
+            functools.partial(_Spawned, report=ours, join=join),
             _child.main,
             rank,
             start_method,
@@ -547,12 +495,10 @@ def _start_one(
             theirs,
             extra=(fn, start_method == "spawn"),
             output=fw,
-            pipelined=pipelined,
         )
     except BaseException:
         ours.close()
         raise
-    return _Started(rank, proc, start_method, ours, fw)
 
 
 class SpawnHandle:

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import copyreg
 import inspect
-import io
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -42,9 +40,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from multiprocessing import connection as mp_connection
-from multiprocessing import context, forkserver, popen_forkserver, spawn
-from multiprocessing import reduction as mp_reduction
 from typing import Any, TypeVar
 
 import anyio
@@ -439,35 +434,10 @@ def launch(
     concurrently). Call :func:`prepare_forkserver` first for ``"forkserver"``. Must run
     on the event loop's thread, in a task.
     """
-    proc = start(target, rank, start_method, daemon, channel, extra=extra, name=name, output=output)
-    return adopt(make, proc, rank, start_method, output)
-
-
-def start(
-    target: Callable[..., object],
-    rank: int,
-    start_method: str,
-    daemon: bool,
-    channel: socket.socket,
-    *,
-    extra: tuple[object, ...] = (),
-    name: str | None = None,
-    output: _output.Forwarder | None = None,
-    pipelined: bool = False,
-) -> multiprocessing.process.BaseProcess:
-    """The start half of :func:`launch`: the process, not yet owned by a :class:`Child`.
-
-    With ``pipelined`` (``"forkserver"`` only) it returns once the fork server has the
-    request, before the server has said the child's pid, so that several requests are in
-    its hands at once (see *Pipelined forkserver starts* in docs/architecture.md). The
-    process is started but nobody can signal it yet: every way out of the caller must
-    pass it to :func:`adopt` (which reads the pid) or to :func:`abandon` (the kill path).
-    """
     check_not_bootstrapping()
     mp: Any = multiprocessing.get_context(start_method)
-    cls = _PipelinedProcess if pipelined and start_method == "forkserver" else mp.Process
     try:
-        proc = cls(
+        proc = mp.Process(
             target=target,
             args=(rank, channel, os.getpid(), *extra),
             kwargs={} if output is None else {"output": output.child_ends()},
@@ -484,99 +454,11 @@ def start(
         raise
     finally:
         channel.close()
-    return proc
-
-
-def adopt(
-    make: Callable[[int, multiprocessing.process.BaseProcess, str, _output.Forwarder | None], C],
-    proc: multiprocessing.process.BaseProcess,
-    rank: int,
-    start_method: str,
-    output: _output.Forwarder | None,
-) -> C:
-    """The second half of :func:`launch`: read a pipelined start's pid (blocking until
-    the fork server says it, as ``Process.start()`` does), then ``make`` its Child. If
-    that fails (no pidfd: EMFILE), the process is killed and reaped: nothing may own a
-    process nobody watches."""
     try:
-        _read_pid(proc)
         return make(rank, proc, start_method, output)
-    except BaseException:
-        abandon(proc, output)
-        raise
-
-
-def abandon(proc: multiprocessing.process.BaseProcess, output: _output.Forwarder | None) -> None:
-    """Kill and reap a started process no :class:`Child` owns (its pid read first if it
-    was a pipelined start); close its forwarder."""
-    try:
-        _read_pid(proc)
-    except (EOFError, OSError):
-        pass  # the fork server died before it forked: there is no process
-    else:
+    except BaseException:  # no pidfd (EMFILE): nothing may own a process nobody watches
         proc.kill()
         proc.join()
-    if output is not None:
-        output.close()
-
-
-def _read_pid(proc: multiprocessing.process.BaseProcess) -> None:
-    popen = getattr(proc, "_popen", None)
-    if isinstance(popen, _PendingPopen):
-        popen.read_pid()
-
-
-class _PendingPopen(popen_forkserver.Popen):
-    """A forkserver start that does not wait for the server's pid reply: the request is
-    sent, the pid read later (:meth:`read_pid`, or a poll that finds it there)."""
-
-    def __init__(self, process_obj: Any) -> None:
-        self.pid: int | None = None  # type: ignore[assignment]
-        super().__init__(process_obj)
-
-    def _launch(self, process_obj: Any) -> None:
-        # popen_forkserver.Popen._launch of Python 3.11 without its last line, the
-        # blocking `self.pid = forkserver.read_signed(self.sentinel)`.
-        prep_data = spawn.get_preparation_data(process_obj._name)
-        buf = io.BytesIO()
-        context.set_spawning_popen(self)
-        try:
-            mp_reduction.dump(prep_data, buf)
-            mp_reduction.dump(process_obj, buf)
-        finally:
-            context.set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
-        parent_w = os.dup(w)  # as multiprocessing keeps it: the child's parent sentinel
-        self.finalizer = multiprocessing.util.Finalize(
-            self,
-            multiprocessing.util.close_fds,  # type: ignore[attr-defined]
-            (parent_w, self.sentinel),
-        )
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-
-    def read_pid(self) -> None:
-        """Read the child's pid from the server (blocks until it is there); once."""
-        if self.pid is None:
-            self.pid = forkserver.read_signed(self.sentinel)
-
-    def poll(self, flag: int = os.WNOHANG) -> int | None:
-        # multiprocessing polls every child at each start (``process._cleanup``): the
-        # first thing on the sentinel is the pid, not the exit status.
-        if self.pid is None:
-            if flag == os.WNOHANG and not mp_connection.wait([self.sentinel], 0):
-                return None
-            self.read_pid()
-        return super().poll(flag)
-
-
-class _PipelinedProcess(context.ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> _PendingPopen:
-        return _PendingPopen(process_obj)
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # The child gets a plain ForkServerProcess: naming this class would make it
-        # import this module (anyio and all), 20 ms of CPU per forkserver child.
-        rebuild = copyreg._reconstructor  # type: ignore[attr-defined]
-        return rebuild, (context.ForkServerProcess, object, None), self.__dict__
+        if output is not None:
+            output.close()
+        raise

@@ -33,10 +33,3 @@ def raise_then_hang_in_teardown(rank: int, address: str) -> None:
     conn = gate_connect(rank, address)
     threading.Thread(target=conn.recv, args=(1,)).start()
     raise ValueError("rank 0 failed")
-
-
-def imported(rank: int, names: tuple[str, ...]) -> list[str]:
-    """Which of ``names`` this child has imported."""
-    import sys
-
-    return [name for name in names if name in sys.modules]
