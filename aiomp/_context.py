@@ -4,8 +4,9 @@ The spawn API over the process toolkit in ``_process`` (which owns each child's 
 its signals and its termination). Each child is a :class:`_Spawned`: a
 :class:`aiomp._process.Child` plus the parent end of its report socket, on which the
 child sends ``("ok", result)`` or ``("err", text, exc)`` before its interpreter shuts
-down, so a failure reaches the parent within milliseconds. One task at a time waits on
-that socket; the others wait for it.
+down, so a failure reaches the parent within milliseconds. Every wait on a spawn's children
+(the supervisor's, ``join``'s, termination's) goes through one :class:`_Join`, which
+watches all their exit fds and report sockets at once on the event loop.
 
 Termination (on a failure, an exception in the ``async with`` body or cancellation) is
 :func:`aiomp._process.terminate_all`: SIGTERM, ``grace_period`` seconds, SIGKILL, reap;
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import select
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
@@ -40,9 +42,187 @@ from ._process import (
     prepare_forkserver,
 )
 
+if TYPE_CHECKING:
+    import asyncio
+
+
+class _Join:
+    """Every wait on one spawn's children, through one epoll set on the event loop.
+
+    While a task waits, each live child's exit fd (its pidfd, or a forkserver child's
+    sentinel) and its report socket are registered in an epoll instance of this join's
+    own, and that one fd is what the loop watches: a reader callback on asyncio and
+    uvloop, one system task on trio. When it is readable the callback takes every ready
+    fd at once, reads the report (:meth:`_Spawned.poll_message`) or reaps the child
+    (``poll_exit``), then wakes each waiting task whose condition now holds, and only
+    those: a spawn-4 that ends cleanly wakes its waiter once. The last waiter to leave
+    closes the epoll set; a child forgets its fds here before it closes them. Nothing
+    reached from the callback touches anyio (see *Nothing anyio in loop callbacks* and
+    *One waiter per spawn* in docs/architecture.md).
+    """
+
+    __slots__ = (
+        "_epoll",
+        "_error",
+        "_fds",
+        "_loop",
+        "_trio_scope",
+        "_waits",
+        "children",
+        "wakeups",
+    )
+
+    def __init__(self) -> None:
+        self.children: list[_Spawned] = []
+        #: (condition, wake-up): an asyncio future, or a trio.Event, made by the waiter
+        self._waits: list[tuple[Callable[[], bool], Any]] = []
+        self._epoll: select.epoll | None = None  # while a task waits
+        self._fds: dict[int, tuple[_Spawned, bool]] = {}  # in the epoll set: (child, is_exit)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the waiters' loop; None: trio
+        self._trio_scope: Any = None  # trio: the system task polling the set
+        self._error: Exception | None = None  # a callback's unexpected error, for the waiters
+        self.wakeups = 0  # waiting tasks woken by the watches (tests count them)
+
+    async def wait(self, done: Callable[[], bool]) -> None:
+        """Return once ``done()`` holds; it is checked after each event on the fds.
+
+        Cancellation leaves the children as they were; the last waiter to leave closes
+        the epoll set.
+        """
+        if self._error is None and done():
+            return
+        loop = _transport.running_asyncio_loop()
+        if loop is not None:
+            woken: Any = loop.create_future()
+        else:
+            import trio
+
+            woken = trio.Event()
+        entry = (done, woken)
+        self._waits.append(entry)
+        try:
+            self._watch(loop)
+            self.check()  # a child may have been reaped meanwhile by another path
+            await (woken if loop is not None else woken.wait())
+        finally:
+            if entry in self._waits:
+                self._waits.remove(entry)
+            if not self._waits:
+                self._unwatch()
+        if self._error is not None:
+            raise RuntimeError("aiomp: watching the children failed") from self._error
+
+    def forget(self, fd: int) -> None:
+        """Stop watching ``fd`` (its owner calls this before closing it)."""
+        if self._fds.pop(fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(fd)
+
+    def _watch(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        if self._epoll is not None and loop is not self._loop:
+            self._unwatch()  # left from a wait on another loop
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            self._loop = loop
+            try:
+                if loop is not None:
+                    loop.add_reader(self._epoll.fileno(), self._poll)
+                else:
+                    import trio
+
+                    self._trio_scope = trio.CancelScope()
+                    trio.lowlevel.spawn_system_task(
+                        self._trio_poll, self._epoll, self._trio_scope, name="aiomp spawn join"
+                    )
+            except BaseException:
+                self._epoll.close()
+                self._epoll = None
+                raise
+        for c in self.children:
+            if c.exitcode is None:
+                self._add(c.exit_fd, c, True)
+                if c.sock is not None and c.outcome is None:
+                    self._add(c.sock.fileno(), c, False)
+
+    def _add(self, fd: int, c: _Spawned, is_exit: bool) -> None:
+        if fd not in self._fds:
+            assert self._epoll is not None
+            self._epoll.register(fd, select.EPOLLIN)
+            self._fds[fd] = (c, is_exit)
+
+    def _unwatch(self) -> None:
+        ep, self._epoll = self._epoll, None
+        self._fds.clear()
+        if ep is None:
+            return
+        if self._trio_scope is not None:
+            self._trio_scope.cancel()  # trio delivers it at once: the fd leaves its epoll
+            self._trio_scope = None
+        elif self._loop is not None:
+            try:
+                self._loop.remove_reader(ep.fileno())
+            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
+                pass
+        ep.close()
+
+    async def _trio_poll(self, ep: select.epoll, scope: Any) -> None:
+        import trio
+
+        with scope:
+            while self._epoll is ep:  # not closed before this task first ran
+                try:
+                    await trio.lowlevel.wait_readable(ep.fileno())
+                except Exception as exc:  # noqa: BLE001 - a system task must not raise
+                    self._error = exc
+                    self.check()
+                    return
+                self._poll()
+
+    def _poll(self) -> None:
+        """The epoll set is readable: handle every ready fd (a loop callback on asyncio)."""
+        ep = self._epoll
+        if ep is None:
+            return
+        try:
+            ready = ep.poll(0)
+        except OSError as exc:
+            self._error = exc
+            ready = []
+        for fd, _ in ready:
+            what = self._fds.get(fd)  # None: forgotten while handling an earlier one
+            if what is not None:
+                self._ready(*what)
+        self.check()
+
+    def _ready(self, c: _Spawned, is_exit: bool) -> None:
+        """A watched fd of ``c`` is readable (a loop callback on asyncio: no anyio here)."""
+        try:
+            if is_exit:
+                c.poll_exit()  # reaps it; its fds are forgotten and closed
+            else:
+                c.poll_message()
+                if c.outcome is not None and c.sock is not None:
+                    self.forget(c.sock.fileno())  # one report per child: nothing more to read
+        except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
+            self._error = exc
+
+    def check(self) -> None:
+        """Wake each waiter whose condition holds now."""
+        for entry in list(self._waits):
+            done, woken = entry
+            if self._error is not None or done():
+                self._waits.remove(entry)
+                self.wakeups += 1
+                if self._loop is not None:
+                    if not woken.done():
+                        woken.set_result(None)
+                else:
+                    woken.set()
+
 
 class _Spawned(_process.Child):
-    """A child :func:`spawn` started, with the socket its one report arrives on."""
+    """A child :func:`spawn` started, with the socket its one report arrives on.
+
+    Every wait on it goes through its spawn's :class:`_Join`."""
 
     def __init__(
         self,
@@ -51,10 +231,11 @@ class _Spawned(_process.Child):
         start_method: str,
         output: _output.Forwarder | None,
         report: socket.socket,
+        join: _Join,
     ) -> None:
         self.sock: socket.socket | None = report
-        self._sock_fd = report.fileno()
         self.outcome: tuple[str, object] | None = None  # ("ok", value) / ("err", exc)
+        self._join = join
         super().__init__(rank, process, start_method, output)
 
     def finished(self) -> bool:
@@ -64,10 +245,24 @@ class _Spawned(_process.Child):
         self.poll_message()  # sent before the exit: read it before the socket closes
 
     def _release(self) -> None:
-        if self.sock is not None and not self.waiters.waiting(self._sock_fd):
+        self._join.forget(self.exit_fd)
+        self._close_sock()
+        super()._release()
+        # Reaped, maybe by another path than the watches (terminate_all polls): the
+        # waiters must hear of it all the same.
+        self._join.check()
+
+    def _close_sock(self) -> None:
+        if self.sock is not None:
+            self._join.forget(self.sock.fileno())
             self.sock.close()
             self.sock = None
-        super()._release()
+
+    async def wait_exit(self) -> None:
+        """Wait until the child has exited and been reaped. Cancellation leaves it as it
+        was."""
+        if not self.poll_exit():
+            await self._join.wait(lambda: self.exitcode is not None)
 
     # -- messages -------------------------------------------------------------------
     def poll_message(self) -> None:
@@ -86,8 +281,7 @@ class _Spawned(_process.Child):
                 except (_transport.Closed, OSError):
                     pass
             if got is None:
-                self.sock.close()
-                self.sock = None
+                self._close_sock()
                 return
         except OSError as exc:
             self.outcome = (
@@ -128,20 +322,6 @@ class _Spawned(_process.Child):
                 ),
             )
 
-    async def wait_message(self) -> None:
-        """Wait until the child's report has arrived or its socket has closed.
-        Cancellation leaves it as it was."""
-        while self.outcome is None and self.sock is not None:
-            self.poll_message()
-            if self.outcome is not None or self.sock is None:
-                return
-            try:
-                await self.waiters.wait(self._sock_fd)
-            finally:
-                if self.exitcode is not None:
-                    self.poll_message()
-                    self._release()
-
     def failure(self) -> ProcessException | None:
         """The failure this child stands for, if any, as soon as it is known."""
         if self.outcome is not None and self.outcome[0] == "err":
@@ -153,27 +333,13 @@ class _Spawned(_process.Child):
             )
         return None
 
-    async def watch(self, on_failure: Callable[[], None]) -> None:
-        """Return once the child has exited; call ``on_failure`` as soon as it fails."""
-
-        async def messages() -> None:
-            await self.wait_message()
-            if self.failure() is not None:
-                on_failure()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(messages)
-            await self.wait_exit()
-            tg.cancel_scope.cancel()
-        if self.failure() is not None:
-            on_failure()
-
 
 class ProcessContext:
     """The processes started by :func:`spawn`: join them, read results, terminate them."""
 
-    def __init__(self, children: list[_Spawned], grace_period: float) -> None:
-        self._children = children
+    def __init__(self, join: _Join, grace_period: float) -> None:
+        self._join = join
+        self._children = join.children
         self.grace_period = grace_period
         self._failure: ProcessException | None = None
         self._results: list[object] | None = None
@@ -212,17 +378,12 @@ class ProcessContext:
             self._results = [c.outcome[1] if c.outcome else None for c in self._children]
         return self._results is not None
 
+    def _settled(self) -> bool:
+        return self._first_failure() is not None or all(c.exited for c in self._children)
+
     async def _watch_all(self) -> None:
         """Return once every child has exited, or as soon as one has failed."""
-        async with anyio.create_task_group() as tg:
-
-            def failed() -> None:
-                self._first_failure()
-                tg.cancel_scope.cancel()
-
-            for c in self._children:
-                if not c.exited:
-                    tg.start_soon(c.watch, failed)
+        await self._join.wait(self._settled)
 
     async def join(self, timeout: float | None = None) -> bool:
         """Wait for every process to exit successfully: True, or False if ``timeout`` passes.
@@ -288,14 +449,15 @@ async def start_children(
         check_fork_safe()
     # Pickle once, before any process starts: an unpicklable argument raises here.
     payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
-    children: list[_Spawned] = []
+    join = _Join()
+    children = join.children
     try:
         datagram, fds = payload.datagram()
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output)
+            c = _start_one(rank, start_method, daemon, target_fn, output, join)
             children.append(c)
             # Sent at once, not after every start: a forked child boots in a millisecond
             # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
@@ -311,18 +473,21 @@ async def start_children(
         raise
     finally:
         payload.close()
-    return ProcessContext(children, grace_period)
+    return ProcessContext(join, grace_period)
 
 
 def _start_one(
-    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output
+    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output, join: _Join
 ) -> _Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
-    ours, theirs = _transport.socketpair()
+    # One datagram each way (the payload, the report), each at most a 64 KiB body (a
+    # larger one rides in a memfd): the default buffers hold it, so no 4 MiB request
+    # (four setsockopt calls per child) as a queue's socket makes.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         return _process.launch(
-            functools.partial(_Spawned, report=ours),
+            functools.partial(_Spawned, report=ours, join=join),
             _child.main,
             rank,
             start_method,
@@ -405,7 +570,7 @@ class SpawnHandle:
         swallowed = clean = False
         try:
             swallowed = await exit_task_group(tg, exc)
-            if exc is None:
+            if exc is None and not ctx._finish():  # (all done: no join, lock, or scope)
                 await ctx.join()
             clean = exc is None
         finally:

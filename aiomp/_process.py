@@ -5,7 +5,9 @@ The process toolkit under :func:`aiomp.spawn` (``_context``) and the Pool (``_ha
 notification and race-free signals); :func:`launch` starts one, handing it the child's
 end of a channel its caller made (spawn's report socket, a Pool worker's stream).
 Exactly one task waits on a child's exit fd at a time; the others wait for it
-(:class:`aiomp._fdwait.FdWaiters`). Nothing here polls or uses threads: an exit is the
+(:class:`aiomp._fdwait.FdWaiters`); spawn's children override :meth:`Child.wait_exit` to
+wait through their spawn's one epoll set (see *One waiter per spawn* in
+docs/architecture.md). Nothing here polls or uses threads: an exit is the
 pidfd becoming readable on the event loop.
 
 Termination is one primitive, :func:`terminate_all`: SIGTERM to every live child,
