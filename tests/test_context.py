@@ -1221,7 +1221,7 @@ async def test_fork_with_threads_running_warns(how: str) -> None:
 @pytest.mark.anyio
 async def test_cancelled_while_leaving_the_block_terminates_children(gate: Gate) -> None:
     """Regression: a cancellation that arrived while `async with` waited for its children
-    (the body had finished) left them running."""
+    (the body had finished) left them running. Also: no fd is left watched on the loop."""
     with anyio.fail_after(TIMEOUT):
         with anyio.CancelScope() as scope:
             async with aiomp.spawn(
@@ -1238,6 +1238,7 @@ async def test_cancelled_while_leaving_the_block_terminates_children(gate: Gate)
     assert scope.cancelled_caught
     assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
     assert all(gone(pid) for pid in ctx.pids())
+    assert ctx._join._epoll is None  # the join dropped its watch on the loop
 
 
 @pytest.mark.anyio

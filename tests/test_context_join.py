@@ -88,28 +88,6 @@ async def test_a_reported_error_acts_before_the_childs_teardown_ends(
 
 
 @pytest.mark.anyio
-async def test_cancelled_wait_terminates_reaps_and_drops_every_watch(gate: Gate) -> None:
-    """A cancellation that lands while the block's exit waits on the children: they are
-    terminated and reaped, and no fd is left watched on the loop."""
-    with anyio.fail_after(TIMEOUT):
-        with anyio.CancelScope() as scope:
-            async with aiomp.spawn(
-                funcs.ready_then_block, 3, args=(gate.address,), grace_period=GRACE
-            ) as ctx:
-                await gate.ready(3)
-
-                async def cancel_when_all_wait() -> None:
-                    await anyio.wait_all_tasks_blocked()
-                    scope.cancel()
-
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(cancel_when_all_wait)
-    assert scope.cancelled_caught
-    assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 3
-    assert ctx._join._epoll is None  # no watch left on the loop
-
-
-@pytest.mark.anyio
 async def test_terminate_from_the_body_while_the_block_watches(gate: Gate) -> None:
     """terminate() in the body shares the block's watches: it reaps every child, and
     leaving raises what the first one died of."""
