@@ -25,6 +25,7 @@ scheduler's task steps, I/O waits, and I/O waits that returned nothing at once
 from __future__ import annotations
 
 import array
+import os
 import sys
 import time
 
@@ -174,7 +175,7 @@ async def main(batches: int, n: int) -> None:
         for v in reversed(started):
             await v.stop()
         trio.lowlevel.remove_instrument(counts)
-    print(f"{pinning}; {batches} batches of {n}; load {open('/proc/loadavg').read().split()[0]}")
+    print(f"{pinning}; {batches} batches of {n}; load {os.getloadavg()[0]:.2f}")
     base = c.median(samples[variants[0].name])
     base_cpu = variants[0].cpu_medians() or (1.0, 1.0)
     for v in variants:
