@@ -48,7 +48,7 @@ _FD_SIZE = array.array("i").itemsize
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * _FD_SIZE)
 _RECV_SIZE = MAX_INLINE + 64
 # Plain ints: socket's IntFlag arithmetic costs microseconds on a hot path.
-_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+_SEND_FLAGS = SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
 _RECV_BLOCKING = int(socket.MSG_CMSG_CLOEXEC)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)

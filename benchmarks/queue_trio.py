@@ -72,6 +72,27 @@ class InlineQueue(AiompQueue):
             item = qout._try_get()
 
 
+class InlineQueueYield(InlineQueue):
+    """:class:`InlineQueue` with a scheduler pass after the put (as ``trio.socket``'s send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.name = "aiomp inlined, a checkpoint after the put"
+
+    async def once(self) -> None:
+        import trio
+
+        from aiomp import _queue
+
+        qin, qout = self.qin, self.qout
+        qin._put_plain(PAYLOAD)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        item = qout._try_get(peek=True)
+        while item is _queue._MISSING:
+            await trio.lowlevel.wait_readable(qout._wait_fd)
+            item = qout._try_get()
+
+
 class LowLevelFloor(TrioSocketFloor):
     """The floor's pair and child; the parent: ``send``, trio's ``wait_readable``, ``recv``."""
 
@@ -142,6 +163,7 @@ async def main(batches: int, n: int) -> None:
         AiompQueue(False, False),
         InlineQueue(),
         LowLevelFloor(),
+        InlineQueueYield(),
     ]
     counts = Counts()
     trio.lowlevel.add_instrument(counts)
