@@ -12,7 +12,8 @@ these variants alternate:
   ``get`` by hand (``_put_plain``, ``_try_get`` with a look first, trio's
   ``wait_readable``, ``_try_get``): what the calls of ``put``/``get`` themselves add;
 - ``floor_lowlevel``: the floor's pair and child, the parent with a plain ``send``, then
-  trio's ``wait_readable`` and a ``recv`` (no ``trio.socket`` layer, no checkpoints).
+  trio's ``wait_readable`` and a ``recv`` (no ``trio.socket`` layer, no checkpoints);
+- ``aiomp_inline`` with a checkpoint after the put, as ``trio.socket``'s send has.
 
 For each: the median round trip, the CPU per round trip of the parent (this thread's
 clock) and of the child (schedstat), and, counted by a ``trio.abc.Instrument``, the
