@@ -161,7 +161,7 @@ class Overflow:
     ``vault_out`` are the queue's sockets, owned by the queue.
     """
 
-    __slots__ = ("_data", "_fd", "_header", "_mutex", "_poll", "_vault_in", "_vault_out")
+    __slots__ = ("_data", "_fd", "_header", "_mutex", "_poll", "_vault_in", "_vault_out", "look")
 
     def __init__(self, fd: int, vault_in: socket.socket, vault_out: socket.socket) -> None:
         self._fd = fd
@@ -172,6 +172,9 @@ class Overflow:
         self._vault_out = vault_out  # ...and received on this one
         self._poll = select.poll()  # is the socket empty? (no exception, unlike recvmsg)
         self._poll.register(vault_in, select.POLLIN)
+        #: ``look(0)``: the socket's poll events, empty while it holds nothing (and is not
+        #: at EOF): :meth:`socket_empty` without its frame, for a queue's hot path.
+        self.look = self._poll.poll
 
     @property
     def fd(self) -> int:

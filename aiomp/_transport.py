@@ -48,7 +48,7 @@ _FD_SIZE = array.array("i").itemsize
 _ANC_SIZE = socket.CMSG_SPACE(MAX_FDS * _FD_SIZE)
 _RECV_SIZE = MAX_INLINE + 64
 # Plain ints: socket's IntFlag arithmetic costs microseconds on a hot path.
-_SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+_SEND_FLAGS = SEND_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
 _RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
 _RECV_BLOCKING = int(socket.MSG_CMSG_CLOEXEC)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
@@ -550,26 +550,6 @@ class Stream:
         self._absorb(data, anc, mflags)
         return True
 
-    def _read(self, flags: int) -> tuple[bytes, list[int]] | None:
-        """Read once, nothing being buffered; the first complete frame read, or None.
-
-        The common case, one whole frame without fds in one read, is returned as it is,
-        without going through the buffer.
-        """
-        try:
-            data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, _ANC_SIZE, flags)
-        except BlockingIOError:
-            return None
-        except ConnectionResetError as exc:
-            raise Closed from exc
-        # (msg_flags echoes MSG_CMSG_CLOEXEC back on Linux: only truncation matters here.)
-        if not anc and not mflags & _TRUNCATED and len(data) >= FRAME_SIZE:
-            n, nfds = FRAME.unpack_from(data)
-            if not nfds and n + FRAME_SIZE == len(data):
-                return data[FRAME_SIZE:], []
-        self._absorb(data, anc, mflags)
-        return self.take()
-
     def _absorb(self, data: bytes, anc: list[tuple[int, int, bytes]], mflags: int) -> None:
         if anc:
             self._fds.extend(fds_in(anc))
@@ -594,7 +574,22 @@ class Stream:
         Raises :class:`Closed` at EOF.
         """
         if self._pos == len(self._buf):
-            return self._read(_RECV_FLAGS)
+            # Nothing buffered: read once. The common case, one whole frame without fds,
+            # is returned as it came, past the buffer (msg_flags echoes MSG_CMSG_CLOEXEC
+            # on Linux: only truncation matters). Written out here and in recv_sync, not
+            # in a helper: a frame less per message on the Pool's round trip.
+            try:
+                data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, _ANC_SIZE, _RECV_FLAGS)
+            except BlockingIOError:
+                return None
+            except ConnectionResetError as exc:
+                raise Closed from exc
+            if not anc and not mflags & _TRUNCATED and len(data) >= FRAME_SIZE:
+                n, nfds = FRAME.unpack_from(data)
+                if not nfds and n + FRAME_SIZE == len(data):
+                    return data[FRAME_SIZE:], []
+            self._absorb(data, anc, mflags)
+            return self.take()
         got = self.take()
         if got is None and self._fill(_RECV_FLAGS):
             got = self.take()
@@ -607,9 +602,21 @@ class Stream:
         unless an event loop made the socket non-blocking: then it polls.
         """
         if deadline is None and self._pos == len(self._buf):
-            got = self._read(_RECV_BLOCKING)
-            if got is not None:
-                return got
+            # One blocking read, and its fast path as in try_recv.
+            try:
+                data, anc, mflags, _ = self.sock.recvmsg(
+                    _STREAM_RECV_SIZE, _ANC_SIZE, _RECV_BLOCKING
+                )
+            except BlockingIOError:
+                pass  # an event loop made the socket non-blocking: wait below
+            except ConnectionResetError as exc:
+                raise Closed from exc
+            else:
+                if not anc and not mflags & _TRUNCATED and len(data) >= FRAME_SIZE:
+                    n, nfds = FRAME.unpack_from(data)
+                    if not nfds and n + FRAME_SIZE == len(data):
+                        return data[FRAME_SIZE:], []
+                self._absorb(data, anc, mflags)
         while (got := self.take()) is None:
             if deadline is None and self._fill(_RECV_BLOCKING):
                 continue

@@ -123,3 +123,56 @@ def test_a_plain_item_through_the_overflow_log_costs_few_calls() -> None:
         assert q._ovf.count() == 1
     finally:
         assert drain(q) == [PAYLOAD]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_woken_get_on_trio_waits_on_the_fd_without_layers() -> None:
+    """Issue 17 target 2, trio: a ``get`` that found the queue empty, waited and was woken
+    by a ``put`` went through FdWaiters' ``wait`` and ``_transport.wait_readable`` (which
+    looked up the running loop once more) on every wait, and the put through
+    ``_send_now`` and ``try_send``: 26 calls of aiomp's own for the whole hand-over. Now
+    the queue fans its trio waits out itself and the plain put sends inline: 16, and one
+    scheduler step for the woken consumer (no extra checkpoint)."""
+    import trio
+
+    q = aiomp.Queue()
+    steps = Steps()
+    for _ in range(3):
+        got: list[object] = []
+        done = trio.Event()
+
+        async def consumer(got: list[object], done: trio.Event) -> None:
+            got.append(await q.get())
+            done.set()
+
+        async with trio.open_nursery() as nursery:
+            with anyio.fail_after(QUICK), calls() as seen:
+                nursery.start_soon(consumer, got, done)
+                for _ in range(3):  # the consumer finds the queue empty and waits
+                    await trio.lowlevel.checkpoint()
+                trio.lowlevel.add_instrument(steps)
+                try:
+                    await q.put(PAYLOAD)
+                    await done.wait()
+                finally:
+                    trio.lowlevel.remove_instrument(steps)
+        assert got == [PAYLOAD]
+    own = [c for c in seen if c.startswith("aiomp/")]
+    assert "aiomp/wait" not in own and "aiomp/wait_readable" not in own, own
+    assert "aiomp/_send_now" not in own and "aiomp/try_send" not in own, own
+    assert len(own) <= 16, own
+    assert seen.count("C:poll.poll") == 1, seen  # the look before the wait
+    # Per round: the consumer's step that reads the item, and this task's after done.wait.
+    assert steps.consumer_steps == 3, steps.consumer_steps
+
+
+class Steps:
+    """A trio instrument: steps of tasks named ``consumer``."""
+
+    def __init__(self) -> None:
+        self.consumer_steps = 0
+
+    def before_task_step(self, task: Any) -> None:
+        if task.name.endswith("consumer"):
+            self.consumer_steps += 1

@@ -693,3 +693,30 @@ async def test_forget_stops_watching_and_closes_the_duplicate(
     t.forget(fd)
     assert fd not in t._readers and not is_open(watched)
     t.forget(fd)  # idempotent
+
+
+def test_a_whole_frame_is_read_in_one_python_call(stream_pair: tuple[t.Stream, t.Stream]) -> None:
+    """The Pool's round trip reads one whole frame per message on each side (the parent
+    with ``try_recv``, a sync worker with ``recv_sync``); both went through ``_read``, a
+    frame more per message. Now the read and its fast path are written out in each: one
+    Python call, and the frame comes back past the buffer."""
+    import sys
+
+    a, b = stream_pair
+    seen: list[str] = []
+
+    def hook(frame: object, event: str, arg: object) -> None:
+        if event == "call":
+            seen.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+
+    for read in (b.try_recv, b.recv_sync):
+        send(a, b"hello")
+        seen.clear()
+        sys.setprofile(hook)
+        try:
+            got = read()
+        finally:
+            sys.setprofile(None)
+        assert got == (b"hello", [])
+        assert seen == [read.__name__], seen
+        assert b.take() is None
