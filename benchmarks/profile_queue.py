@@ -79,6 +79,17 @@ def fill_socket(q: Any) -> int:
     return n
 
 
+def drain(q: Any) -> None:
+    """Take every item left in ``q`` (socket and overflow log)."""
+    import aiomp
+
+    while True:
+        try:
+            q.get_nowait()
+        except aiomp.Empty:
+            return
+
+
 async def measure_calls(reps: int = 200) -> dict[str, float]:
     """Calls per operation (the median over ``reps``, after a warm-up)."""
     import anyio
@@ -156,11 +167,7 @@ async def measure_calls(reps: int = 200) -> dict[str, float]:
                 await q.get()
         out["await get (overflow log)"] = c.n / reps
     finally:
-        while True:
-            try:
-                q.get_nowait()
-            except aiomp.Empty:
-                break
+        drain(q)
     return out
 
 
@@ -204,11 +211,7 @@ async def measure_cpu(n: int = 20000) -> dict[str, float]:
         passes_get.append(clock() - t)
     out["put_nowait (overflow log)"] = best(passes_put)
     out["get_nowait (overflow log)"] = best(passes_get)
-    while True:
-        try:
-            q.get_nowait()
-        except aiomp.Empty:
-            break
+    drain(q)
     return out
 
 
