@@ -16,6 +16,7 @@ with the Pool tests.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import random
 import signal
@@ -199,6 +200,60 @@ async def test_cancellation_storm(strategy: str, seed: int) -> None:
         messages=len(sent),
         cancelled_puts=cancelled["put"],
         cancelled_gets=cancelled["get"],
+        lost=lost,
+        duplicated=duplicated,
+    )
+
+
+WAITERS = 12
+
+
+@pytest.mark.anyio
+@SEEDS
+async def test_many_waiting_gets_raced_by_deadlines(strategy: str, seed: int) -> None:
+    """Twelve tasks of the parent wait on one unbounded queue at once (one reader kept for
+    all of them on asyncio and uvloop, the wait handed from task to task on trio), half of
+    the gets raced by a random deadline (0-2 ms), while a child puts mixed items. Every
+    item arrives once and intact: a cancelled get took nothing, and a waiter cancelled
+    while it held the wait handed it on (no other waiter was left asleep)."""
+    rng = random.Random(seed)
+    q = aiomp.Queue()
+    keys: list[tuple[int, int]] = []
+    cancelled = 0
+
+    async def consumer() -> None:
+        nonlocal cancelled
+        while True:
+            item = None
+            deadline = rng.random() * 0.002 if rng.random() < 0.5 else math.inf
+            with anyio.move_on_after(deadline):
+                try:
+                    item = await q.get()
+                except aiomp.QueueClosed:
+                    return
+            if item is None:
+                cancelled += 1
+                continue
+            _chaos.check(*item)
+            keys.append(item[0])
+            del item
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            for _ in range(WAITERS):
+                tg.start_soon(consumer)
+            async with aiomp.spawn(
+                _chaos.produce, 1, args=(q, STORM, seed, strategy), grace_period=GRACE
+            ):
+                pass
+            q.close()  # every waiter wakes to QueueClosed once the items are taken
+    lost, duplicated = exactly_once([(0, i) for i in range(STORM)], keys)
+    _chaos.record(
+        "waiters",
+        strategy=strategy,
+        seed=seed,
+        messages=STORM,
+        cancelled_gets=cancelled,
         lost=lost,
         duplicated=duplicated,
     )
