@@ -482,9 +482,8 @@ def _start_one(
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
-    # larger one rides in a memfd): the default buffers hold it, so no 4 MiB request
-    # (four setsockopt calls per child) as a queue's socket makes.
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
+    ours, theirs = _transport.socketpair(large=False)
     try:
         return _process.launch(
             functools.partial(_Spawned, report=ours, join=join),

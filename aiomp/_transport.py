@@ -58,11 +58,14 @@ _SOL_SOCKET = int(socket.SOL_SOCKET)
 _SCM_RIGHTS = int(socket.SCM_RIGHTS)
 
 
-def socketpair() -> tuple[socket.socket, socket.socket]:
-    """A connected pair of ``SOCK_SEQPACKET`` sockets with large buffers."""
+def socketpair(large: bool = True) -> tuple[socket.socket, socket.socket]:
+    """A connected pair of ``SOCK_SEQPACKET`` sockets, with large buffers unless
+    ``large`` is false (a pair that carries one datagram each way keeps the kernel's
+    defaults: four ``setsockopt`` calls less)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    for s in (a, b):
-        grow_buffers(s)
+    if large:
+        for s in (a, b):
+            grow_buffers(s)
     return a, b
 
 

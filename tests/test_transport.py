@@ -571,7 +571,7 @@ async def loop_turns(n: int) -> None:
     import asyncio
 
     for _ in range(n):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # handshake-free: one loop iteration is what is waited for
 
 
 @pytest.fixture
