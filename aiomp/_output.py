@@ -25,6 +25,7 @@ import logging
 import pickle
 import socket
 import sys
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,9 @@ LineCallback = Callable[[int, str, str], object]
 Output = str | LineCallback
 
 STREAMS = ("stdout", "stderr")
+#: The parent's streams found to be a closed pipe (``prog | head``): writing to them again
+#: would fail again, so their lines are only counted.
+_closed_sinks: weakref.WeakSet[object] = weakref.WeakSet()
 _CHUNK = 256 * 1024
 _RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr as text
 #: Once a child's output is readable, wait this long before reading it, so that a child
@@ -73,6 +77,8 @@ class Forwarder:
         self._parent: list[socket.socket | None] = []
         self._child: list[socket.socket] = []
         self._partial = [b"", b""]
+        self._lost = [0, 0]  # lines the sink did not take, per stream
+        self._reported = False  # the first failure of the sink was logged
         self._loop: asyncio.AbstractEventLoop | None = None  # None: trio
         #: asyncio: pending coalescing reads
         self._timers: list[asyncio.TimerHandle | None] = [None, None, None]
@@ -203,19 +209,45 @@ class Forwarder:
         self._partial[i] = rest
         if not lines:
             return
-        stream = STREAMS[i]
         text = [line.decode("utf-8", "backslashreplace") for line in lines]
         output = self._output
+        if callable(output):
+            for line in text:
+                try:
+                    output(self.rank, STREAMS[i], line)
+                except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
+                    self._lose(i, 1, exc)
+            return
+        out = sys.stdout if i == 0 else sys.stderr
+        if out in _closed_sinks:
+            self._lose(i, len(text))
+            return
         try:
-            if callable(output):
-                for line in text:
-                    output(self.rank, stream, line)
-            else:
-                out = sys.stdout if i == 0 else sys.stderr
-                out.write("".join(f"{self._prefix}{line}\n" for line in text))
-                out.flush()
-        except Exception:  # a loop callback must not raise: log it, keep forwarding
-            log.exception("aiomp: forwarding the output of %s failed", self._prefix.strip())
+            out.write("".join(f"{self._prefix}{line}\n" for line in text))
+            out.flush()
+        except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
+            why = ""
+            if isinstance(exc, BrokenPipeError):
+                why = f": the parent's {STREAMS[i]} is a closed pipe"
+                try:
+                    _closed_sinks.add(out)
+                except TypeError:  # no weak references to it: try again next time
+                    pass
+            self._lose(i, len(text), exc, why)
+
+    def _lose(self, i: int, lines: int, exc: Exception | None = None, why: str = "") -> None:
+        """Count ``lines`` of stream ``i`` the sink did not take; log the first failure with
+        its traceback (see *Output sink failures* in docs/architecture.md)."""
+        if exc is not None and not self._reported:
+            self._reported = True
+            log.error(
+                "aiomp: forwarding the output of %s failed%s; the lines it loses are "
+                "counted and reported when it exits",
+                self._prefix.strip(),
+                why,
+                exc_info=exc,
+            )
+        self._lost[i] += lines
 
     def _detach(self, i: int) -> None:
         s = self._parent[i]
@@ -250,6 +282,17 @@ class Forwarder:
                 if i < 2:
                     self._emit(i, b"", final=True)
                 self._detach(i)
+        for i, lost in enumerate(self._lost):
+            if lost:
+                self._lost[i] = 0
+                log.warning(
+                    "aiomp: %d line%s of %s's %s %s not forwarded",
+                    lost,
+                    "" if lost == 1 else "s",
+                    self._prefix.strip(),
+                    STREAMS[i],
+                    "was" if lost == 1 else "were",
+                )
         for scope in self._trio_scopes:
             try:
                 scope.cancel()
