@@ -8,7 +8,9 @@ anyio in loop callbacks* in docs/architecture.md).
 Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
 parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirections and
 pytest's capture see it); a callable receives ``(rank, stream, line)``. Bytes that are
-not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated. A
+not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated (one
+of 1 MiB with no end yet goes as it stands, the rest follows), and with ``"prefix"`` a
+carriage return also ends a line, so progress bars show as they redraw. A
 logging record is re-emitted with ``logging.getLogger(record.name).handle(record)``, with
 ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` set; the child's side is
 :func:`aiomp._child.forward_logging`.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import socket
 import sys
 import weakref
@@ -52,6 +55,12 @@ _RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr a
 #: wake-up per batch, not one per write. Only while output flows; the line is late by
 #: at most this much.
 COALESCE = 0.002
+#: A line this long with no end yet is forwarded as it is, the rest as further lines: the
+#: parent does not hold a child's endless line (a binary dump, a bar never ended) whole.
+LINE_MAX = 1 << 20
+#: Where ``"prefix"`` ends a line: a newline, or a carriage return (a progress bar's
+#: redraw, forwarded as it comes rather than as one line when the bar ends).
+_LINE_END = re.compile(rb"(\r\n|\n|\r)")
 
 
 def check_output(output: object) -> None:
@@ -76,7 +85,8 @@ class Forwarder:
         self._output = output
         self._parent: list[socket.socket | None] = []
         self._child: list[socket.socket] = []
-        self._partial = [b"", b""]
+        self._partial = [bytearray(), bytearray()]  # a line's start, per stream
+        self._open = [False, False]  # "prefix": a redraw was written, its line not ended
         self._lost = [0, 0]  # lines the sink did not take, per stream
         self._reported = False  # the first failure of the sink was logged
         self._loop: asyncio.AbstractEventLoop | None = None  # None: trio
@@ -201,29 +211,80 @@ class Forwarder:
             log.exception("aiomp: a logging record from %s was lost", self._prefix.strip())
 
     def _emit(self, i: int, data: bytes, final: bool = False) -> None:
-        buf = self._partial[i] + data
-        *lines, rest = buf.split(b"\n")
-        if final and rest:
-            lines.append(rest)
-            rest = b""
-        self._partial[i] = rest
-        if not lines:
+        """Forward what ``data`` completes of stream ``i`` (everything with ``final``)
+        and keep the rest. See *Output forwarding* in docs/architecture.md for carriage
+        returns (progress bars) and overlong lines."""
+        buf = self._partial[i]
+        prefix = self._output == "prefix"
+        start = len(buf)
+        whole: bytes | bytearray = data
+        if start:
+            buf += data  # a bytearray: appending is amortised, never a copy of all so far
+            whole = buf
+        cut = whole.rfind(b"\n", start)
+        if prefix:  # a carriage return last may be a "\r\n" cut in two: not yet an end
+            cut = max(cut, whole.rfind(b"\r", max(start - 1, 0), len(whole) - 1))
+        head = bytes(whole[: cut + 1])
+        if start:
+            del buf[: cut + 1]
+        else:
+            buf += data[cut + 1 :]
+        if buf and (final or len(buf) >= LINE_MAX):  # the rest goes too, as a line
+            head += bytes(buf) + b"\n"
+            buf.clear()
+        if not prefix:
+            if head:
+                self._to_callback(i, head.split(b"\n")[:-1])
             return
-        text = [line.decode("utf-8", "backslashreplace") for line in lines]
+        label = self._prefix
+        if b"\r" not in head and not self._open[i]:  # plain lines: the common case
+            lines = head.split(b"\n")[:-1]
+            if lines:
+                text = "".join(
+                    f"{label}{line.decode('utf-8', 'backslashreplace')}\n" for line in lines
+                )
+                self._to_stream(i, text, len(lines))
+            return
+        split = _LINE_END.split(head)  # [line, end, line, end, ..., b""]
+        ends = [(split[k], split[k + 1].decode()) for k in range(0, len(split) - 1, 2)]
+        if final and self._open[i] and not ends:  # a redraw left open ends with the child
+            ends.append((b"", "\n"))
+        if buf and not final and (head.endswith(b"\r") or (not head and self._open[i])):
+            # A progress bar's latest redraw, not ended yet: shown now, its line left open.
+            try:
+                bytes(buf).decode()
+            except UnicodeDecodeError:  # a character cut in two: wait for its end
+                pass
+            else:
+                ends.append((bytes(buf), ""))
+                buf.clear()
+        parts = []
+        open_ = self._open[i]
+        for line, end in ends:  # what continues an open line gets no second label
+            decoded = line.decode("utf-8", "backslashreplace")
+            parts.append(decoded + end if open_ else label + decoded + end)
+            open_ = not end
+        self._open[i] = open_
+        if parts:
+            self._to_stream(i, "".join(parts), len(parts))
+
+    def _to_callback(self, i: int, lines: list[bytes]) -> None:
         output = self._output
-        if callable(output):
-            for line in text:
-                try:
-                    output(self.rank, STREAMS[i], line)
-                except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
-                    self._lose(i, 1, exc)
-            return
+        assert callable(output)
+        for line in lines:
+            try:
+                output(self.rank, STREAMS[i], line.decode("utf-8", "backslashreplace"))
+            except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
+                self._lose(i, 1, exc)
+
+    def _to_stream(self, i: int, text: str, lines: int) -> None:
+        """Write ``text`` (``lines`` labelled lines) to the parent's stream ``i``."""
         out = sys.stdout if i == 0 else sys.stderr
         if out in _closed_sinks:
-            self._lose(i, len(text))
+            self._lose(i, lines)
             return
         try:
-            out.write("".join(f"{self._prefix}{line}\n" for line in text))
+            out.write(text)
             out.flush()
         except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
             why = ""
@@ -233,7 +294,7 @@ class Forwarder:
                     _closed_sinks.add(out)
                 except TypeError:  # no weak references to it: try again next time
                     pass
-            self._lose(i, len(text), exc, why)
+            self._lose(i, lines, exc, why)
 
     def _lose(self, i: int, lines: int, exc: Exception | None = None, why: str = "") -> None:
         """Count ``lines`` of stream ``i`` the sink did not take; log the first failure with

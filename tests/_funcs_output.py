@@ -56,3 +56,25 @@ def log_with_own_config(rank: int) -> int:
     logging.basicConfig(stream=sys.stdout, format="own: %(message)s")
     logging.getLogger("aiomp.test.child").warning("configured here")
     return rank
+
+
+def progress_bar(rank: int, seen: object) -> int:
+    """A tqdm-style bar on stderr: each redraw starts with a carriage return and the bar
+    ends with a newline. After the half-way redraw it waits until the parent has shown it
+    (``seen``, an aiomp.Event), so it finishes only if redraws are forwarded as they come."""
+    for pct in (0, 50):
+        sys.stderr.write(f"\rbar {pct}%")
+        sys.stderr.flush()
+    if not seen.sync.wait(timeout=30):  # type: ignore[attr-defined]
+        return -1
+    sys.stderr.write("\rbar 100%\n")
+    sys.stderr.flush()
+    return rank
+
+
+def endless_line(rank: int, mib: int) -> int:
+    """``mib`` MiB on stdout with no newline at all (a binary dump, say)."""
+    chunk = b"y" * (64 << 10)
+    for _ in range(mib * 16):
+        os.write(1, chunk)
+    return rank
