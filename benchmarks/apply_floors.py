@@ -17,14 +17,23 @@ round trip and the CPU per round trip (parent + child) of:
 - a kept reader with the request and the reply on two socket pairs (see *Two channels*);
 - ``Pool.apply(trivial)``.
 
+With ``--base TREE`` (another checkout, say a ``git worktree`` of the commit before a
+change), that tree's ``aiomp`` is copied into a temporary folder as the package
+``aiomp_base`` and its ``Pool.apply`` joins the alternation: an A/B of two trees in one
+process, against one floor (two trees in two processes disagree by the floor's own
+spread). ``--only-apply`` keeps the raw floor and the pools alone.
+
 Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by hand.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 
 from benchmarks import _common as c
@@ -152,18 +161,54 @@ class TwoPairFloor(KeptReaderFloor):
         await super().stop()
 
 
+class BaseApply(AiompApply):
+    """``Pool.apply(trivial)`` of the tree given with ``--base`` (see :func:`load_base`)."""
+
+    name = "aiomp Pool.apply (base tree)"
+
+    async def start(self) -> None:
+        from aiomp_base._pool import Pool  # type: ignore[import-not-found]
+
+        self.pool = Pool(1, grace_period=1.0)
+        await self.pool.__aenter__()
+
+
+def load_base(tree: str) -> str:
+    """Copy ``tree``'s ``aiomp`` to a new temporary folder as ``aiomp_base`` and put that
+    folder on ``sys.path`` (spawn children inherit it); returns the folder."""
+    folder = tempfile.mkdtemp(prefix="apply-ab-")
+    dest = os.path.join(folder, "aiomp_base")
+    shutil.copytree(os.path.join(tree, "aiomp"), dest, ignore=shutil.ignore_patterns("*.pyc"))
+    init = os.path.join(dest, "__init__.py")
+    with open(init) as f:
+        text = f.read()
+    # Its lazy public names import "aiomp.<module>": its own modules instead.
+    with open(init, "w") as f:
+        f.write(text.replace('f"aiomp.{module}"', 'f"{__name__}.{module}"'))
+    sys.path.insert(0, folder)
+    return folder
+
+
 async def main() -> None:
-    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("batches", nargs="?", type=int, default=20)
+    p.add_argument("--base", help="another tree whose Pool.apply joins the alternation")
+    p.add_argument("--only-apply", action="store_true", help="the raw floor and the pools only")
+    args = p.parse_args()
+    batches = args.batches
     pinning = c.pin_parent()
-    variants: list[h.Variant] = [
-        h.SocketFloor(),
-        KeptReaderFloor(),
-        SpinAfterSendFloor(),
-        ReaderPerCallFloor(),
-        TwoPairFloor(),
-        AiompApply(),
-    ]
-    s = await h.interleave(variants, batches, 120)
+    variants: list[h.Variant] = [h.SocketFloor()]
+    if not args.only_apply:
+        variants += [KeptReaderFloor(), SpinAfterSendFloor(), ReaderPerCallFloor(), TwoPairFloor()]
+    variants.append(AiompApply())
+    folder = load_base(args.base) if args.base else None
+    if folder is not None:
+        variants.append(BaseApply())
+    try:
+        s = await h.interleave(variants, batches, 120)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     base = c.median(s[variants[0].name])
     print(
         f"{pinning}; {batches} batches of 120; loop {h.loop_name()}; load {os.getloadavg()[0]:.2f}"
@@ -175,6 +220,9 @@ async def main() -> None:
             f"{v.name:55s} {m * 1e6:7.1f} µs {m / base:5.2f}x  CPU {cpu[0] * 1e6:5.1f} + "
             f"{cpu[1] * 1e6:5.1f} µs"
         )
+    if folder is not None:
+        new, old = c.median(s[AiompApply.name]), c.median(s[BaseApply.name])
+        print(f"new / base: {new / old:.3f}")
 
 
 if __name__ == "__main__":
