@@ -132,9 +132,11 @@ async def test_fn_results_errors_and_coroutines_on_the_short_path() -> None:
 
 
 @asyncio_only
-async def test_a_no_argument_task_on_a_broken_pool_fails_without_waiting() -> None:
+async def test_a_submitted_task_on_a_broken_pool_fails_without_waiting() -> None:
     """A task the scheduler fails at once (here: a pool broken between the call's check
-    and its submission) returns its error without awaiting a future nobody would set."""
+    and its submission) returns its error without awaiting a future nobody would set.
+    (A list argument makes it a pickled message, which is submitted: a small frame sent
+    first has nothing between the check and its send.)"""
     with anyio.fail_after(TIMEOUT):
         async with pool() as p:
             await p.apply(f.nothing)
@@ -148,7 +150,7 @@ async def test_a_no_argument_task_on_a_broken_pool_fails_without_waiting() -> No
             sched.submit = break_then_submit  # type: ignore[method-assign]
             try:
                 with pytest.raises(aiomp.BrokenPoolError, match="broken meanwhile"):
-                    await p.apply(f.nothing)
+                    await p.apply(sorted, ([3, 1],))
             finally:
                 del sched.submit
 
