@@ -159,3 +159,95 @@ def test_no_argument_frame_is_the_general_frame() -> None:
     """``P.noargs_task`` packs the same bytes as ``P.task_frame`` with no pickle."""
     for tid, flags, fid in ((1, P.F_APPLY | P.F_NOARGS, 7), (2**63, 13, 2**32 - 1)):
         assert P.noargs_task(tid, flags, fid) == P.task_frame(tid, flags, fid, b"")
+
+
+@asyncio_loops
+async def test_apply_sends_before_it_makes_its_task() -> None:
+    """``apply(fn)`` to an idle worker that knows ``fn`` sends its frame first and makes
+    its Task (and the scheduler's record of it) after, while the worker wakes (see *Apply
+    critical path* in docs/architecture.md); the first call to a worker, which must send
+    the function's DEF first, is submitted as before. Results are unchanged."""
+    from aiomp import _scheduler
+
+    events: list[str] = []
+    init = _scheduler.Task.__init__
+
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("task")
+        init(self, *args, **kwargs)
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            (handle,) = p._handles
+            send = handle._sock_send
+
+            def recording_send(data: bytes, flags: int) -> int:
+                events.append("send")
+                return send(data, flags)
+
+            handle._sock_send = recording_send  # type: ignore[method-assign]
+            _scheduler.Task.__init__ = recording_init  # type: ignore[method-assign]
+            try:
+                assert await p.apply(f.forty_two) == 42  # DEF first: submitted
+                assert await p.apply(f.forty_two) == 42
+                assert await p.apply(f.nothing) is None
+                assert await p.apply(f.nothing) is None
+            finally:
+                _scheduler.Task.__init__ = init  # type: ignore[method-assign]
+                handle._sock_send = send  # type: ignore[method-assign]
+    assert events == ["task", "send", "task", "task", "send", "task"], events
+
+
+@asyncio_only
+async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
+    """``WorkerHandle.send_first`` sends nothing, and says so, when the worker lacks the
+    function, frames wait in the outbox, the channel is closed or the socket is full;
+    what it did send arrives whole and in order."""
+    import socket
+    import types
+
+    from aiomp import _handle
+
+    tasks_r, tasks_w = socket.socketpair()
+    results_r, results_w = socket.socketpair()
+    for s in (tasks_r, tasks_w, results_r, results_w):
+        s.setblocking(False)
+    h = _handle.WorkerHandle(
+        0,
+        types.SimpleNamespace(pid=0),  # type: ignore[arg-type]
+        tasks_w,
+        results_r,
+        None,
+        0.3,
+        lambda *a: None,
+        lambda *a: None,
+        lambda *a: None,
+        lambda *a: None,
+    )
+    try:
+        frame = P.noargs_task(1, P.F_APPLY | P.F_NOARGS, 7)
+        assert not h.send_first(frame, 7)  # no DEF of 7 sent yet
+        h.fns.add(7)
+        assert h.send_first(frame, 7)
+        assert tasks_r.recv(100) == frame
+        h._outbox.append(b"earlier")
+        assert not h.send_first(frame, 7)  # it must not overtake the outbox
+        h._outbox.clear()
+        sent = 0
+        while h.send_first(frame, 7):  # fill the socket buffer
+            sent += 1
+        assert not h._outbox and h._partial is None  # nothing of the refused one went
+        got = b""
+        while True:
+            try:
+                got += tasks_r.recv(1 << 16)
+            except BlockingIOError:
+                break
+        assert got == frame * sent
+        h.closed = True
+        assert not h.send_first(frame, 7)
+    finally:
+        h.chan.close()
+        h.results.close()
+        for s in (tasks_r, results_w):
+            s.close()
