@@ -21,7 +21,8 @@ With ``--base TREE`` (another checkout, say a ``git worktree`` of the commit bef
 change), that tree's ``aiomp`` is copied into a temporary folder as the package
 ``aiomp_base`` and its ``Pool.apply`` joins the alternation: an A/B of two trees in one
 process, against one floor (two trees in two processes disagree by the floor's own
-spread). ``--only-apply`` keeps the raw floor and the pools alone.
+spread). ``--only-apply`` keeps the raw floor and the pools alone; ``--uvloop`` runs the
+parent on uvloop.
 
 Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by hand.
 """
@@ -194,6 +195,7 @@ async def main() -> None:
     p.add_argument("batches", nargs="?", type=int, default=20)
     p.add_argument("--base", help="another tree whose Pool.apply joins the alternation")
     p.add_argument("--only-apply", action="store_true", help="the raw floor and the pools only")
+    p.add_argument("--uvloop", action="store_true", help="run the parent on uvloop")
     args = p.parse_args()
     batches = args.batches
     pinning = c.pin_parent()
@@ -229,4 +231,4 @@ if __name__ == "__main__":
     import anyio
 
     c.allow_bytecode()
-    anyio.run(main)
+    anyio.run(main, backend_options={"use_uvloop": "--uvloop" in sys.argv})
