@@ -15,7 +15,8 @@ round trip and the CPU per round trip (parent + child) of:
 - a reader added after each send and removed in its callback (``sock_recv`` without its
   first, failing ``recv``);
 - a kept reader with the request and the reply on two socket pairs (see *Two channels*);
-- ``Pool.apply(trivial)``.
+- ``Pool.apply(trivial)``;
+- ``Pool.apply(trivial)`` with the parent's loop kept busy (not blocked) for 40 µs.
 
 With ``--base TREE`` (another checkout, say a ``git worktree`` of the commit before a
 change), that tree's ``aiomp`` is copied into a temporary folder as the package
@@ -39,7 +40,7 @@ import time
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks._targets import PAYLOAD
+from benchmarks._targets import PAYLOAD, trivial
 from benchmarks.bench_pool import AiompApply
 
 
@@ -162,6 +163,36 @@ class TwoPairFloor(KeptReaderFloor):
         await super().stop()
 
 
+class LoopBusyApply(AiompApply):
+    """``Pool.apply(trivial)`` with the parent's loop kept busy for up to ``us`` µs after
+    the call starts: a ``call_soon`` chain, so the loop polls its fds with a zero timeout
+    and runs its other callbacks and tasks as usual (it is never blocked, unlike the spin
+    above), but the parent's core does not halt while the worker runs. Not what aiomp
+    does: whether the second halted-core wake-up per round trip is what separates
+    ``apply`` from the floor (see benchmarks/RESULTS.md, Findings)."""
+
+    def __init__(self, us: int = 40) -> None:
+        self.us = us
+        self.name = f"aiomp Pool.apply, loop kept busy <= {us} µs"
+
+    async def start(self) -> None:
+        import asyncio
+
+        await super().start()
+        self.loop = asyncio.get_running_loop()
+        self.until = 0
+
+    def _busy(self) -> None:
+        if time.monotonic_ns() < self.until:
+            self.loop.call_soon(self._busy)
+
+    async def once(self) -> None:
+        self.until = time.monotonic_ns() + self.us * 1000
+        self.loop.call_soon(self._busy)  # runs once the call has sent and yielded
+        await self.pool.apply(trivial)
+        self.until = 0
+
+
 class BaseApply(AiompApply):
     """``Pool.apply(trivial)`` of the tree given with ``--base`` (see :func:`load_base`)."""
 
@@ -203,6 +234,8 @@ async def main() -> None:
     if not args.only_apply:
         variants += [KeptReaderFloor(), SpinAfterSendFloor(), ReaderPerCallFloor(), TwoPairFloor()]
     variants.append(AiompApply())
+    if not args.only_apply:
+        variants.append(LoopBusyApply(40))
     folder = load_base(args.base) if args.base else None
     if folder is not None:
         variants.append(BaseApply())
