@@ -273,7 +273,15 @@ async def apply(
     loop = pool._loop
     tid = next(_tids)
     fid = info.fid
-    if fid and not args and type(args) is tuple and not kwds and pool._start_method in info.checked:
+    encode = pool._encode  # (None but for aiomp.ray's pool: tasks in the workers' format)
+    if (
+        fid
+        and not args
+        and type(args) is tuple
+        and not kwds
+        and encode is None
+        and pool._start_method in info.checked  # (else make_message checks fn first)
+    ):
         message: Any = P.noargs_task(tid, flags | P.F_NOARGS, fid)  # fn(): one C call
     else:
         message = make_message(
@@ -291,7 +299,7 @@ async def apply(
         # after the yield costs 11 to 17 % of the round trip), and the reader callback
         # resolves the future awaited here directly. Sent first, as soon as the message
         # is made: the Task, its future and the scheduler's record come after the send,
-        # while the worker wakes (see *Apply critical path* in docs/architecture.md).
+        # while the worker wakes (see *Apply sends first* in docs/architecture.md).
         # Unless a cancellation may be pending: then the task goes to the pool from a
         # callback that runs once this task has yielded, and is dropped unsent if the
         # wait was cancelled by then.
@@ -303,7 +311,7 @@ async def apply(
         else:
             worker = None
             idle = sched.idle
-            if idle and not sched.queued and type(message) is bytes and pool._encode is None:
+            if idle and not sched.queued and type(message) is bytes and encode is None:
                 # The most recently idle worker (the one submit would pick), if it can
                 # take the frame at once. (A process pool's handles are WorkerHandles.)
                 worker = idle.popitem()[0]

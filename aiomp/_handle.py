@@ -136,7 +136,7 @@ class WorkerHandle:
         """Send a small task frame (no fds) before its Task exists, if nothing must go
         before it (its function's DEF, frames waiting for room); False: nothing was sent,
         the caller submits the Task instead (whose send says why, if the worker has gone).
-        ``apply``'s hot path: see *Apply critical path* in docs/architecture.md."""
+        ``apply``'s hot path: see *Apply sends first* in docs/architecture.md."""
         if (
             self.closed
             or self._outbox

@@ -339,8 +339,7 @@ class Scheduler:
     def started(self, w: Worker, task: Task) -> None:
         """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
         it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
-        first and makes the Task after: see *Apply critical path* in
-        docs/architecture.md)."""
+        first and makes the Task after: see *Apply sends first* in docs/architecture.md)."""
         self.unfinished += 1
         self._running(w, task)
 
