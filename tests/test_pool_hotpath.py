@@ -198,6 +198,39 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
     assert events == ["task", "send", "task", "task", "send", "task"], events
 
 
+@asyncio_loops
+async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
+    """Between ``await pool.apply(fn)`` and the ``send`` of its frame, at most three
+    Python calls into aiomp: ``apply``, the anyio cancel-scope check and
+    ``WorkerHandle.send_first`` (see *Apply sends first* in docs/architecture.md). Pins
+    the order that sent last: eight before (``make_task``, ``Task.__init__``,
+    ``submit``, ``_start``, ``send`` and ``try_send`` came first)."""
+    import socket
+    import sys
+    import types
+
+    seen: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and f._AIOMP in frame.f_code.co_filename:
+            seen.append(frame.f_code.co_name)
+        elif event == "c_call" and isinstance(getattr(arg, "__self__", None), socket.socket):
+            seen.append(f"<{arg.__name__}>")
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            for _ in range(5):
+                await p.apply(f.nothing)
+            sys.setprofile(profile)
+            try:
+                await p.apply(f.nothing)
+            finally:
+                sys.setprofile(None)
+    assert "<send>" in seen, seen
+    before = seen[: seen.index("<send>")]
+    assert len(before) <= 3 and before[-1] == "send_first", seen
+
+
 @asyncio_only
 async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
     """``WorkerHandle.send_first`` sends nothing, and says so, when the worker lacks the
