@@ -16,7 +16,8 @@ round trip and the CPU per round trip (parent + child) of:
   first, failing ``recv``);
 - a kept reader with the request and the reply on two socket pairs (see *Two channels*);
 - ``Pool.apply(trivial)``;
-- ``Pool.apply(trivial)`` with the parent's loop kept busy (not blocked) for 40 µs.
+- ``Pool.apply(trivial)`` with the parent's loop kept busy (not blocked) for 40 µs;
+- ``Pool.apply(trivial)`` with a worker that polls 50 µs before it blocks.
 
 With ``--base TREE`` (another checkout, say a ``git worktree`` of the commit before a
 change), that tree's ``aiomp`` is copied into a temporary folder as the package
@@ -193,6 +194,40 @@ class LoopBusyApply(AiompApply):
         self.until = 0
 
 
+def worker_polls(us: int = 50) -> None:
+    """Pool initializer (a diagnostic, not what aiomp does): pin the worker, and have it
+    poll its task socket for up to ``us`` µs before each blocking receive, so that its core
+    does not halt between a reply and the next task."""
+    c.pin_child()
+    from aiomp import _transport
+
+    recv_sync = _transport.Stream.recv_sync
+
+    def polling(self: _transport.Stream, deadline: float | None = None) -> object:
+        if deadline is None:
+            until = time.monotonic_ns() + us * 1000
+            while time.monotonic_ns() < until:
+                got = self.try_recv()
+                if got is not None:
+                    return got
+        return recv_sync(self, deadline)
+
+    _transport.Stream.recv_sync = polling  # type: ignore[assignment,method-assign]
+
+
+class WorkerPollsApply(AiompApply):
+    """``Pool.apply(trivial)`` whose worker polls 50 µs before it blocks (see
+    :func:`worker_polls`): the other side's halted-core wake-up, measured."""
+
+    name = "aiomp Pool.apply, worker polls <= 50 µs"
+
+    async def start(self) -> None:
+        import aiomp
+
+        self.pool = aiomp.Pool(1, initializer=worker_polls, grace_period=1.0)
+        await self.pool.__aenter__()
+
+
 class BaseApply(AiompApply):
     """``Pool.apply(trivial)`` of the tree given with ``--base`` (see :func:`load_base`)."""
 
@@ -235,7 +270,7 @@ async def main() -> None:
         variants += [KeptReaderFloor(), SpinAfterSendFloor(), ReaderPerCallFloor(), TwoPairFloor()]
     variants.append(AiompApply())
     if not args.only_apply:
-        variants.append(LoopBusyApply(40))
+        variants += [LoopBusyApply(40), WorkerPollsApply()]
     folder = load_base(args.base) if args.base else None
     if folder is not None:
         variants.append(BaseApply())
