@@ -37,6 +37,7 @@ from ._wakeup import Signal, Wakeup
 if TYPE_CHECKING:
     import asyncio
 
+    from ._handle import WorkerHandle
     from ._pool import Pool
 
 T = TypeVar("T")
@@ -129,40 +130,52 @@ def make_task(
     index: int = 0,
     on_done: Callable[[Task], None] | None = None,
 ) -> Task:
-    """Pickle a task; raises here, in the caller, if it cannot be pickled or if the
-    pool's workers could not import ``fn`` (a lambda, a function of an interactive
-    ``__main__``): the same check as ``spawn``'s, once per function and start method."""
-    method = pool._start_method
-    if method not in info.checked and pool._encode is None:  # (Ray pickles by value)
-        _process.check_function(fn, method)
-        info.checked.add(method)
+    """Pickle a task (see :func:`make_message`) and make its :class:`Task`."""
     tid = next(_tids)
-    weight = 1 if info.is_async else pool._concurrency
-    fid = info.fid
-    if pool._encode is not None:  # aiomp.ray: a message that Ray carries
-        message: Any = pool._encode(tid, fn, info, flags, items, kwds, group)
-    elif fid and flags & P.F_APPLY and not items and not kwds:  # fn(): _encode's hot case
-        message = P.noargs_task(tid, flags | P.F_NOARGS, fid)
-    else:
-        try:
-            message = _encode(tid, fn, fid, flags, items, kwds)
-        except Exception as exc:
-            _process.check_function(fn, method)  # a clearer error when fn is the problem
-            exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
-            raise
+    message = make_message(pool, fn, info, flags, items, kwds, tid, group)
     return Task(  # (positional: keywords cost a third of the call)
         tid,
         info.name,
-        weight,
+        1 if info.is_async else pool._concurrency,
         info.is_async,
         message,
-        fid,
+        info.fid,
         info.define,
         group,
         index,
         1 if flags & P.F_APPLY else len(items),
         on_done,
     )
+
+
+def make_message(
+    pool: Pool,
+    fn: Callable[..., object],
+    info: _Fn,
+    flags: int,
+    items: Any,
+    kwds: dict[str, object] | None,
+    tid: int,
+    group: object = None,
+) -> Any:
+    """Task ``tid``'s message; raises here, in the caller, if it cannot be pickled or if
+    the pool's workers could not import ``fn`` (a lambda, a function of an interactive
+    ``__main__``): the same check as ``spawn``'s, once per function and start method."""
+    method = pool._start_method
+    if method not in info.checked and pool._encode is None:  # (Ray pickles by value)
+        _process.check_function(fn, method)
+        info.checked.add(method)
+    fid = info.fid
+    if pool._encode is not None:  # aiomp.ray: a message that Ray carries
+        return pool._encode(tid, fn, info, flags, items, kwds, group)
+    if fid and flags & P.F_APPLY and not items and not kwds:  # fn(): _encode's hot case
+        return P.noargs_task(tid, flags | P.F_NOARGS, fid)
+    try:
+        return _encode(tid, fn, fid, flags, items, kwds)
+    except Exception as exc:
+        _process.check_function(fn, method)  # a clearer error when fn is the problem
+        exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
+        raise
 
 
 def _encode(
@@ -247,7 +260,8 @@ async def apply(
     as :class:`aiomp.Pool` describes (its worker terminated and replaced if need be)
     before the cancellation goes on.
     """
-    if pool._state != 1 or pool._sched.broken is not None:  # not _OPEN
+    sched = pool._sched
+    if pool._state != 1 or sched.broken is not None:  # not _OPEN
         pool._check_open()
     try:
         info = _fn_cache.get(_ref(fn))  # fn_info's cache, read here: a frame less
@@ -257,33 +271,63 @@ async def apply(
         info = fn_info(fn)
     flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
     loop = pool._loop
-    task = make_task(
-        pool,
-        fn,
-        info,
-        flags,
-        args if type(args) is tuple else _as_args(args),
-        dict(kwds) if kwds else None,
-    )
+    tid = next(_tids)
+    fid = info.fid
+    encode = pool._encode  # (None but for aiomp.ray's pool: tasks in the workers' format)
+    if (
+        fid
+        and not args
+        and type(args) is tuple
+        and not kwds
+        and encode is None
+        and pool._start_method in info.checked  # (else make_message checks fn first)
+    ):
+        message: Any = P.noargs_task(tid, flags | P.F_NOARGS, fid)  # fn(): one C call
+    else:
+        message = make_message(
+            pool,
+            fn,
+            info,
+            flags,
+            args if type(args) is tuple else _as_args(args),
+            dict(kwds) if kwds else None,
+            tid,
+        )
     if loop is not None and timeout is None:
         # The round trip's hot path: the task is sent before this task yields, so the
         # worker runs it while the loop is still on its way to waiting (measured: sending
         # after the yield costs 11 to 17 % of the round trip), and the reader callback
-        # resolves the future awaited here directly. What can wait (the future) is made
-        # after the send (see *Apply critical path* in docs/architecture.md). Unless a
-        # cancellation may be pending: then the task goes to the pool from a callback
-        # that runs once this task has yielded, and is dropped unsent if the wait was
-        # cancelled by then.
+        # resolves the future awaited here directly. Sent first, as soon as the message
+        # is made: the Task, its future and the scheduler's record come after the send,
+        # while the worker wakes (see *Apply sends first* in docs/architecture.md).
+        # Unless a cancellation may be pending: then the task goes to the pool from a
+        # callback that runs once this task has yielded, and is dropped unsent if the
+        # wait was cancelled by then.
         current = _current_task(loop)  # (_cancel_pending's test, a frame less)
         if current is None or current.cancelling() or _anyio_scope_cancelled(current, loop):
+            task = _apply_task(pool, info, tid, message)
             task.waiter = waiter = loop.create_future()
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:
-            pool._sched.submit(task)
-            if task.state == DONE:  # failed at once (a broken pool): nothing to wait for
-                if task.ok:
-                    return task.value
-                raise task.value
+            worker = None
+            idle = sched.idle
+            if idle and not sched.queued and type(message) is bytes and encode is None:
+                # The most recently idle worker (the one submit would pick), if it can
+                # take the frame at once. (A process pool's handles are WorkerHandles.)
+                worker = idle.popitem()[0]
+                handle: WorkerHandle = worker.handle  # type: ignore[assignment]
+                if not handle.send_first(message, fid):
+                    idle[worker] = None  # back where it was: the last, the next picked
+                    worker = None
+            task = _apply_task(pool, info, tid, message)
+            if worker is not None:
+                sched.started(worker, task)
+            else:
+                sched.submit(task)
+                if task.state == DONE:  # failed at once (a broken pool): nothing to wait for
+                    if task.ok:
+                        return task.value
+                    raise task.value
             task.waiter = waiter = loop.create_future()
         try:
             await waiter
@@ -292,6 +336,7 @@ async def apply(
                 await pool._abandon([task])
             raise
     else:
+        task = _apply_task(pool, info, tid, message)
         signal = Signal(loop)
         task.on_done = lambda _: signal.set()
         await anyio.lowlevel.checkpoint()
@@ -305,6 +350,19 @@ async def apply(
     if task.ok:
         return task.value
     raise task.value
+
+
+def _apply_task(pool: Pool, info: _Fn, tid: int, message: Any) -> Task:
+    """An ``apply`` call's :class:`Task` (positional: keywords cost a third of the call)."""
+    return Task(
+        tid,
+        info.name,
+        1 if info.is_async else pool._concurrency,
+        info.is_async,
+        message,
+        info.fid,
+        info.define,
+    )
 
 
 def _cancel_pending(loop: asyncio.AbstractEventLoop) -> bool:

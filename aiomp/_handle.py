@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 _EXIT = P.control(P.OP_EXIT)
 _NO_FDS: list[int] = []  # never changed: try_send only reads it
+_SEND_NOW = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 
 
 class WorkerHandle:
@@ -63,6 +64,7 @@ class WorkerHandle:
         self.slot = slot
         self.child = child
         self.chan = _transport.Stream(sock)  # tasks and control frames, to the worker
+        self._sock_send = sock.send  # (send_first's, a bound method made once)
         # Its results, from the worker: a second pair, so that reading a result wakes
         # nobody (see *Two channels* in docs/architecture.md).
         self.results = _transport.Stream(results)
@@ -128,6 +130,27 @@ class WorkerHandle:
             if not small:
                 msg.close()  # its fds went with the first part
         self._more.set()
+        return True
+
+    def send_first(self, frame: bytes, fid: int) -> bool:
+        """Send a small task frame (no fds) before its Task exists, if nothing must go
+        before it (its function's DEF, frames waiting for room); False: nothing was sent,
+        the caller submits the Task instead (whose send says why, if the worker has gone).
+        ``apply``'s hot path: see *Apply sends first* in docs/architecture.md."""
+        if (
+            self.closed
+            or self._outbox
+            or self._partial is not None
+            or (fid and fid not in self.fns)
+        ):
+            return False
+        try:
+            n = self._sock_send(frame, _SEND_NOW)
+        except OSError:  # BlockingIOError (no room), or gone: submit's send finds out
+            return False
+        if n < len(frame):  # (a stream socket with room for a few bytes only)
+            self._partial = memoryview(frame)[n:]
+            self._more.set()
         return True
 
     def unsend(self, task: Task) -> bool:

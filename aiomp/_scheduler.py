@@ -336,6 +336,13 @@ class Scheduler:
         self.queue.append(task)
         self.queued += 1
 
+    def started(self, w: Worker, task: Task) -> None:
+        """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
+        it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
+        first and makes the Task after: see *Apply sends first* in docs/architecture.md)."""
+        self.unfinished += 1
+        self._running(w, task)
+
     def drop(self, task: Task) -> None:
         """A queued task's caller has gone: it never starts."""
         if task.state == QUEUED:
@@ -530,6 +537,11 @@ class Scheduler:
             w.gone = True
             self.idle.pop(w, None)
             return False
+        self._running(w, task)
+        return True
+
+    def _running(self, w: Worker, task: Task) -> None:
+        """``task`` has been sent to ``w`` (or waits in its outbox)."""
         task.state = RUNNING
         task.worker = w
         w.running[task.tid] = task
@@ -539,7 +551,6 @@ class Scheduler:
             w.retiring = True
             self.idle.pop(w, None)
             self._replace(w)
-        return True
 
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[Worker]:

@@ -15,21 +15,33 @@ round trip and the CPU per round trip (parent + child) of:
 - a reader added after each send and removed in its callback (``sock_recv`` without its
   first, failing ``recv``);
 - a kept reader with the request and the reply on two socket pairs (see *Two channels*);
-- ``Pool.apply(trivial)``.
+- ``Pool.apply(trivial)``;
+- ``Pool.apply(trivial)`` with the parent's loop kept busy (not blocked) for 40 µs;
+- ``Pool.apply(trivial)`` with a worker that polls 50 µs before it blocks.
+
+With ``--base TREE`` (another checkout, say a ``git worktree`` of the commit before a
+change), that tree's ``aiomp`` is copied into a temporary folder as the package
+``aiomp_base`` and its ``Pool.apply`` joins the alternation: an A/B of two trees in one
+process, against one floor (two trees in two processes disagree by the floor's own
+spread). ``--only-apply`` keeps the raw floor and the pools alone; ``--uvloop`` runs the
+parent on uvloop.
 
 Nothing is written to RESULTS.md: the figures go to benchmarks/RESULTS.md by hand.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks._targets import PAYLOAD
+from benchmarks._targets import PAYLOAD, trivial
 from benchmarks.bench_pool import AiompApply
 
 
@@ -152,18 +164,121 @@ class TwoPairFloor(KeptReaderFloor):
         await super().stop()
 
 
+class LoopBusyApply(AiompApply):
+    """``Pool.apply(trivial)`` with the parent's loop kept busy for up to ``us`` µs after
+    the call starts: a ``call_soon`` chain, so the loop polls its fds with a zero timeout
+    and runs its other callbacks and tasks as usual (it is never blocked, unlike the spin
+    above), but the parent's core does not halt while the worker runs. Not what aiomp
+    does: whether the second halted-core wake-up per round trip is what separates
+    ``apply`` from the floor (see benchmarks/RESULTS.md, Findings)."""
+
+    def __init__(self, us: int = 40) -> None:
+        self.us = us
+        self.name = f"aiomp Pool.apply, loop kept busy <= {us} µs"
+
+    async def start(self) -> None:
+        import asyncio
+
+        await super().start()
+        self.loop = asyncio.get_running_loop()
+        self.until = 0
+
+    def _busy(self) -> None:
+        if time.monotonic_ns() < self.until:
+            self.loop.call_soon(self._busy)
+
+    async def once(self) -> None:
+        self.until = time.monotonic_ns() + self.us * 1000
+        self.loop.call_soon(self._busy)  # runs once the call has sent and yielded
+        await self.pool.apply(trivial)
+        self.until = 0
+
+
+def worker_polls(us: int = 50) -> None:
+    """Pool initializer (a diagnostic, not what aiomp does): pin the worker, and have it
+    poll its task socket for up to ``us`` µs before each blocking receive, so that its core
+    does not halt between a reply and the next task."""
+    c.pin_child()
+    from aiomp import _transport
+
+    recv_sync = _transport.Stream.recv_sync
+
+    def polling(self: _transport.Stream, deadline: float | None = None) -> object:
+        if deadline is None:
+            until = time.monotonic_ns() + us * 1000
+            while time.monotonic_ns() < until:
+                got = self.try_recv()
+                if got is not None:
+                    return got
+        return recv_sync(self, deadline)
+
+    _transport.Stream.recv_sync = polling  # type: ignore[assignment,method-assign]
+
+
+class WorkerPollsApply(AiompApply):
+    """``Pool.apply(trivial)`` whose worker polls 50 µs before it blocks (see
+    :func:`worker_polls`): the other side's halted-core wake-up, measured."""
+
+    name = "aiomp Pool.apply, worker polls <= 50 µs"
+
+    async def start(self) -> None:
+        import aiomp
+
+        self.pool = aiomp.Pool(1, initializer=worker_polls, grace_period=1.0)
+        await self.pool.__aenter__()
+
+
+class BaseApply(AiompApply):
+    """``Pool.apply(trivial)`` of the tree given with ``--base`` (see :func:`load_base`)."""
+
+    name = "aiomp Pool.apply (base tree)"
+
+    async def start(self) -> None:
+        from aiomp_base._pool import Pool  # type: ignore[import-not-found]
+
+        self.pool = Pool(1, grace_period=1.0)
+        await self.pool.__aenter__()
+
+
+def load_base(tree: str) -> str:
+    """Copy ``tree``'s ``aiomp`` to a new temporary folder as ``aiomp_base`` and put that
+    folder on ``sys.path`` (spawn children inherit it); returns the folder."""
+    folder = tempfile.mkdtemp(prefix="apply-ab-")
+    dest = os.path.join(folder, "aiomp_base")
+    shutil.copytree(os.path.join(tree, "aiomp"), dest, ignore=shutil.ignore_patterns("*.pyc"))
+    init = os.path.join(dest, "__init__.py")
+    with open(init) as f:
+        text = f.read()
+    # Its lazy public names import "aiomp.<module>": its own modules instead.
+    with open(init, "w") as f:
+        f.write(text.replace('f"aiomp.{module}"', 'f"{__name__}.{module}"'))
+    sys.path.insert(0, folder)
+    return folder
+
+
 async def main() -> None:
-    batches = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("batches", nargs="?", type=int, default=20)
+    p.add_argument("--base", help="another tree whose Pool.apply joins the alternation")
+    p.add_argument("--only-apply", action="store_true", help="the raw floor and the pools only")
+    p.add_argument("--uvloop", action="store_true", help="run the parent on uvloop")
+    args = p.parse_args()
+    batches = args.batches
     pinning = c.pin_parent()
-    variants: list[h.Variant] = [
-        h.SocketFloor(),
-        KeptReaderFloor(),
-        SpinAfterSendFloor(),
-        ReaderPerCallFloor(),
-        TwoPairFloor(),
-        AiompApply(),
-    ]
-    s = await h.interleave(variants, batches, 120)
+    variants: list[h.Variant] = [h.SocketFloor()]
+    if not args.only_apply:
+        variants += [KeptReaderFloor(), SpinAfterSendFloor(), ReaderPerCallFloor(), TwoPairFloor()]
+    variants.append(AiompApply())
+    if not args.only_apply:
+        variants += [LoopBusyApply(40), WorkerPollsApply()]
+    folder = load_base(args.base) if args.base else None
+    if folder is not None:
+        variants.append(BaseApply())
+    try:
+        s = await h.interleave(variants, batches, 120)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     base = c.median(s[variants[0].name])
     print(
         f"{pinning}; {batches} batches of 120; loop {h.loop_name()}; load {os.getloadavg()[0]:.2f}"
@@ -175,10 +290,13 @@ async def main() -> None:
             f"{v.name:55s} {m * 1e6:7.1f} µs {m / base:5.2f}x  CPU {cpu[0] * 1e6:5.1f} + "
             f"{cpu[1] * 1e6:5.1f} µs"
         )
+    if folder is not None:
+        new, old = c.median(s[AiompApply.name]), c.median(s[BaseApply.name])
+        print(f"new / base: {new / old:.3f}")
 
 
 if __name__ == "__main__":
     import anyio
 
     c.allow_bytecode()
-    anyio.run(main)
+    anyio.run(main, backend_options={"use_uvloop": "--uvloop" in sys.argv})

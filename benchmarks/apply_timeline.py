@@ -5,7 +5,8 @@ prints the median time of each event of a round trip, in microseconds from the c
 one clock (``time.monotonic_ns``, shared by the parent and the worker), parent on one core
 and worker on the other as in ``bench_pool``:
 
-- ``Pool.apply``: ``send`` / ``sent`` (the parent's ``send`` on the worker's socket);
+- ``Pool.apply``: ``send`` / ``sent`` (the parent's ``send`` on the worker's socket:
+  ``WorkerHandle.send_first``, or ``Stream.try_send`` where the task is submitted);
   ``recv`` (the worker's ``recvmsg`` returned), ``ran`` (the task function ran),
   ``reply`` / ``replied`` (the worker's ``send``); ``woke`` (the parent's reader callback
   entered), ``read`` (its ``recvmsg`` returned), ``set`` (the caller's future resolved),
@@ -72,10 +73,17 @@ def worker_events() -> list[tuple[str, int]]:
 
 
 def _parent_hooks() -> None:
-    from aiomp import _scheduler, _transport
+    from aiomp import _handle, _scheduler, _transport
 
     try_send, try_recv = _transport.Stream.try_send, _transport.Stream.try_recv
+    send_first = _handle.WorkerHandle.send_first
     finish = _scheduler.Task.finish
+
+    def timed_send_first(self: Any, *a: Any) -> bool:
+        _note("send")
+        ok = send_first(self, *a)
+        _note("sent")
+        return ok
 
     def timed_try_send(self: Any, *a: Any) -> int:
         _note("send")
@@ -94,6 +102,7 @@ def _parent_hooks() -> None:
         _note("set")
 
     _transport.Stream.try_send = timed_try_send  # type: ignore[method-assign]
+    _handle.WorkerHandle.send_first = timed_send_first  # type: ignore[method-assign]
     _transport.Stream.try_recv = timed_try_recv  # type: ignore[method-assign]
     _scheduler.Task.finish = timed_finish  # type: ignore[method-assign]
 

@@ -132,9 +132,11 @@ async def test_fn_results_errors_and_coroutines_on_the_short_path() -> None:
 
 
 @asyncio_only
-async def test_a_no_argument_task_on_a_broken_pool_fails_without_waiting() -> None:
+async def test_a_submitted_task_on_a_broken_pool_fails_without_waiting() -> None:
     """A task the scheduler fails at once (here: a pool broken between the call's check
-    and its submission) returns its error without awaiting a future nobody would set."""
+    and its submission) returns its error without awaiting a future nobody would set.
+    (A list argument makes it a pickled message, which is submitted: a small frame sent
+    first has nothing between the check and its send.)"""
     with anyio.fail_after(TIMEOUT):
         async with pool() as p:
             await p.apply(f.nothing)
@@ -148,7 +150,7 @@ async def test_a_no_argument_task_on_a_broken_pool_fails_without_waiting() -> No
             sched.submit = break_then_submit  # type: ignore[method-assign]
             try:
                 with pytest.raises(aiomp.BrokenPoolError, match="broken meanwhile"):
-                    await p.apply(f.nothing)
+                    await p.apply(sorted, ([3, 1],))
             finally:
                 del sched.submit
 
@@ -157,3 +159,128 @@ def test_no_argument_frame_is_the_general_frame() -> None:
     """``P.noargs_task`` packs the same bytes as ``P.task_frame`` with no pickle."""
     for tid, flags, fid in ((1, P.F_APPLY | P.F_NOARGS, 7), (2**63, 13, 2**32 - 1)):
         assert P.noargs_task(tid, flags, fid) == P.task_frame(tid, flags, fid, b"")
+
+
+@asyncio_loops
+async def test_apply_sends_before_it_makes_its_task() -> None:
+    """``apply(fn)`` to an idle worker that knows ``fn`` sends its frame first and makes
+    its Task (and the scheduler's record of it) after, while the worker wakes (see *Apply
+    critical path* in docs/architecture.md); the first call to a worker, which must send
+    the function's DEF first, is submitted as before. Results are unchanged."""
+    from aiomp import _scheduler
+
+    events: list[str] = []
+    init = _scheduler.Task.__init__
+
+    def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("task")
+        init(self, *args, **kwargs)
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            (handle,) = p._handles
+            send = handle._sock_send
+
+            def recording_send(data: bytes, flags: int) -> int:
+                events.append("send")
+                return send(data, flags)
+
+            handle._sock_send = recording_send  # type: ignore[method-assign]
+            _scheduler.Task.__init__ = recording_init  # type: ignore[method-assign]
+            try:
+                assert await p.apply(f.forty_two) == 42  # DEF first: submitted
+                assert await p.apply(f.forty_two) == 42
+                assert await p.apply(f.nothing) is None
+                assert await p.apply(f.nothing) is None
+            finally:
+                _scheduler.Task.__init__ = init  # type: ignore[method-assign]
+                handle._sock_send = send  # type: ignore[method-assign]
+    assert events == ["task", "send", "task", "task", "send", "task"], events
+
+
+@asyncio_loops
+async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
+    """Between ``await pool.apply(fn)`` and the ``send`` of its frame, at most three
+    Python calls into aiomp: ``apply``, the anyio cancel-scope check and
+    ``WorkerHandle.send_first`` (see *Apply sends first* in docs/architecture.md). Pins
+    the order that sent last: eight before (``make_task``, ``Task.__init__``,
+    ``submit``, ``_start``, ``send`` and ``try_send`` came first)."""
+    import socket
+    import sys
+    import types
+
+    seen: list[str] = []
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and f._AIOMP in frame.f_code.co_filename:
+            seen.append(frame.f_code.co_name)
+        elif event == "c_call" and isinstance(getattr(arg, "__self__", None), socket.socket):
+            seen.append(f"<{arg.__name__}>")
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool() as p:
+            for _ in range(5):
+                await p.apply(f.nothing)
+            sys.setprofile(profile)
+            try:
+                await p.apply(f.nothing)
+            finally:
+                sys.setprofile(None)
+    assert "<send>" in seen, seen
+    before = seen[: seen.index("<send>")]
+    assert len(before) <= 3 and before[-1] == "send_first", seen
+
+
+@asyncio_only
+async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
+    """``WorkerHandle.send_first`` sends nothing, and says so, when the worker lacks the
+    function, frames wait in the outbox, the channel is closed or the socket is full;
+    what it did send arrives whole and in order."""
+    import socket
+    import types
+
+    from aiomp import _handle
+
+    tasks_r, tasks_w = socket.socketpair()
+    results_r, results_w = socket.socketpair()
+    for s in (tasks_r, tasks_w, results_r, results_w):
+        s.setblocking(False)
+    h = _handle.WorkerHandle(
+        0,
+        types.SimpleNamespace(pid=0),  # type: ignore[arg-type]
+        tasks_w,
+        results_r,
+        None,
+        0.3,
+        lambda *a: None,
+        lambda *a: None,
+        lambda *a: None,
+        lambda *a: None,
+    )
+    try:
+        frame = P.noargs_task(1, P.F_APPLY | P.F_NOARGS, 7)
+        assert not h.send_first(frame, 7)  # no DEF of 7 sent yet
+        h.fns.add(7)
+        assert h.send_first(frame, 7)
+        assert tasks_r.recv(100) == frame
+        h._outbox.append(b"earlier")
+        assert not h.send_first(frame, 7)  # it must not overtake the outbox
+        h._outbox.clear()
+        sent = 0
+        while h.send_first(frame, 7):  # fill the socket buffer
+            sent += 1
+        assert not h._outbox and h._partial is None  # nothing of the refused one went
+        got = b""
+        while True:
+            try:
+                got += tasks_r.recv(1 << 16)
+            except BlockingIOError:
+                break
+        assert got == frame * sent
+        h.closed = True
+        assert not h.send_first(frame, 7)
+    finally:
+        h.chan.close()
+        h.results.close()
+        for s in (tasks_r, results_w):
+            s.close()
