@@ -227,20 +227,26 @@ def main(
     parent_pid: int,
     fn: object = None,
     spawned: bool = False,
+    payload: bytes | None = None,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
     """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
     target). ``spawned``: started by the ``spawn`` method, whose children exit through
-    the interpreter's teardown (fork and forkserver children skip it already)."""
+    the interpreter's teardown (fork and forkserver children skip it already).
+    ``payload``: the datagram of ``(fn, args, is_async)`` when it came with the start;
+    None: it arrives on ``sock`` (it holds fds)."""
     begin(parent_pid, output)
-    got = _transport.recv_sync(sock)
-    assert got is not None
+    if payload is None:
+        got = _transport.recv_sync(sock)
+        assert got is not None
+    else:
+        got = (payload, [])
     _, body, fds = _transport.decode(*got)
-    payload: tuple[object, tuple[object, ...], bool] = _reduction.loads(body, fds)  # type: ignore[assignment]
-    payload_fn, args, is_async = payload
+    loaded: tuple[object, tuple[object, ...], bool] = _reduction.loads(body, fds)  # type: ignore[assignment]
+    payload_fn, args, is_async = loaded
     if fn is None:
         fn = payload_fn
-    del got, body, fds
+    del got, body, fds, payload, loaded
     if output is not None:
         forward_logging(output[3], output[4])
     try:

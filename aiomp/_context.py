@@ -197,7 +197,7 @@ class _Join:
         """A watched fd of ``c`` is readable (a loop callback on asyncio: no anyio here)."""
         try:
             if is_exit:
-                c.poll_exit()  # reaps it; its fds are forgotten and closed
+                c.poll_exit(ready=True)  # reaps it; its fds are forgotten and closed
             else:
                 c.poll_message()
                 if c.outcome is not None and c.sock is not None:
@@ -453,16 +453,21 @@ async def start_children(
     children = join.children
     try:
         datagram, fds = payload.datagram()
+        # Without fds it rides in the start itself: no send here, no receive there (see
+        # *Payload in the start* in docs/architecture.md).
+        inline = None if fds else datagram
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output, join)
+            c = _start_one(rank, start_method, daemon, target_fn, output, join, inline)
             children.append(c)
-            # Sent at once, not after every start: a forked child boots in a millisecond
-            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
             if rank:
                 payload.sent_again()  # one message, sent once more
+            if inline is not None:
+                continue
+            # Sent at once, not after every start: a forked child boots in a millisecond
+            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
             assert c.sock is not None
             try:
                 await _transport.send_async(c.sock, datagram, fds)
@@ -477,9 +482,17 @@ async def start_children(
 
 
 def _start_one(
-    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output, join: _Join
+    rank: int,
+    start_method: str,
+    daemon: bool,
+    fn: object,
+    output: _output.Output,
+    join: _Join,
+    payload: bytes | None,
 ) -> _Spawned:
-    """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
+    """Start child ``rank`` with a report socket (a datagram pair) and its forwarder;
+    ``payload``, the datagram of ``(fn, args, is_async)``, goes with the start (None: the
+    caller sends it on the report socket)."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
     # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
@@ -492,7 +505,7 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn, start_method == "spawn"),
+            extra=(fn, start_method == "spawn", payload),
             output=fw,
         )
     except BaseException:

@@ -28,8 +28,6 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _transport
-
 if TYPE_CHECKING:
     import asyncio
 
@@ -55,6 +53,24 @@ def check_output(output: object) -> None:
         raise ValueError(
             f"output must be 'prefix', 'inherit' or a callable (rank, stream, line), not {output!r}"
         )
+
+
+def _grow_send_buffer(s: socket.socket) -> None:
+    """Room for a few thousand small writes (each costs ~1 KiB of kernel accounting)
+    while the parent is busy or coalescing: a 4 MiB send buffer on the child's end, the
+    one that bounds a unix socket's data in flight (its receive buffer is never used)."""
+    try:
+        s.setsockopt(socket.SOL_SOCKET, _SO_SNDBUFFORCE, 4 << 20)  # root may pass wmem_max
+    except OSError:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        except OSError:
+            pass
+
+
+_SO_SNDBUFFORCE = 32
+_DONTWAIT = socket.MSG_DONTWAIT
+_PEEK = socket.MSG_PEEK | socket.MSG_DONTWAIT
 
 
 class Forwarder:
@@ -85,12 +101,11 @@ class Forwarder:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent.append(ours)
                 self._child.append(theirs)
-                ours.setblocking(False)
-                ours.shutdown(socket.SHUT_WR)
+                # Two syscalls a pair, no more (see *Forwarder set-up* in
+                # docs/architecture.md): the child's reads of fd 1 and 2 see EOF; our
+                # end stays blocking, read with MSG_DONTWAIT.
                 theirs.shutdown(socket.SHUT_RD)
-                # Room for a few thousand small writes (each costs ~1 KiB of kernel
-                # accounting) while the parent is busy or coalescing.
-                _transport.grow_buffers(theirs)
+                _grow_send_buffer(theirs)
         except BaseException:
             self.close()
             raise
@@ -142,14 +157,36 @@ class Forwarder:
                     await trio.lowlevel.wait_readable(s)
                 except (trio.ClosedResourceError, OSError):
                     return
+                if self._at_eof(i):
+                    return
                 await trio.sleep(COALESCE)
 
     def _on_readable(self, i: int) -> None:
         s, loop = self._parent[i], self._loop
         assert loop is not None  # reader callbacks exist on asyncio only
-        if s is not None and self._timers[i] is None:
+        if s is not None and self._timers[i] is None and not self._at_eof(i):
             loop.remove_reader(s.fileno())
             self._timers[i] = loop.call_later(COALESCE, self._read_batch, i)
+
+    def _at_eof(self, i: int) -> bool:
+        """If stream ``i`` (readable now) is at its end, with nothing left unread, flush
+        its partial line, stop reading it and return True: nothing is worth coalescing
+        for, and a child's exit costs no timer (a logging socket has no end)."""
+        s = self._parent[i]
+        if s is None:
+            return True
+        if i == 2:
+            return False
+        try:
+            if s.recv(1, _PEEK):
+                return False
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            pass
+        self._emit(i, b"", final=True)
+        self._detach(i)
+        return True
 
     def _read_batch(self, i: int) -> None:
         self._timers[i] = None
@@ -167,7 +204,7 @@ class Forwarder:
         s = self._parent[i]
         while s is not None:
             try:
-                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX)
+                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:
