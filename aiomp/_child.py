@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+from multiprocessing.context import ForkServerProcess
 
 from . import _reduction, _transport
 from ._lifecycle import pid_alive
@@ -33,6 +34,20 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+
+
+class ServerProcess(ForkServerProcess):
+    """A forkserver process whose start in the parent is ``_process.ServerPopen``.
+
+    Defined here, not there: the process object is pickled to the child, which unpickles
+    it by this name, and every child has this module loaded already.
+    """
+
+    @staticmethod
+    def _Popen(process_obj: ForkServerProcess) -> object:  # type: ignore[override]
+        from ._process import ServerPopen
+
+        return ServerPopen(process_obj)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -370,7 +385,10 @@ def report_error(
 ) -> None:
     """Send ``("err", traceback text, exc or None)``; the text always arrives.
 
-    ``traceback=False`` sends only the exception's one-line summary as the text.
+    ``traceback=False`` sends only the exception's one-line summary as the text. Then
+    ends the socket's sending side: the parent watches it for that hang-up, which comes
+    now, before this process's teardown, even if a grandchild holds a copy of it (see
+    *Reports read at the hang-up* in docs/architecture.md).
     """
     text = format_error(exc, context, traceback)
     try:
@@ -379,3 +397,7 @@ def report_error(
     except BaseException:  # noqa: BLE001 - the text alone still travels
         out = _reduction.dumps(("err", text, None))
     send_message(sock, out)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the parent is gone, or stopped listening

@@ -46,6 +46,13 @@ if TYPE_CHECKING:
     import asyncio
 
 
+#: A child's exit fd: readable once it has exited. Its report socket: hung up, once the
+#: child has exited or has ended its side after reporting an error (see *Reports read at
+#: the hang-up* in docs/architecture.md). One-shot: a fired fd needs no epoll_ctl to go.
+_EXIT_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
+_REPORT_EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
+
+
 class _Join:
     """Every wait on one spawn's children, through one epoll set on the event loop.
 
@@ -55,10 +62,13 @@ class _Join:
     uvloop, one system task on trio. When it is readable the callback takes every ready
     fd at once, reads the report (:meth:`_Spawned.poll_message`) or reaps the child
     (``poll_exit``), then wakes each waiting task whose condition now holds, and only
-    those: a spawn-4 that ends cleanly wakes its waiter once. The last waiter to leave
-    closes the epoll set; a child forgets its fds here before it closes them. Nothing
-    reached from the callback touches anyio (see *Nothing anyio in loop callbacks* and
-    *One waiter per spawn* in docs/architecture.md).
+    those: a spawn-4 that ends cleanly wakes its waiter once. The report socket is
+    watched for its hang-up, not for data: a child that reports an error ends its side
+    at once, one that succeeded closes it when it exits, so a clean child costs one
+    wake-up, not two. The last waiter to leave closes the epoll set; a child forgets its
+    fds here before it closes them. Nothing reached from the callback touches anyio
+    (see *Nothing anyio in loop callbacks*, *One waiter per spawn* and *Reports read at
+    the hang-up* in docs/architecture.md).
     """
 
     __slots__ = (
@@ -146,7 +156,7 @@ class _Join:
     def _add(self, fd: int, c: _Spawned, is_exit: bool) -> None:
         if fd not in self._fds:
             assert self._epoll is not None
-            self._epoll.register(fd, select.EPOLLIN)
+            self._epoll.register(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
             self._fds[fd] = (c, is_exit)
 
     def _unwatch(self) -> None:
@@ -188,9 +198,19 @@ class _Join:
             self._error = exc
             ready = []
         for fd, _ in ready:
-            what = self._fds.get(fd)  # None: forgotten while handling an earlier one
-            if what is not None:
-                self._ready(*what)
+            # One-shot: the fd is disarmed now, and leaves the dict (so forgetting it
+            # costs no epoll_ctl). None: forgotten while handling an earlier one.
+            what = self._fds.pop(fd, None)
+            if what is None:
+                continue
+            c, is_exit = what
+            self._ready(c, is_exit)
+            if (c.exitcode is None) if is_exit else (c.sock is not None and c.outcome is None):
+                try:  # still to watch (another path reaped it, a spurious wake-up)
+                    ep.modify(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
+                    self._fds[fd] = what
+                except OSError as exc:
+                    self._error = exc
         self.check()
 
     def _ready(self, c: _Spawned, is_exit: bool) -> None:
@@ -199,9 +219,7 @@ class _Join:
             if is_exit:
                 c.poll_exit(ready=True)  # reaps it; its fds are forgotten and closed
             else:
-                c.poll_message()
-                if c.outcome is not None and c.sock is not None:
-                    self.forget(c.sock.fileno())  # one report per child: nothing more to read
+                c.poll_message()  # one report per child: once read, nothing more to watch
         except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
             self._error = exc
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import io
 import logging
 import multiprocessing
 import multiprocessing.util
@@ -40,6 +41,10 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing import context as mp_context
+from multiprocessing import forkserver, popen_forkserver, resource_tracker
+from multiprocessing import reduction as mp_reduction
+from multiprocessing import spawn as mp_spawn
 from typing import Any, TypeVar
 
 import anyio
@@ -436,6 +441,80 @@ async def prepare_forkserver() -> None:
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
+class ServerPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver ``Popen``, which closes its connection to the fork
+    server only once the server has forked (see *Sockets through the fork server* in
+    docs/architecture.md).
+
+    Closing a unix socket while another unix socket is in flight (sent with SCM_RIGHTS,
+    not yet received) makes the kernel run its unix garbage collector, and the close
+    waits for it: 20 us to several ms instead of 8 us. Every aiomp child is given unix
+    sockets (its report socket; its output's three with forwarding), and multiprocessing
+    closes the connection right after sending them, before the server has received
+    them. Here the connection is closed after the pid has been read, when the server
+    holds them. ``_launch`` and ``connect_to_new_process`` are the standard library's
+    (identical in 3.11 to 3.13) but for where that close happens; on another Python the
+    standard ones are used unchanged.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        if not _SERVER_POPEN_MATCHES:
+            super()._launch(process_obj)  # type: ignore[misc]
+            return
+        prep_data = mp_spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        mp_context.set_spawning_popen(self)
+        try:
+            mp_reduction.dump(prep_data, buf)
+            mp_reduction.dump(process_obj, buf)
+        finally:
+            mp_context.set_spawning_popen(None)
+        client, self.sentinel, w = _connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        with client:
+            # Keep a duplicate of the data pipe's write end as a sentinel of the parent
+            # process used by the child process.
+            parent_w = os.dup(w)
+            self.finalizer = multiprocessing.util.Finalize(
+                self,
+                multiprocessing.util.close_fds,  # type: ignore[attr-defined]
+                (parent_w, self.sentinel),
+            )
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = forkserver.read_signed(self.sentinel)
+
+
+_SERVER_POPEN_MATCHES = sys.version_info[:2] in ((3, 11), (3, 12), (3, 13))
+
+
+def _connect_to_new_process(fds: list[int]) -> tuple[socket.socket, int, int]:
+    """``ForkServer.connect_to_new_process``, returning the connection still open."""
+    server: Any = forkserver._forkserver
+    server.ensure_running()
+    if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
+        raise ValueError("too many fds")
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(server._forkserver_address)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        allfds = [child_r, child_w, server._forkserver_alive_fd, resource_tracker.getfd()]
+        allfds += fds
+        try:
+            mp_reduction.sendfds(client, allfds)
+            return client, parent_r, parent_w
+        except BaseException:
+            os.close(parent_r)
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
+    except BaseException:
+        client.close()
+        raise
+
+
 C = TypeVar("C", bound=Child)
 
 
@@ -464,8 +543,9 @@ def launch(
     """
     check_not_bootstrapping()
     mp: Any = multiprocessing.get_context(start_method)
+    process_class = _child.ServerProcess if start_method == "forkserver" else mp.Process
     try:
-        proc = mp.Process(
+        proc = process_class(
             target=target,
             args=(rank, channel, os.getpid(), *extra),
             kwargs={} if output is None else {"output": output.child_ends()},
