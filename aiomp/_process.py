@@ -187,9 +187,17 @@ class Child:
         self.output = output  # its stdout/stderr, forwarded; closed once it has exited
         self.process = process
         self.pid: int = process.pid  # type: ignore[assignment]
-        self.pidfd = os.pidfd_open(self.pid)
         # forkserver children are not ours to reap: their status arrives on the sentinel.
         self._via_server = start_method == "forkserver"
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            if not self._via_server:
+                raise  # our own child stays a zombie until we reap it: cannot happen
+            # It ran and exited already, and the fork server reaped it (a child with its
+            # payload in its start needs nobody): nothing left to signal; its status
+            # waits on the sentinel.
+            self.pidfd = -1
         self.exit_fd = process.sentinel if self._via_server else self.pidfd
         self.exitcode: int | None = None
         self.waiters = FdWaiters()
@@ -259,7 +267,7 @@ class Child:
                     self._release()  # deferred while we were waiting on the pidfd
 
     def signal(self, sig: int) -> None:
-        if self.exitcode is None:
+        if self.exitcode is None and self.pidfd >= 0:
             try:
                 signal.pidfd_send_signal(self.pidfd, sig)
             except ProcessLookupError:
