@@ -227,20 +227,26 @@ def main(
     parent_pid: int,
     fn: object = None,
     spawned: bool = False,
+    payload: bytes | None = None,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
     """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
     target). ``spawned``: started by the ``spawn`` method, whose children exit through
-    the interpreter's teardown (fork and forkserver children skip it already)."""
+    the interpreter's teardown (fork and forkserver children skip it already).
+    ``payload``: the datagram of ``(fn, args, is_async)`` when it came with the start;
+    None: it arrives on ``sock`` (it holds fds)."""
     begin(parent_pid, output)
-    got = _transport.recv_sync(sock)
-    assert got is not None
+    if payload is None:
+        got = _transport.recv_sync(sock)
+        assert got is not None
+    else:
+        got = (payload, [])
     _, body, fds = _transport.decode(*got)
-    payload: tuple[object, tuple[object, ...], bool] = _reduction.loads(body, fds)  # type: ignore[assignment]
-    payload_fn, args, is_async = payload
+    loaded: tuple[object, tuple[object, ...], bool] = _reduction.loads(body, fds)  # type: ignore[assignment]
+    payload_fn, args, is_async = loaded
     if fn is None:
         fn = payload_fn
-    del got, body, fds
+    del got, body, fds, payload, loaded
     if output is not None:
         forward_logging(output[3], output[4])
     try:
@@ -258,7 +264,10 @@ def main(
         sock.close()
         sys.exit(1)
     send_message(sock, out)
-    sock.close()
+    # Left open: it closes as this process exits, and that hang-up is when the parent
+    # reads the report, with the exit itself (see *Reports read at the hang-up* in
+    # docs/architecture.md). Detached, so that collecting it neither closes nor warns.
+    sock.detach()
     if spawned:
         del result, out
         exit_fast()
@@ -364,7 +373,10 @@ def report_error(
 ) -> None:
     """Send ``("err", traceback text, exc or None)``; the text always arrives.
 
-    ``traceback=False`` sends only the exception's one-line summary as the text.
+    ``traceback=False`` sends only the exception's one-line summary as the text. Then
+    ends the socket's sending side: the parent watches it for that hang-up, which comes
+    now, before this process's teardown, even if a grandchild holds a copy of it (see
+    *Reports read at the hang-up* in docs/architecture.md).
     """
     text = format_error(exc, context, traceback)
     try:
@@ -373,3 +385,7 @@ def report_error(
     except BaseException:  # noqa: BLE001 - the text alone still travels
         out = _reduction.dumps(("err", text, None))
     send_message(sock, out)
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the parent is gone, or stopped listening

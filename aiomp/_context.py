@@ -46,6 +46,19 @@ if TYPE_CHECKING:
     import asyncio
 
 
+#: A child's exit fd: readable once it has exited. Its report socket: hung up, once the
+#: child has exited or has ended its side after reporting an error (see *Reports read at
+#: the hang-up* in docs/architecture.md). One-shot: a fired fd needs no epoll_ctl to go.
+_EXIT_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
+_REPORT_EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
+
+
+#: A payload up to this size goes with the start (in the process's arguments): with
+#: multiprocessing's own data it stays well below a pipe's 64 KiB, which a spawn start
+#: writes whole before the child reads it.
+INLINE_START = 16 << 10
+
+
 class _Join:
     """Every wait on one spawn's children, through one epoll set on the event loop.
 
@@ -55,10 +68,13 @@ class _Join:
     uvloop, one system task on trio. When it is readable the callback takes every ready
     fd at once, reads the report (:meth:`_Spawned.poll_message`) or reaps the child
     (``poll_exit``), then wakes each waiting task whose condition now holds, and only
-    those: a spawn-4 that ends cleanly wakes its waiter once. The last waiter to leave
-    closes the epoll set; a child forgets its fds here before it closes them. Nothing
-    reached from the callback touches anyio (see *Nothing anyio in loop callbacks* and
-    *One waiter per spawn* in docs/architecture.md).
+    those: a spawn-4 that ends cleanly wakes its waiter once. The report socket is
+    watched for its hang-up, not for data: a child that reports an error ends its side
+    at once, one that succeeded closes it when it exits, so a clean child costs one
+    wake-up, not two. The last waiter to leave closes the epoll set; a child forgets its
+    fds here before it closes them. Nothing reached from the callback touches anyio
+    (see *Nothing anyio in loop callbacks*, *One waiter per spawn* and *Reports read at
+    the hang-up* in docs/architecture.md).
     """
 
     __slots__ = (
@@ -146,7 +162,7 @@ class _Join:
     def _add(self, fd: int, c: _Spawned, is_exit: bool) -> None:
         if fd not in self._fds:
             assert self._epoll is not None
-            self._epoll.register(fd, select.EPOLLIN)
+            self._epoll.register(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
             self._fds[fd] = (c, is_exit)
 
     def _unwatch(self) -> None:
@@ -188,20 +204,28 @@ class _Join:
             self._error = exc
             ready = []
         for fd, _ in ready:
-            what = self._fds.get(fd)  # None: forgotten while handling an earlier one
-            if what is not None:
-                self._ready(*what)
+            # One-shot: the fd is disarmed now, and leaves the dict (so forgetting it
+            # costs no epoll_ctl). None: forgotten while handling an earlier one.
+            what = self._fds.pop(fd, None)
+            if what is None:
+                continue
+            c, is_exit = what
+            self._ready(c, is_exit)
+            if (c.exitcode is None) if is_exit else (c.sock is not None and c.outcome is None):
+                try:  # still to watch (another path reaped it, a spurious wake-up)
+                    ep.modify(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
+                    self._fds[fd] = what
+                except OSError as exc:
+                    self._error = exc
         self.check()
 
     def _ready(self, c: _Spawned, is_exit: bool) -> None:
         """A watched fd of ``c`` is readable (a loop callback on asyncio: no anyio here)."""
         try:
             if is_exit:
-                c.poll_exit()  # reaps it; its fds are forgotten and closed
+                c.poll_exit(ready=True)  # reaps it; its fds are forgotten and closed
             else:
-                c.poll_message()
-                if c.outcome is not None and c.sock is not None:
-                    self.forget(c.sock.fileno())  # one report per child: nothing more to read
+                c.poll_message()  # one report per child: once read, nothing more to watch
         except Exception as exc:  # noqa: BLE001 - handed to the waiters, never lost
             self._error = exc
 
@@ -453,16 +477,22 @@ async def start_children(
     children = join.children
     try:
         datagram, fds = payload.datagram()
+        # Without fds, and small, it rides in the start itself: no send here, no receive
+        # there (see *Payload in the start* in docs/architecture.md). A larger one is sent
+        # on the report socket, so that no start blocks the loop on a full pipe.
+        inline = None if fds or len(datagram) > INLINE_START else datagram
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output, join)
+            c = _start_one(rank, start_method, daemon, target_fn, output, join, inline)
             children.append(c)
-            # Sent at once, not after every start: a forked child boots in a millisecond
-            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
             if rank:
                 payload.sent_again()  # one message, sent once more
+            if inline is not None:
+                continue
+            # Sent at once, not after every start: a forked child boots in a millisecond
+            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
             assert c.sock is not None
             try:
                 await _transport.send_async(c.sock, datagram, fds)
@@ -477,9 +507,17 @@ async def start_children(
 
 
 def _start_one(
-    rank: int, start_method: str, daemon: bool, fn: object, output: _output.Output, join: _Join
+    rank: int,
+    start_method: str,
+    daemon: bool,
+    fn: object,
+    output: _output.Output,
+    join: _Join,
+    payload: bytes | None,
 ) -> _Spawned:
-    """Start child ``rank`` with a report socket (a datagram pair) and its forwarder."""
+    """Start child ``rank`` with a report socket (a datagram pair) and its forwarder;
+    ``payload``, the datagram of ``(fn, args, is_async)``, goes with the start (None: the
+    caller sends it on the report socket)."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
     # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
@@ -492,7 +530,7 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn, start_method == "spawn"),
+            extra=(fn, start_method == "spawn", payload),
             output=fw,
         )
     except BaseException:

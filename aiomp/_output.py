@@ -70,6 +70,10 @@ def check_output(output: object) -> None:
         )
 
 
+_DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: IntFlag arithmetic is slow
+_PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+
+
 class Forwarder:
     """The parent's side of one child's stdout and stderr.
 
@@ -101,12 +105,14 @@ class Forwarder:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent.append(ours)
                 self._child.append(theirs)
-                ours.setblocking(False)
-                ours.shutdown(socket.SHUT_WR)
+                # Two syscalls a pair, no more (see *Forwarder set-up* in
+                # docs/architecture.md): the child's reads of fd 1 and 2 see EOF; our
+                # end stays blocking, read with MSG_DONTWAIT.
                 theirs.shutdown(socket.SHUT_RD)
                 # Room for a few thousand small writes (each costs ~1 KiB of kernel
-                # accounting) while the parent is busy or coalescing.
-                _transport.grow_buffers(theirs)
+                # accounting) while the parent is busy or coalescing: the send buffer
+                # bounds a unix socket's data in flight (its receive buffer is unused).
+                _transport.grow_buffers(theirs, receive=False)
         except BaseException:
             self.close()
             raise
@@ -158,14 +164,36 @@ class Forwarder:
                     await trio.lowlevel.wait_readable(s)
                 except (trio.ClosedResourceError, OSError):
                     return
+                if self._at_eof(i):
+                    return
                 await trio.sleep(COALESCE)
 
     def _on_readable(self, i: int) -> None:
         s, loop = self._parent[i], self._loop
         assert loop is not None  # reader callbacks exist on asyncio only
-        if s is not None and self._timers[i] is None:
+        if s is not None and self._timers[i] is None and not self._at_eof(i):
             loop.remove_reader(s.fileno())
             self._timers[i] = loop.call_later(COALESCE, self._read_batch, i)
+
+    def _at_eof(self, i: int) -> bool:
+        """If stream ``i`` (readable now) is at its end, with nothing left unread, flush
+        its partial line, stop reading it and return True: nothing is worth coalescing
+        for, and a child's exit costs no timer (a logging socket has no end)."""
+        s = self._parent[i]
+        if s is None:
+            return True
+        if i == 2:
+            return False
+        try:
+            if s.recv(1, _PEEK):
+                return False
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            pass
+        self._emit(i, b"", final=True)
+        self._detach(i)
+        return True
 
     def _read_batch(self, i: int) -> None:
         self._timers[i] = None
@@ -183,7 +211,7 @@ class Forwarder:
         s = self._parent[i]
         while s is not None:
             try:
-                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX)
+                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return True
             except OSError:

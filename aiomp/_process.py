@@ -182,9 +182,18 @@ class Child:
         self.output = output  # its stdout/stderr, forwarded; closed once it has exited
         self.process = process
         self.pid: int = process.pid  # type: ignore[assignment]
-        self.pidfd = os.pidfd_open(self.pid)
         # forkserver children are not ours to reap: their status arrives on the sentinel.
-        self.exit_fd = process.sentinel if start_method == "forkserver" else self.pidfd
+        self._via_server = start_method == "forkserver"
+        try:
+            self.pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            if not self._via_server:
+                raise  # our own child stays a zombie until we reap it: cannot happen
+            # It ran and exited already, and the fork server reaped it (a child with its
+            # payload in its start needs nobody): nothing left to signal; its status
+            # waits on the sentinel.
+            self.pidfd = -1
+        self.exit_fd = process.sentinel if self._via_server else self.pidfd
         self.exitcode: int | None = None
         self.waiters = FdWaiters()
         self.sent_term = self.sent_kill = False  # each signal is sent (and logged) once
@@ -200,10 +209,18 @@ class Child:
     def _exited(self) -> None:
         pass
 
-    def poll_exit(self) -> bool:
-        """Whether it has exited (reaping it if it just has); never waits."""
+    def poll_exit(self, ready: bool = False) -> bool:
+        """Whether it has exited (reaping it if it just has); never waits.
+
+        ``ready``: the caller has just seen :attr:`exit_fd` readable, so the child has
+        exited: it is reaped without asking first (see *Reaping a readable exit fd* in
+        docs/architecture.md).
+        """
         if self.exitcode is None:
-            code = self.process.exitcode  # non-blocking waitpid / sentinel read
+            if ready and self._via_server:
+                code: int | None = self._read_server_status()
+            else:
+                code = self.process.exitcode  # non-blocking waitpid / sentinel poll
             if code is not None:
                 self.exitcode = code
                 _running.discard(self)
@@ -214,6 +231,25 @@ class Child:
                 if code != 0:
                     _lifecycle.failed_exit()
         return self.exitcode is not None
+
+    def _read_server_status(self) -> int:
+        """The exit status the fork server wrote on the sentinel, which is readable.
+
+        What multiprocessing's ``Popen.poll`` does once its selector has said so, without
+        the selector; the status is stored where ``Popen.poll`` finds it, so
+        ``process.exitcode`` agrees. A sentinel at EOF (the server died) reads as 255,
+        as there.
+        """
+        popen: Any = self.process._popen  # type: ignore[attr-defined]
+        if popen.returncode is None:  # not read already by another path
+            from multiprocessing import forkserver
+
+            try:
+                popen.returncode = forkserver.read_signed(self.exit_fd)
+            except (OSError, EOFError):
+                popen.returncode = 255
+        code: int = popen.returncode
+        return code
 
     async def wait_exit(self) -> None:
         """Wait until the child has exited and been reaped. Cancellation leaves it as it
@@ -226,7 +262,7 @@ class Child:
                     self._release()  # deferred while we were waiting on the pidfd
 
     def signal(self, sig: int) -> None:
-        if self.exitcode is None:
+        if self.exitcode is None and self.pidfd >= 0:
             try:
                 signal.pidfd_send_signal(self.pidfd, sig)
             except ProcessLookupError:

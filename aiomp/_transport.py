@@ -69,11 +69,11 @@ def socketpair(large: bool = True) -> tuple[socket.socket, socket.socket]:
     return a, b
 
 
-def grow_buffers(s: socket.socket) -> None:
-    """Ask for 4 MiB socket buffers each way (best effort)."""
+def grow_buffers(s: socket.socket, receive: bool = True) -> None:
+    """Ask for 4 MiB socket buffers each way, or the send buffer alone (best effort)."""
     # A queue of small items is bounded by the sender's buffer (each datagram costs its
     # size plus ~1 KiB of kernel overhead). Ask for 4 MiB; root may force past wmem_max.
-    for opt, force in ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33)):  # SO_*BUFFORCE
+    for opt, force in _BUFFERS if receive else _BUFFERS[:1]:
         try:
             s.setsockopt(socket.SOL_SOCKET, force, 4 << 20)
         except OSError:
@@ -81,6 +81,9 @@ def grow_buffers(s: socket.socket) -> None:
                 s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
             except OSError:
                 pass
+
+
+_BUFFERS = ((socket.SO_SNDBUF, 32), (socket.SO_RCVBUF, 33))  # with SO_*BUFFORCE
 
 
 def close_fds(fds: list[int] | tuple[int, ...]) -> None:
