@@ -133,19 +133,8 @@ def make_task(
     """Pickle a task (see :func:`make_message`) and make its :class:`Task`."""
     tid = next(_tids)
     message = make_message(pool, fn, info, flags, items, kwds, tid, group)
-    return Task(  # (positional: keywords cost a third of the call)
-        tid,
-        info.name,
-        1 if info.is_async else pool._concurrency,
-        info.is_async,
-        message,
-        info.fid,
-        info.define,
-        group,
-        index,
-        1 if flags & P.F_APPLY else len(items),
-        on_done,
-    )
+    size = 1 if flags & P.F_APPLY else len(items)
+    return _new_task(pool, info, tid, message, group, index, size, on_done)
 
 
 def make_message(
@@ -305,7 +294,7 @@ async def apply(
         # wait was cancelled by then.
         current = _current_task(loop)  # (_cancel_pending's test, a frame less)
         if current is None or current.cancelling() or _anyio_scope_cancelled(current, loop):
-            task = _apply_task(pool, info, tid, message)
+            task = _new_task(pool, info, tid, message)
             task.waiter = waiter = loop.create_future()
             loop.call_soon(_submit_unless_cancelled, pool, task, waiter)
         else:
@@ -319,7 +308,7 @@ async def apply(
                 if not handle.send_first(message, fid):
                     idle[worker] = None  # back where it was: the last, the next picked
                     worker = None
-            task = _apply_task(pool, info, tid, message)
+            task = _new_task(pool, info, tid, message)
             if worker is not None:
                 sched.started(worker, task)
             else:
@@ -336,7 +325,7 @@ async def apply(
                 await pool._abandon([task])
             raise
     else:
-        task = _apply_task(pool, info, tid, message)
+        task = _new_task(pool, info, tid, message)
         signal = Signal(loop)
         task.on_done = lambda _: signal.set()
         await anyio.lowlevel.checkpoint()
@@ -352,9 +341,18 @@ async def apply(
     raise task.value
 
 
-def _apply_task(pool: Pool, info: _Fn, tid: int, message: Any) -> Task:
-    """An ``apply`` call's :class:`Task` (positional: keywords cost a third of the call)."""
-    return Task(
+def _new_task(
+    pool: Pool,
+    info: _Fn,
+    tid: int,
+    message: Any,
+    group: object = None,
+    index: int = 0,
+    size: int = 1,
+    on_done: Callable[[Task], None] | None = None,
+) -> Task:
+    """Task ``tid`` of ``info``'s function (an ``apply`` call's with the defaults)."""
+    return Task(  # (positional: keywords cost a third of the call)
         tid,
         info.name,
         1 if info.is_async else pool._concurrency,
@@ -362,6 +360,10 @@ def _apply_task(pool: Pool, info: _Fn, tid: int, message: Any) -> Task:
         message,
         info.fid,
         info.define,
+        group,
+        index,
+        size,
+        on_done,
     )
 
 
