@@ -51,6 +51,12 @@ if TYPE_CHECKING:
 #: the hang-up* in docs/architecture.md). One-shot: a fired fd needs no epoll_ctl to go.
 _EXIT_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
 _REPORT_EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
+_EVENTS = (_REPORT_EVENTS, _EXIT_EVENTS)  # by is_exit
+
+
+def _to_watch(c: _Spawned, is_exit: bool) -> bool:
+    """Whether ``c``'s exit fd (``is_exit``) or report socket still has news to give."""
+    return c.exitcode is None if is_exit else (c.sock is not None and c.outcome is None)
 
 
 #: A payload up to this size goes with the start (in the process's arguments): with
@@ -154,15 +160,15 @@ class _Join:
                 self._epoll = None
                 raise
         for c in self.children:
-            if c.exitcode is None:
+            if _to_watch(c, True):
                 self._add(c.exit_fd, c, True)
-                if c.sock is not None and c.outcome is None:
-                    self._add(c.sock.fileno(), c, False)
+                if _to_watch(c, False):
+                    self._add(c.sock.fileno(), c, False)  # type: ignore[union-attr]
 
     def _add(self, fd: int, c: _Spawned, is_exit: bool) -> None:
         if fd not in self._fds:
             assert self._epoll is not None
-            self._epoll.register(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
+            self._epoll.register(fd, _EVENTS[is_exit])
             self._fds[fd] = (c, is_exit)
 
     def _unwatch(self) -> None:
@@ -211,9 +217,9 @@ class _Join:
                 continue
             c, is_exit = what
             self._ready(c, is_exit)
-            if (c.exitcode is None) if is_exit else (c.sock is not None and c.outcome is None):
+            if _to_watch(c, is_exit):
                 try:  # still to watch (another path reaped it, a spurious wake-up)
-                    ep.modify(fd, _EXIT_EVENTS if is_exit else _REPORT_EVENTS)
+                    ep.modify(fd, _EVENTS[is_exit])
                     self._fds[fd] = what
                 except OSError as exc:
                     self._error = exc

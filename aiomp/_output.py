@@ -274,23 +274,24 @@ class Forwarder:
                 self._to_stream(i, text, len(lines))
             return
         split = _LINE_END.split(head)  # [line, end, line, end, ..., b""]
-        ends = [(split[k], split[k + 1].decode()) for k in range(0, len(split) - 1, 2)]
+        ends = [
+            (split[k].decode("utf-8", "backslashreplace"), split[k + 1].decode())
+            for k in range(0, len(split) - 1, 2)
+        ]
         if final and self._open[i] and not ends:  # a redraw left open ends with the child
-            ends.append((b"", "\n"))
+            ends.append(("", "\n"))
         if buf and not final and (head.endswith(b"\r") or (not head and self._open[i])):
             # A progress bar's latest redraw, not ended yet: shown now, its line left open.
             try:
-                bytes(buf).decode()
+                ends.append((buf.decode(), ""))
             except UnicodeDecodeError:  # a character cut in two: wait for its end
                 pass
             else:
-                ends.append((bytes(buf), ""))
                 buf.clear()
         parts = []
         open_ = self._open[i]
         for line, end in ends:  # what continues an open line gets no second label
-            decoded = line.decode("utf-8", "backslashreplace")
-            parts.append(decoded + end if open_ else label + decoded + end)
+            parts.append(line + end if open_ else label + line + end)
             open_ = not end
         self._open[i] = open_
         if parts:
