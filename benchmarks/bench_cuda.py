@@ -2,18 +2,21 @@
 
     python -m benchmarks.bench_cuda [--quick] [--json PATH]
 
-Put-to-get latency of a 1 GiB (and a 4 MiB) CuPy array from the parent to a spawned GPU
-consumer and its tiny ack back, once the consumer has opened the block (target: well under
-1 ms, flat in size), against a host round trip of the same array (``cupy.asnumpy`` in the
-producer, the host array through an aiomp Queue, upload in the consumer), and against
-``torch.multiprocessing`` with a CUDA tensor when torch with CUDA is present.
+Put-to-get latency of a CuPy array from the parent to a spawned GPU consumer and its tiny
+ack back, once the consumer has opened the block, for 4 KiB, 4 MiB and 1 GiB (targets: a
+1 GiB handoff under 1 ms and within 2x a 4 KiB one), against:
 
-The consumer holds each received array until the next one arrives and then drops it, so
-the producer's lease bookkeeping runs as in a real pipeline.
+- ``torch.multiprocessing``: a CUDA tensor of the same size through its Queue to a spawned
+  consumer that acks the same way (target: no slower), when torch with CUDA is present;
+- a host round trip of the same array (``cupy.asnumpy`` in the producer, the host array
+  through an aiomp Queue, upload in the consumer).
 
-Small arrays (issue 16's 2 MiB rule): a 64 KiB array from CuPy's pool travels as a copy
-in an IPC-safe staging block; the same array from ``aiomp.cuda.empty`` travels in place.
-Their ratio is the cost of the staging copy.
+Both consumers hold each received array until the next one arrives and then drop it, so
+the producers' release bookkeeping runs as in a real pipeline.
+
+Small arrays (the 2 MiB rule in ``aiomp.cuda``): the 4 KiB array is an IPC-safe block
+(``aiomp.cuda.zeros``), which travels in place; the same array from CuPy's pool travels
+as a copy into an IPC-safe staging block, and its row gives the cost of that copy.
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ import time
 
 from benchmarks import _common as c
 
-SIZES = (4 << 20, 1 << 30)
-SMALL = 64 << 10
+SIZES = (4 << 10, 4 << 20, 1 << 30)
 ROUNDS = 50
 
 
@@ -45,6 +47,12 @@ def gpu_present() -> str | None:
     return None if int(out.stdout.strip() or 0) > 0 else "no CUDA device"
 
 
+def label(n: int) -> str:
+    return (
+        f"{n >> 30} GiB" if n >= 1 << 30 else f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    )
+
+
 def consumer(rank: int, qin: object, qout: object) -> None:
     """Receive CuPy (or host) arrays and ack each; hold one until the next arrives."""
     import cupy
@@ -59,53 +67,83 @@ def consumer(rank: int, qin: object, qout: object) -> None:
     del held
 
 
-async def main() -> None:
-    rows: list[dict[str, object]] = []
-    notes: list[str] = []
-    why = gpu_present()
-    if why is not None:
+def torch_consumer(qin: object, qout: object) -> None:
+    """torch.multiprocessing's side: the same protocol with CUDA tensors."""
+    import torch
+
+    torch.cuda.init()
+    held = None
+    while (x := qin.get()) is not None:  # type: ignore[attr-defined]
+        held = x
+        qout.put(b"k")  # type: ignore[attr-defined]
+    del held
+
+
+def torch_handoffs(rounds: int) -> dict[int, float] | str:
+    """Median put -> ack of a CUDA tensor per size through torch.multiprocessing, or why not."""
+    try:
+        import torch
+        import torch.multiprocessing as tmp
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch has no CUDA"
+    ctx = tmp.get_context("spawn")
+    qin, qout = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=torch_consumer, args=(qin, qout))
+    proc.start()
+    out: dict[int, float] = {}
+    try:
         for n in SIZES:
-            rows.append(
-                c.row(
-                    f"CuPy {n >> 20} MiB put -> get",
-                    None,
-                    None,
-                    "host round trip",
-                    None,
-                    f"skipped: {why}",
-                )
-            )
-        rows.append(
-            c.row(
-                "CuPy 64 KiB put -> get (copied into a staging block)",
-                None,
-                None,
-                "aiomp.cuda.zeros 64 KiB (in place)",
-                None,
-                f"skipped: {why}",
-            )
-        )
-        c.emit("cuda", rows, notes)
-        return
+            t = torch.ones(n // 4, dtype=torch.float32, device="cuda")
+            torch.cuda.synchronize()
+            qin.put(t)  # first send: the consumer opens the block
+            qout.get()
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                qin.put(t)
+                qout.get()
+                times.append(time.perf_counter() - start)
+            out[n] = c.median(times)
+            del t
+        qin.put(None)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return out
+
+
+async def aiomp_handoffs(rounds: int) -> dict[str, float]:
     import cupy
 
     import aiomp
 
-    rounds = c.reps(ROUNDS, 10)
+    async def timed(arr: object, n: int) -> float:
+        await qin.put(arr)  # first send: the consumer opens the block
+        await qout.get()
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            await qin.put(arr)
+            await qout.get()
+            times.append(time.perf_counter() - t)
+        return c.median(times)
+
     qin, qout = aiomp.Queue(), aiomp.Queue()
     results: dict[str, float] = {}
     async with aiomp.spawn(consumer, 1, args=(qin, qout)):
         for n in SIZES:
-            arr = cupy.ones(n // 4, dtype=cupy.float32)
-            await qin.put(arr)  # first send: the consumer opens the block
-            await qout.get()
-            times = []
-            for _ in range(rounds):
-                t = time.perf_counter()
-                await qin.put(arr)
-                await qout.get()
-                times.append(time.perf_counter() - t)
-            results[f"ipc {n}"] = c.median(times)
+            # Below 2 MiB, a pool array would be copied at put: in place means IPC-safe.
+            arr = (
+                cupy.ones(n // 4, dtype=cupy.float32)
+                if n >= 2 << 20
+                else aiomp.cuda.zeros(n // 4, dtype=cupy.float32)
+            )
+            results[f"ipc {n}"] = await timed(arr, rounds)
+            host = cupy.asnumpy(arr)
             times = []
             for _ in range(max(3, rounds // 10)):
                 t = time.perf_counter()
@@ -113,66 +151,97 @@ async def main() -> None:
                 await qout.get()
                 times.append(time.perf_counter() - t)
             results[f"host {n}"] = c.median(times)
-            del arr
+            del arr, host
             aiomp.cuda.ipc_collect()
-        for kind in ("pool", "ipc_safe"):
-            if kind == "pool":
-                arr = cupy.ones(SMALL // 4, dtype=cupy.float32)
-            else:
-                arr = aiomp.cuda.zeros(SMALL // 4, dtype=cupy.float32)
-            await qin.put(arr)
-            await qout.get()
-            times = []
-            for _ in range(rounds):
-                t = time.perf_counter()
-                await qin.put(arr)
-                await qout.get()
-                times.append(time.perf_counter() - t)
-            results[f"small {kind}"] = c.median(times)
-            del arr
-            aiomp.cuda.ipc_collect()
+        pooled = cupy.ones(SIZES[0] // 4, dtype=cupy.float32)
+        results["small pool"] = await timed(pooled, rounds)
+        del pooled
         await qin.put(None)
-    small, big = SIZES
-    rows.append(
+    aiomp.cuda.ipc_collect()
+    return results
+
+
+def skipped_rows(why: str) -> list[dict[str, object]]:
+    return [
         c.row(
-            "CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3, "budget", c.under(1e-3), ""
+            f"CuPy {label(n)} put -> get (IPC)",
+            None,
+            None,
+            "torch CUDA tensor",
+            None,
+            f"skipped: {why}",
         )
-    )
-    rows.append(
+        for n in SIZES
+    ]
+
+
+async def main() -> None:
+    notes: list[str] = []
+    why = gpu_present()
+    if why is not None:
+        c.emit("cuda", skipped_rows(why), notes)
+        return
+    import cupy
+
+    rounds = c.reps(ROUNDS, 10)
+    results = await aiomp_handoffs(rounds)
+    torch_times = torch_handoffs(rounds)
+    small, big = SIZES[0], SIZES[-1]
+    rows = [
+        c.row("CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3, "budget", c.under(1e-3)),
         c.row(
             "CuPy 1 GiB put -> get (IPC)",
             results[f"ipc {big}"],
             results[f"ipc {small}"],
-            "CuPy 4 MiB put -> get (IPC)",
+            "CuPy 4 KiB put -> get (IPC, in place)",
             c.at_most(2),
-            "",
-        )
-    )
+        ),
+    ]
+    for n in SIZES:
+        if isinstance(torch_times, str):
+            rows.append(
+                c.row(
+                    f"CuPy {label(n)} put -> get (IPC)",
+                    results[f"ipc {n}"],
+                    None,
+                    "torch.multiprocessing CUDA tensor",
+                    None,
+                    f"skipped: {torch_times}",
+                )
+            )
+        else:
+            rows.append(
+                c.row(
+                    f"CuPy {label(n)} put -> get (IPC)",
+                    results[f"ipc {n}"],
+                    torch_times[n],
+                    f"torch.multiprocessing CUDA tensor {label(n)}",
+                    c.at_most(1),
+                )
+            )
     for n in SIZES:
         rows.append(
             c.row(
-                f"CuPy {n >> 20} MiB put -> get (IPC)",
+                f"CuPy {label(n)} put -> get (IPC)",
                 results[f"ipc {n}"],
                 results[f"host {n}"],
                 "asnumpy + aiomp queue + upload",
-                None,
-                "",
             )
         )
     rows.append(
         c.row(
-            "CuPy 64 KiB put -> get (copied into a staging block)",
+            "CuPy 4 KiB from CuPy's pool (copied into a staging block)",
             results["small pool"],
-            results["small ipc_safe"],
-            "aiomp.cuda.zeros 64 KiB put -> get (in place)",
-            None,
-            "",
+            results[f"ipc {small}"],
+            "aiomp.cuda.zeros 4 KiB (in place)",
         )
     )
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"]
     notes.append(
-        f"cuda: median of {rounds} puts after the first open; device "
-        f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}; "
-        f"pid {os.getpid()}. torch CUDA comparison: not implemented yet."
+        f"cuda: median of {rounds} put -> ack round trips after the first open; device "
+        f"{name.decode() if isinstance(name, bytes) else name}, CUDA runtime "
+        f"{cupy.cuda.runtime.runtimeGetVersion()}, cupy {cupy.__version__}; pid {os.getpid()}"
     )
     c.emit("cuda", rows, notes)
 
