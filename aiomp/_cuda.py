@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from . import _lease, _lifecycle, _reduction
+from ._errors import CudaIpcError, IpcLimitError
 
 #: Blocks a process may have sent and not yet seen released, unless changed with
 #: :func:`aiomp.cuda.set_ipc_limit`.
@@ -52,22 +53,6 @@ _CUDA_ERROR_MEMORY_ALLOCATION = 2
 _CUDA_ERROR_NOT_INITIALIZED = 3
 _CUDA_ERROR_NO_DEVICE = 100
 _CUDA_ERROR_INVALID_CONTEXT = 201
-
-
-class CudaIpcError(RuntimeError):
-    """A CuPy array could not be sent or received as a CUDA IPC handle.
-
-    Raised by ``put`` (and anything else that pickles an aiomp message) in the sender,
-    or by ``get`` in the receiver. The message says why and what to do.
-    """
-
-
-class IpcLimitError(CudaIpcError):
-    """Too many sent CUDA blocks are still held by consumers (raised at ``put``)."""
-
-
-CudaIpcError.__module__ = "aiomp.cuda"
-IpcLimitError.__module__ = "aiomp.cuda"
 
 
 # -- pure parts: what is pickled, where an array sits in its allocation ---------------------

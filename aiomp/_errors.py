@@ -9,6 +9,8 @@
      |    +-- BrokenWorkerError         a Pool worker died while it held the task
      +-- RuntimeError
      |    +-- BrokenPoolError           the Pool can run no more tasks (not a task's failure)
+     |    +-- aiomp.cuda.CudaIpcError   a CuPy array could not be sent (put) or received (get)
+     |         +-- aiomp.cuda.IpcLimitError  too many sent CUDA blocks still held (put)
      +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
      +-- QueueItemError                 get: an item could not be rebuilt here (it is lost)
      +-- OSError
@@ -29,6 +31,8 @@ import signal as _signal
 __all__ = (
     "BrokenPoolError",
     "BrokenWorkerError",
+    "CudaIpcError",
+    "IpcLimitError",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -138,6 +142,22 @@ class SharedMemoryError(OSError):
 class TransportError(OSError):
     """A message could not be sent or received whole (the file-descriptor limit, mostly)."""
 
+
+class CudaIpcError(RuntimeError):
+    """A CuPy array could not be sent or received as a CUDA IPC handle.
+
+    Raised by ``put`` (and anything else that pickles an aiomp message) in the sender,
+    or by ``get`` in the receiver, as itself (not a :class:`QueueItemError`). The message
+    says why and what to do.
+    """
+
+
+class IpcLimitError(CudaIpcError):
+    """Too many sent CUDA blocks are still held by consumers (raised at ``put``)."""
+
+
+CudaIpcError.__module__ = "aiomp.cuda"  # public in aiomp.cuda, not aiomp
+IpcLimitError.__module__ = "aiomp.cuda"
 
 for _cls in (
     BrokenPoolError,

@@ -37,7 +37,7 @@ import time
 import weakref
 
 from . import _lifecycle, _overflow, _reduction, _transport
-from ._errors import QueueClosed, QueueItemError
+from ._errors import CudaIpcError, QueueClosed, QueueItemError
 from ._fdwait import FdWaiters
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
@@ -538,11 +538,12 @@ def _readable(fd: int) -> bool:
 
 
 def _load(body: bytes | memoryview, fds: list[int]) -> object:
-    """Rebuild an item; one that cannot be rebuilt here is a QueueItemError."""
+    """Rebuild an item; one that cannot be rebuilt here is a QueueItemError, except a CuPy
+    array this process cannot open, which is the CudaIpcError that aiomp.cuda promises."""
     try:
         # Without fds there is nothing for _reduction.loads to track: one call less.
         return _reduction.loads(body, fds) if fds else pickle.loads(body)
-    except (QueueClosed, QueueItemError):
+    except (QueueClosed, QueueItemError, CudaIpcError):
         raise
     except Exception as exc:
         names = ", ".join(_classes_in(body)) or "no classes"

@@ -58,8 +58,6 @@ from ._cuda import (
     DEFAULT_IPC_LIMIT,
     IPC_BLOCK,
     MAX_IPC_EVENTS,
-    CudaIpcError,
-    IpcLimitError,
     IpcStatistics,
 )
 from ._cuda import empty as _empty
@@ -67,6 +65,7 @@ from ._cuda import get_ipc_limit as _get_ipc_limit
 from ._cuda import ipc_collect as _ipc_collect
 from ._cuda import set_ipc_limit as _set_ipc_limit
 from ._cuda import statistics as _statistics
+from ._errors import CudaIpcError, IpcLimitError
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike

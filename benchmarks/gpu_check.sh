@@ -9,7 +9,8 @@
 #   1. the GPU tests (tests/test_cuda.py and the torch CUDA tensor test, -m gpu);
 #   2. examples/cuda_inference.py;
 #   3. the CUDA benchmark (python -m benchmarks.run cuda: rewrites its RESULTS.md section);
-#   4. the SIGKILL faults with device memory before and after (benchmarks/gpu_faults.py).
+#   4. the SIGKILL faults with device memory before and after (benchmarks/gpu_faults.py);
+#   5. where a handoff's time goes (benchmarks/profile_cuda.py), for the record.
 # Exits non-zero if any step failed; a summary line per step is printed at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,7 @@ step 1-gpu-tests 200 "$PY" -m pytest -m gpu tests/test_cuda.py tests/test_torch.
 step 2-example 90 "$PY" examples/cuda_inference.py
 step 3-benchmark 150 "$PY" -m benchmarks.run cuda
 step 4-faults 120 "$PY" -m benchmarks.gpu_faults
+step 5-profile 90 "$PY" -m benchmarks.profile_cuda
 cp benchmarks/RESULTS.md "$LOG/RESULTS.md" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >>"$LOG/0-setup.log"
 

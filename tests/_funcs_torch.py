@@ -59,3 +59,29 @@ def scale_(t: Any, factor: float) -> Any:
     """A Pool task: scale ``t`` in place, return a fresh tensor (sent back shared)."""
     t.mul_(factor)
     return t * 0 + float(t.sum())
+
+
+def cuda_send(rank: int, q: Any, back: Any) -> Any:
+    """Put a CUDA tensor; hold it until the consumer reports (torch's producer rule)."""
+    import torch
+
+    t = torch.arange(1000, device="cuda", dtype=torch.float32)
+    q.sync.put(t)
+    return back.sync.get(timeout=60)
+
+
+def cuda_check(rank: int, q: Any, back: Any) -> tuple[str, bool, str]:
+    """Receive the CUDA tensor, check it in place, and try to send it onward (refused)."""
+    import torch
+
+    got = q.sync.get(timeout=60)
+    same = bool(torch.equal(got.cpu(), torch.arange(1000, dtype=torch.float32)))
+    try:
+        q.sync.put(got)
+        onward = "sent"
+    except RuntimeError as exc:
+        onward = str(exc)
+    report = (got.device.type, same, onward)
+    del got
+    back.sync.put(report)
+    return report

@@ -535,6 +535,21 @@ def test_empty_array_needs_no_handle(fake: FakeBackend) -> None:
     assert not {"record", "open", "copy", "malloc"} & set(fake.names())
 
 
+def test_get_raises_cuda_ipc_error_for_a_device_it_cannot_see(fake: FakeBackend) -> None:
+    # Issue 32, first run on a GPU (H100): a consumer with CUDA_VISIBLE_DEVICES="" got
+    # QueueItemError at get, where aiomp.cuda and the README promise CudaIpcError.
+    q = aiomp.Queue()
+    try:
+        q.sync.put(fake.array((16,)).view(0, (0, 4)))  # rebuilt on the device it names
+        fake.devices = ()  # this process sees no GPU
+        with pytest.raises(aiomp.cuda.CudaIpcError, match="is not visible"):
+            q.sync.get(timeout=10)
+        q.sync.put("next")
+        assert q.sync.get(timeout=10) == "next"  # the item is lost; the queue goes on
+    finally:
+        q.close()
+
+
 def test_reducer_only_works_inside_a_message(fake: FakeBackend) -> None:
     with pytest.raises(pickle.PicklingError, match="can only travel inside aiomp"):
         _cuda.reduce_array(fake.array((4,)))
