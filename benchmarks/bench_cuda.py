@@ -12,7 +12,11 @@ ack back, once the consumer has opened the block, for 4 KiB, 4 MiB and 1 GiB (ta
   through an aiomp Queue, upload in the consumer).
 
 Both consumers hold each received array until the next one arrives and then drop it, so
-the producers' release bookkeeping runs as in a real pipeline.
+the producers' release bookkeeping runs as in a real pipeline. Two patterns: one array
+sent again and again, and a ring of four 4 MiB arrays sent in turn (a pipeline's buffers).
+For the first, torch's consumer does no CUDA work at all: ``rebuild_cuda_tensor`` finds the
+storage it still holds in its cache and skips the event wait (stream order) that aiomp
+makes on every get. The ring makes both sides open, wait on and release each array.
 
 Small arrays (the 2 MiB rule in ``aiomp.cuda``): the 4 KiB array is an IPC-safe block
 (``aiomp.cuda.zeros``), which travels in place; the same array from CuPy's pool travels
@@ -30,6 +34,7 @@ import time
 from benchmarks import _common as c
 
 SIZES = (4 << 10, 4 << 20, 1 << 30)
+RING, RING_SIZE = 4, 4 << 20
 ROUNDS = 50
 
 
@@ -107,6 +112,17 @@ def torch_handoffs(rounds: int) -> dict[int, float] | str:
                 times.append(time.perf_counter() - start)
             out[n] = c.median(times)
             del t
+        ring = [torch.ones(RING_SIZE // 4, device="cuda") for _ in range(RING)]
+        torch.cuda.synchronize()
+        times = []
+        for i in range(RING + rounds):
+            start = time.perf_counter()
+            qin.put(ring[i % RING])
+            qout.get()
+            if i >= RING:  # after each array's first open
+                times.append(time.perf_counter() - start)
+        out[0] = c.median(times)
+        del ring
         qin.put(None)
         proc.join(60)
     finally:
@@ -156,6 +172,16 @@ async def aiomp_handoffs(rounds: int) -> dict[str, float]:
         pooled = cupy.ones(SIZES[0] // 4, dtype=cupy.float32)
         results["small pool"] = await timed(pooled, rounds)
         del pooled
+        ring = [cupy.ones(RING_SIZE // 4, dtype=cupy.float32) for _ in range(RING)]
+        times = []
+        for i in range(RING + rounds):
+            t = time.perf_counter()
+            await qin.put(ring[i % RING])
+            await qout.get()
+            if i >= RING:  # after each array's first open
+                times.append(time.perf_counter() - t)
+        results["ring"] = c.median(times)
+        del ring
         await qin.put(None)
     aiomp.cuda.ipc_collect()
     return results
@@ -219,6 +245,19 @@ async def main() -> None:
                     c.at_most(1),
                 )
             )
+    ring = f"a ring of {RING} x {label(RING_SIZE)}, each put -> get in turn"
+    if isinstance(torch_times, str):
+        rows.append(c.row(f"CuPy {ring}", results["ring"], None, "torch", None, torch_times))
+    else:
+        rows.append(
+            c.row(
+                f"CuPy {ring}",
+                results["ring"],
+                torch_times[0],
+                "torch.multiprocessing CUDA tensors, same ring",
+                c.at_most(1),
+            )
+        )
     for n in SIZES:
         rows.append(
             c.row(

@@ -5,8 +5,9 @@
 A spawned consumer acks each item. Printed: the median round trip of plain bytes (the
 queue's floor), of a 4 KiB ``aiomp.cuda.zeros`` array and of a 1 GiB CuPy array (each
 re-sent, as in bench_cuda), with the consumer dropping each array when the next arrives
-and with it keeping every array; and, for each side, the mean time of every CUDA call
-aiomp makes (its backend's methods, timed in place).
+and with it keeping every array, with the producer's interprocess events recycled (a pool
+of 64) and not; and, for each side, the mean time of every CUDA call aiomp makes (its
+backend's methods, timed in place).
 """
 
 from __future__ import annotations
@@ -89,20 +90,25 @@ async def rounds(qin: aiomp.Queue, qout: aiomp.Queue, item: object, n: int) -> f
 async def main() -> None:
     import cupy
 
+    from aiomp import _cuda
+
     spent = instrument()
     qin, qout = aiomp.Queue(), aiomp.Queue()
     async with aiomp.spawn(consumer, 1, args=(qin, qout)):
         small = aiomp.cuda.zeros(1024, dtype=cupy.float32)
         big = cupy.ones(1 << 28, dtype=cupy.float32)
         print(f"bytes 4 KiB: median {await rounds(qin, qout, b'x' * 4096, ROUNDS) * 1e6:.1f} us")
-        for mode in ("drop", "keep"):
+        default_pool = _cuda.EVENT_POOL_SIZE
+        for mode, pool in (("drop", default_pool), ("drop", 64), ("keep", default_pool)):
+            _cuda.EVENT_POOL_SIZE = pool
+            _cuda.get_backend()._events.clear()  # type: ignore[attr-defined]
             await qin.put(mode)
             await qout.get()
             spent.clear()
             for name, item in (("cuda.zeros 4 KiB", small), ("cupy 1 GiB", big)):
                 median = await rounds(qin, qout, item, ROUNDS)
-                print(f"{name}, consumer {mode}s: median {median * 1e6:.1f} us")
-            print(report(spent, f"producer, consumer {mode}s"))
+                print(f"{name}, consumer {mode}s, event pool {pool}: median {median * 1e6:.1f} us")
+            print(report(spent, f"producer, consumer {mode}s, event pool {pool}"))
             await qin.put("report")
             await qout.get()
             aiomp.cuda.ipc_collect()
