@@ -1170,15 +1170,33 @@ def _release(
     backend = _backend
     if backend is None:
         return
+    with _lock:
+        mapping = cons.mappings.get(mapping_key) if mapping_key is not None else None
+        if mapping is not None and mapping.count > 1:
+            # Another received slot still maps the allocation, so the producer can neither
+            # free nor reuse it; the last slot's release syncs for the kernels of both.
+            _forget(cons, backend, key, mapping_key, wr)
+            return
     try:
         # Kernels the consumer queued on the memory may still run; the producer may
         # reuse it as soon as the lease goes (torch synchronises here too).
         backend.sync(device)
     finally:
         with _lock:
-            if cons.slots.get(key) is wr:
-                del cons.slots[key]
-            _drop(cons, backend, key[0], key[1], mapping_key)
+            _forget(cons, backend, key, mapping_key, wr)
+
+
+def _forget(
+    cons: _Consumer,
+    backend: Backend,
+    key: tuple[tuple[int, int], int],
+    mapping_key: tuple[bytes, int] | None,
+    wr: weakref.ref[_SlotRef],
+) -> None:
+    """Under ``_lock``: remove a dead slot and release its lease (and its mapping's)."""
+    if cons.slots.get(key) is wr:
+        del cons.slots[key]
+    _drop(cons, backend, key[0], key[1], mapping_key)
 
 
 def _drop(
