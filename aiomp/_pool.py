@@ -182,18 +182,11 @@ class Pool:
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
     ) -> None:
-        if processes is None:
-            processes = _cpu_count()
-        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-            raise ValueError(f"processes must be an int >= 1, not {processes!r}")
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, not {concurrency!r}")
-        if maxtasksperchild is not None and (
-            not isinstance(maxtasksperchild, int) or maxtasksperchild < 1
-        ):
-            raise ValueError(
-                f"maxtasksperchild must be None or an int >= 1, not {maxtasksperchild!r}"
-            )
+        # (A wrong type is a TypeError, a number below 1 a ValueError, as Python's pools.)
+        processes = _cpu_count() if processes is None else _calls.count("processes", processes)
+        concurrency = _calls.count("concurrency", concurrency)
+        if maxtasksperchild is not None:
+            maxtasksperchild = _calls.count("maxtasksperchild", maxtasksperchild)
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
         _process.check_start_method(start_method)
