@@ -251,7 +251,9 @@ async def apply(
     """Run ``fn(*args, **kwds)`` in a worker and return its result.
 
     ``fn`` may be sync or ``async def``. Its exception is raised here, as the same
-    type, with the worker's traceback as ``__cause__``. An argument that cannot be
+    type, with the worker's traceback as ``__cause__`` (``SystemExit`` and
+    ``KeyboardInterrupt`` too, as ``concurrent.futures`` raises them; the worker lives
+    on). An argument that cannot be
     pickled raises here before anything is sent. If the worker dies while it runs the
     task: :class:`aiomp.BrokenWorkerError`.
 

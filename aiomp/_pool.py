@@ -498,14 +498,12 @@ class Pool:
         if op == P.OP_OK:
             try:
                 value: Any = _reduction.loads(payload, fds) if fds else pickle.loads(payload)
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - the caller's, never the loop's
+                # (A SystemExit raised here would leave the reader callback and stop the
+                # loop: issue 25 item 9.)
                 task = self._sched.task(h, tid)
-                err = pickle.UnpicklingError(
-                    f"the result of {task.name if task else tid} from {h.name} could not be "
-                    f"unpickled in the parent: {type(exc).__name__}: {exc}"
-                )
-                err.__cause__ = exc
-                self._sched.complete(h, tid, False, err)
+                what = f"the result of {task.name if task else tid} from {h.name}"
+                self._sched.complete(h, tid, False, P.unpickling_failed(exc, what))
                 return
             self._sched.complete(h, tid, True, value)
         elif op == P.OP_ERR:

@@ -113,8 +113,17 @@ class Worker:
             self.runner = _child.new_runner()
         return self.runner
 
-    def run_coro(self, coro: object) -> object:
-        return self.get_runner().run(coro)
+    def run_coro(self, coro: Any) -> object:
+        """Run ``coro`` on the worker's loop; raise what it raises.
+
+        A ``SystemExit`` or ``KeyboardInterrupt`` leaves the coroutine as a value and is
+        raised here, after the loop has stopped: asyncio lets those two out of the loop in
+        the middle of its step, leaving the loop to stop at once when it next runs.
+        """
+        ok, value = self.get_runner().run(_boxed(coro))
+        if ok:
+            return value
+        raise value
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> bool:
@@ -129,9 +138,7 @@ class Worker:
                 result = initializer(*initargs)
                 if isinstance(result, types.CoroutineType):
                     self.run_coro(result)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: reported to the parent
             send(self.chan, P.OP_INIT_ERR, 0, error_payload(exc))
             return False
         self.forward_logging()
@@ -174,8 +181,6 @@ class Worker:
             self.fns[fid] = _reduction.loads(payload, fds)
             if self.records is not None:
                 self.forward_logging()
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
             self.fns[fid] = _BadDef(
                 error_payload(exc, "the task's function could not be unpickled in the worker")
@@ -200,9 +205,7 @@ class Worker:
                 return fn, (), None
             args: Any = _reduction.loads(payload[4:], fds)
             return fn, args[0], args[1]
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             send(
                 self.chan,
                 P.OP_ERR,
@@ -226,9 +229,7 @@ class Worker:
             else:
                 # A loop in C, as multiprocessing's mapstar: a chunk may hold thousands.
                 result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             del fn, items, kwds
             send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
@@ -249,14 +250,10 @@ class Worker:
             send(self.chan, P.OP_OK, tid, result)
         except _transport.Closed:
             raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             if chunk and type(result) is list and _Coroutine in set(map(type, result)):
                 try:
                     result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
-                except (KeyboardInterrupt, SystemExit):
-                    raise
                 except BaseException as run_exc:  # noqa: BLE001
                     send(self.chan, P.OP_ERR, tid, error_payload(run_exc))
                     return
@@ -361,14 +358,21 @@ class Worker:
                     if isinstance(r, types.CoroutineType):
                         r = await r
                     result.append(r)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - CancelledError too: the parent asked
+        except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
             del msg, fn, items, kwds
             send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
         self.reply(tid, fn, result)
+
+
+async def _boxed(coro: Any) -> tuple[bool, Any]:
+    """``(True, what coro returns)``, or ``(False, the SystemExit or KeyboardInterrupt it
+    raised)``: those two never leave an asyncio task (see :meth:`Worker.run_coro`)."""
+    try:
+        return True, await coro
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return False, exc
 
 
 def main(
