@@ -400,7 +400,12 @@ class Pool:
             self._wake.set()
 
     async def _supervise(self) -> None:
-        """Start the workers the scheduler asks for: a task, so anyio may be used."""
+        """Start the workers the scheduler asks for: a task, so anyio may be used.
+
+        A start that fails with an OSError (fork's EAGAIN under a pids limit, ENOMEM,
+        EMFILE) is tried again after the scheduler's delay, during which no other start is
+        tried (they would fail alike); only a failure that persists breaks the pool.
+        """
         assert self._supervisor is not None and self._wake is not None
         with self._supervisor:
             while True:
@@ -410,8 +415,19 @@ class Pool:
                     try:
                         self._spawn(slot)
                     except Exception as exc:  # noqa: BLE001 - fork/exec failed: EAGAIN, EMFILE
-                        self._sched.spawn_failed(slot, exc)
-                        log.error("aiomp: %s", self._sched.broken)
+                        delay = self._sched.spawn_failed(slot, exc)
+                        if delay is None:
+                            log.error("aiomp: %s", self._sched.broken)
+                            continue
+                        log.warning(
+                            "aiomp: could not start worker %d (%s: %s); trying again in %.2f s",
+                            slot,
+                            type(exc).__name__,
+                            exc,
+                            delay,
+                        )
+                        await anyio.sleep(delay)
+                        self._sched.respawn(slot)
 
     def _spawn(self, slot: int) -> None:
         """Start a worker for ``slot`` and its watcher (from a task, never a callback)."""
@@ -422,13 +438,21 @@ class Pool:
             else _output.Forwarder(slot, self._output, label="worker")
         )
         # Two channels: tasks to the worker, results from it (see *Two channels* in
-        # docs/architecture.md).
-        sock, theirs = _transport.stream_socketpair()
+        # docs/architecture.md). A start that fails (EMFILE here, EAGAIN in launch) is
+        # tried again: whatever it made is closed.
+        try:
+            sock, theirs = _transport.stream_socketpair()
+        except BaseException:
+            if fw is not None:
+                fw.close()
+            raise
         try:
             results, their_results = _transport.stream_socketpair()
         except BaseException:
             sock.close()
             theirs.close()
+            if fw is not None:
+                fw.close()
             raise
         try:
             child = _process.launch(

@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
+#: Seconds to wait before each retry of a slot's worker start that failed with an OSError
+#: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
+#: pool. About 6 s in all, so that a shortage of a few seconds does not.
+START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 #: Sync chunks of one map that may wait in a worker behind the one it runs (see *Map
 #: chunks ahead* in docs/architecture.md).
 CHUNKS_AHEAD = 2
@@ -228,6 +232,7 @@ class Scheduler:
         self.completed = 0
         self.replaced = 0
         self.start_failures: dict[int, int] = {}
+        self.start_errors: dict[int, int] = {}  # failed starts in a row, by slot
         self.broken: BrokenPoolError | None = None
         self._state = _OPEN
 
@@ -235,6 +240,7 @@ class Scheduler:
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
         self.workers[handle] = Worker(handle)
+        self.start_errors.pop(handle.slot, None)
 
     def ready(self, handle: Handle) -> None:
         w = self.workers.get(handle)
@@ -433,10 +439,30 @@ class Scheduler:
         """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``."""
         self._break(error)
 
-    def spawn_failed(self, slot: int, error: BaseException) -> None:
-        """The pool could not start a process for ``slot`` (fork failed: EAGAIN, EMFILE)."""
-        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}: {error}")
+    def spawn_failed(self, slot: int, error: BaseException) -> float | None:
+        """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
+        ENOMEM, EMFILE...). Returns the seconds to wait before :meth:`respawn` tries again,
+        or None: the pool is broken (an error that is not an OSError, or the retries of
+        :data:`START_RETRY_DELAYS` are spent)."""
+        failures = self.start_errors.get(slot, 0) + 1
+        self.start_errors[slot] = failures
+        delays = START_RETRY_DELAYS
+        if isinstance(error, OSError) and failures <= len(delays):
+            return delays[failures - 1]
+        more = f" ({failures} times in a row)" if failures > 1 else ""
+        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}{more}: {error}")
         self._break(err, cause=error)
+        return None
+
+    def respawn(self, slot: int) -> None:
+        """Ask again for the worker of ``slot`` whose start failed, if the pool still wants
+        one (as when a worker is replaced)."""
+        if self.broken is not None or self._state == _CLOSED:
+            return
+        if self._state == _CLOSING and not self.queued:
+            return
+        self.to_spawn.appendleft(slot)
+        self.on_spawn()
 
     def _break(self, error: BaseException, cause: BaseException | None = None) -> None:
         if self.broken is None:
