@@ -121,6 +121,9 @@ class Task:
         self.worker: Worker | None = None
         self.ok = False
         self.value: Any = None
+        # Its caller has gone while it was running: if it turns out never to have
+        # started, it never does.
+        self.abandoned = False
 
     def finish(self, ok: bool, value: object) -> None:
         message = self.message
@@ -146,6 +149,9 @@ class Handle(Protocol):
     """What the scheduler needs of a worker. None of these may block or await."""
 
     slot: int
+    #: The worker runs the sync tasks it holds one at a time, in the order they were sent:
+    #: one sent behind another has not started while the one before it has no outcome.
+    in_order: bool
 
     @property
     def name(self) -> str: ...
@@ -279,10 +285,14 @@ class Scheduler:
         tasks = w.running
         w.running = {}
         w.load = 0
-        back = [tasks.pop(tid) for tid in unsent if tid in tasks]
+        back = [tasks.pop(tid) for tid in self._not_started(w, tasks, unsent)]
         for task in reversed(back):
-            task.state = QUEUED
             task.worker = None
+            if task.abandoned:
+                self.unfinished -= 1
+                task.drop()
+                continue
+            task.state = QUEUED
             self.queue.appendleft(task)
             self.queued += 1
         if exitcode is None:
@@ -325,6 +335,26 @@ class Scheduler:
         self._dispatch()
         self._check_drained()
 
+    def _not_started(self, w: Worker, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+        """Ids of the tasks that dead worker ``w`` held and never started, in the order sent.
+
+        ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
+        ``in_order`` worker runs its sync tasks one at a time in that order, so of those
+        it was sent only the first can have started; an async task starts as it arrives.
+        """
+        unsent = set(unsent)
+        in_order = w.handle.in_order
+        out: list[int] = []
+        behind = False  # past the sync task it may have been running
+        for tid, task in tasks.items():
+            if tid in unsent:
+                out.append(tid)
+            elif in_order and not task.is_async:
+                if behind:
+                    out.append(tid)
+                behind = True
+        return out
+
     # -- tasks -------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
         """Start ``task`` on a worker, or queue it. On a broken pool it fails at once."""
@@ -359,9 +389,12 @@ class Scheduler:
 
     def recall(self, task: Task) -> bool:
         """A running task's caller has gone: if the task never left the pool (it waits in
-        its worker's outbox), drop it as if it had been queued. False: it has started."""
+        its worker's outbox), drop it as if it had been queued. False: it has left (the
+        caller stops it or its worker); should that worker die before starting it, it is
+        dropped then rather than sent to another."""
         w = task.worker
         if task.state != RUNNING or w is None or not w.handle.unsend(task):
+            task.abandoned = True
             return False
         del w.running[task.tid]
         w.load -= task.weight

@@ -276,6 +276,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         tasks: dict[int, asyncio.Task[None]] = {}
+        # Sync tasks one at a time, in the order they came (see the module docstring):
+        # each task's first step, in creation order, queues it on this FIFO lock.
+        self.sync_turn = asyncio.Lock()
 
         def finish() -> None:
             if not finished.done():
@@ -334,7 +337,11 @@ class Worker:
         self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
     ) -> None:
         try:
-            await self._run_async(tid, flags, payload, fds)
+            if flags & P.F_ASYNC:
+                await self._run_async(tid, flags, payload, fds)
+            else:
+                async with self.sync_turn:
+                    await self._run_async(tid, flags, payload, fds)
         except _transport.Closed:
             pass  # the parent has gone; serve_async is ending too
 
