@@ -155,13 +155,17 @@ class Pool:
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
-    share one. A worker that dies fails only the tasks it held
-    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not received go to
-    another. Cancelling a call (or its ``timeout``) drops a task that has not started and
-    stops a running one, terminating its worker if need be. Leaving ``async with``
-    normally waits for the submitted tasks; leaving by an exception or cancellation
-    terminates the workers (a second cancellation: SIGKILL at once), and they are always
-    reaped first. The design notes: ``docs/architecture.md`` in the source repository.
+    share one. A task's exception is raised in its caller alone, ``SystemExit`` and
+    ``KeyboardInterrupt`` too (as ``concurrent.futures`` raises them; the worker serves
+    on). A worker that dies fails only the tasks it had started
+    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not started go to
+    another. A worker that cannot be started (fork's EAGAIN) is tried again with growing
+    delays; only a start that keeps failing breaks the pool. Cancelling a call (or its
+    ``timeout``) drops a task that has not started and stops a running one, terminating
+    its worker if need be. Leaving ``async with`` normally waits for the submitted tasks;
+    leaving by an exception or cancellation terminates the workers (a second
+    cancellation: SIGKILL at once), and they are always reaped first. The design notes:
+    ``docs/architecture.md`` in the source repository.
     """
 
     #: Turns a call into a task's message (see ``_calls.make_task``); None: the process

@@ -18,12 +18,18 @@ The rules (the why is in ``aiomp._pool``'s docstring):
   wait behind a running sync chunk of the same call.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
-  the head of the queue. Tasks still in a dead worker's outbox go back the same way.
-* A worker that dies fails the tasks it held with :class:`BrokenWorkerError` and is
-  replaced. One that dies before it is ready is replaced too, unless that slot's workers
-  died during start-up :data:`MAX_START_FAILURES` times in a row: then, as when the
-  initializer raises, the pool is *broken* and every pending and later task fails with
-  :class:`BrokenPoolError`.
+  the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
+  so do the sync tasks that waited in it behind another (a worker whose handle is
+  ``in_order`` runs its sync tasks one at a time in the order sent, so those had not
+  started), unless their caller has gone: then they are dropped.
+* A worker that dies fails the tasks it held (those it may have started) with
+  :class:`BrokenWorkerError` and is replaced. One that dies before it is ready is
+  replaced too, unless that slot's workers died during start-up
+  :data:`MAX_START_FAILURES` times in a row: then, as when the initializer raises, the
+  pool is *broken* and every pending and later task fails with :class:`BrokenPoolError`.
+* A worker that could not be started at all (fork's EAGAIN under a pids limit, ENOMEM,
+  EMFILE: an ``OSError``) is tried again after each delay of :data:`START_RETRY_DELAYS`
+  in turn; only when every retry has failed too does the pool break.
 """
 
 from __future__ import annotations
@@ -66,11 +72,13 @@ class Task:
     """One message's worth of work: an ``apply`` call or a chunk of a map.
 
     ``message`` is whatever the worker handle sends (the scheduler never looks inside):
-    a small frame (``bytes``), or an object whose ``close()`` is called once it is no
-    longer needed, sent or not, and ``discard()`` instead when it will never be sent.
+    a small frame (``bytes``), or an object whose ``close()`` is called once the task is
+    done (it is kept until then: a task that its dead worker never started is sent again
+    to another), and ``discard()`` instead when no worker will ever run it.
     """
 
     __slots__ = (
+        "abandoned",
         "define",
         "fn_id",
         "group",
@@ -275,8 +283,10 @@ class Scheduler:
     def exited(self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = ()) -> None:
         """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL).
 
-        ``unsent``: ids of tasks that never left the pool (its outbox): they go back to the
-        head of the queue. The rest it held fail with :class:`BrokenWorkerError`.
+        ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
+        tasks it had been sent but had not started (see :meth:`_not_started`), go back to
+        the head of the queue, in order; those whose caller has gone are dropped. The rest
+        it held fail with :class:`BrokenWorkerError`.
         """
         w = self.workers.pop(handle, None)
         if w is None:

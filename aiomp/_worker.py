@@ -18,7 +18,15 @@ async initializer) starts an asyncio event loop (uvloop when installed), and the
 serves from that loop for the rest of its life: each task becomes an asyncio task, the
 channel is read by a loop reader callback, and ``CANCEL`` cancels one task. A sync
 task runs on the loop thread too: the pool only sends one to a worker that holds no other
-task, so it blocks nothing.
+task (or only sync chunks of the same map), so it blocks nothing.
+
+In either mode a worker runs the sync tasks it holds one at a time, in the order they
+came: the pool counts on it to know that a sync task sent behind another had not started
+when the worker died (see *Pool failures* in docs/architecture.md).
+
+Whatever a task raises is its outcome, sent to its caller: ``SystemExit`` and
+``KeyboardInterrupt`` too, as ``concurrent.futures`` sends them (the worker ignores SIGINT,
+so a KeyboardInterrupt can only come from the task itself). The worker serves on.
 
 The wire format is in ``_protocol``. The worker keeps every function it was sent in a
 ``DEF`` for its whole life; a ``DEF`` that cannot be unpickled here fails every task that
@@ -96,6 +104,7 @@ class Worker:
         self.tasks = tasks  # read: the pool's messages
         self.chan = chan  # written: the replies (see *Two channels* in docs/architecture.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
+        self.sync_turn: Any = None  # asyncio.Lock, in async mode (see serve_async)
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
         # The logging-records socket to the parent, until logging is imported here (by the
         # initializer or a function's module) and its records can be forwarded.

@@ -12,14 +12,26 @@ from typing import Any
 import pytest
 
 import aiomp
-from aiomp._scheduler import DONE, DROPPED, MAX_START_FAILURES, QUEUED, RUNNING, Scheduler, Task
+from aiomp._scheduler import (
+    DONE,
+    DROPPED,
+    MAX_START_FAILURES,
+    QUEUED,
+    RUNNING,
+    START_RETRY_DELAYS,
+    Scheduler,
+    Task,
+)
 
 
 class FakeHandle:
-    """A worker that records what it was sent; ``alive=False`` makes sends fail."""
+    """A worker that records what it was sent; ``alive=False`` makes sends fail.
+    ``in_order``: it runs its sync tasks one at a time in the order sent (a process
+    worker does; a Ray actor need not)."""
 
-    def __init__(self, slot: int, pid: int = 0) -> None:
+    def __init__(self, slot: int, pid: int = 0, in_order: bool = True) -> None:
         self.slot = slot
+        self.in_order = in_order
         self.pid = pid or 1000 + slot
         self.sent: list[int] = []
         self.outbox: list[int] = []  # sent, but still waiting for room in the socket
