@@ -18,12 +18,13 @@ import collections
 import inspect
 import itertools
 import math
+import operator
 import pickle
 import sys
 import types
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, SupportsIndex, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -87,6 +88,17 @@ def _as_args(args: Iterable[Any]) -> tuple[Any, ...]:
             f"{type(args).__name__}; for one argument write apply(fn, (x,))"
         )
     return tuple(args)
+
+
+def count(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (anything with ``__index__``, a numpy integer too, but not a
+    bool): ``TypeError`` for another type, as Python's pools raise, ``ValueError`` below 1."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{name} must be an int >= 1, not {type(value).__name__} ({value!r})")
+    n = operator.index(value)
+    if n < 1:
+        raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+    return n
 
 
 def fn_info(fn: object) -> _Fn:
@@ -239,7 +251,9 @@ async def apply(
     """Run ``fn(*args, **kwds)`` in a worker and return its result.
 
     ``fn`` may be sync or ``async def``. Its exception is raised here, as the same
-    type, with the worker's traceback as ``__cause__``. An argument that cannot be
+    type, with the worker's traceback as ``__cause__`` (``SystemExit`` and
+    ``KeyboardInterrupt`` too, as ``concurrent.futures`` raises them; the worker lives
+    on). An argument that cannot be
     pickled raises here before anything is sent. If the worker dies while it runs the
     task: :class:`aiomp.BrokenWorkerError`.
 
@@ -475,8 +489,8 @@ async def map_(
     if chunksize is None:
         slots = pool._processes * (pool._concurrency if info.is_async else 1)
         chunksize = max(1, math.ceil(n / (pool._chunks_per_slot * slots)))
-    elif not isinstance(chunksize, int) or chunksize < 1:
-        raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+    else:
+        chunksize = count("chunksize", chunksize)
     loop = pool._loop
     if loop is None or not n or _cancel_pending(loop):
         await anyio.lowlevel.checkpoint()
@@ -615,12 +629,11 @@ class ResultIterator(Generic[T]):
     ) -> None:
         pool._check_open()
         self._fn_info = info = fn_info(fn)
-        if not isinstance(chunksize, int) or chunksize < 1:
-            raise ValueError(f"chunksize must be an int >= 1, not {chunksize!r}")
+        chunksize = count("chunksize", chunksize)
         if buffersize is None:
             buffersize = 2 * pool._processes * (pool._concurrency if info.is_async else 1)
-        elif not isinstance(buffersize, int) or buffersize < 1:
-            raise ValueError(f"buffersize must be an int >= 1, not {buffersize!r}")
+        else:
+            buffersize = count("buffersize", buffersize)
         self._pool = pool
         self._fn = fn
         self._flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)

@@ -48,6 +48,9 @@ _SEND_NOW = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 class WorkerHandle:
     """See the module docstring."""
 
+    #: A worker runs its sync tasks one at a time, in the order sent (``_worker``).
+    in_order = True
+
     def __init__(
         self,
         slot: int,
@@ -100,7 +103,8 @@ class WorkerHandle:
         True: sent, or queued behind earlier frames for the flusher. False: the worker
         has gone and nothing of the task was sent (it may go to another worker). Raises
         :class:`aiomp.TransportError` when the task's fds cannot be sent (the fd limit):
-        the task's own failure, not the worker's.
+        the task's own failure, not the worker's. The task's message stays open until the
+        task is done: should this worker die before starting it, it goes to another.
         """
         if self.closed:
             return False
@@ -120,15 +124,11 @@ class WorkerHandle:
         except _transport.Closed:
             return False
         if n == len(data):
-            if not small:
-                msg.close()  # its fds are in the socket now
             return True
         if n == 0:
             self._outbox.append(task)
         else:
-            self._partial = memoryview(data)[n:]
-            if not small:
-                msg.close()  # its fds went with the first part
+            self._partial = memoryview(data)[n:]  # (its fds went with the first part)
         self._more.set()
         return True
 
@@ -372,6 +372,4 @@ class WorkerHandle:
         self._outbox.popleft()
         if n < len(data):
             self._partial = memoryview(data)[n:]
-        if isinstance(item, Task) and type(item.message) is not bytes:
-            item.message.close()
         return True

@@ -155,13 +155,17 @@ class Pool:
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
-    share one. A worker that dies fails only the tasks it held
-    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not received go to
-    another. Cancelling a call (or its ``timeout``) drops a task that has not started and
-    stops a running one, terminating its worker if need be. Leaving ``async with``
-    normally waits for the submitted tasks; leaving by an exception or cancellation
-    terminates the workers (a second cancellation: SIGKILL at once), and they are always
-    reaped first. The design notes: ``docs/architecture.md`` in the source repository.
+    share one. A task's exception is raised in its caller alone, ``SystemExit`` and
+    ``KeyboardInterrupt`` too (as ``concurrent.futures`` raises them; the worker serves
+    on). A worker that dies fails only the tasks it had started
+    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not started go to
+    another. A worker that cannot be started (fork's EAGAIN) is tried again with growing
+    delays; only a start that keeps failing breaks the pool. Cancelling a call (or its
+    ``timeout``) drops a task that has not started and stops a running one, terminating
+    its worker if need be. Leaving ``async with`` normally waits for the submitted tasks;
+    leaving by an exception or cancellation terminates the workers (a second
+    cancellation: SIGKILL at once), and they are always reaped first. The design notes:
+    ``docs/architecture.md`` in the source repository.
     """
 
     #: Turns a call into a task's message (see ``_calls.make_task``); None: the process
@@ -182,18 +186,11 @@ class Pool:
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
     ) -> None:
-        if processes is None:
-            processes = _cpu_count()
-        if not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-            raise ValueError(f"processes must be an int >= 1, not {processes!r}")
-        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-            raise ValueError(f"concurrency must be an int >= 1, not {concurrency!r}")
-        if maxtasksperchild is not None and (
-            not isinstance(maxtasksperchild, int) or maxtasksperchild < 1
-        ):
-            raise ValueError(
-                f"maxtasksperchild must be None or an int >= 1, not {maxtasksperchild!r}"
-            )
+        # (A wrong type is a TypeError, a number below 1 a ValueError, as Python's pools.)
+        processes = _cpu_count() if processes is None else _calls.count("processes", processes)
+        concurrency = _calls.count("concurrency", concurrency)
+        if maxtasksperchild is not None:
+            maxtasksperchild = _calls.count("maxtasksperchild", maxtasksperchild)
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
         _process.check_start_method(start_method)
@@ -407,7 +404,12 @@ class Pool:
             self._wake.set()
 
     async def _supervise(self) -> None:
-        """Start the workers the scheduler asks for: a task, so anyio may be used."""
+        """Start the workers the scheduler asks for: a task, so anyio may be used.
+
+        A start that fails with an OSError (fork's EAGAIN under a pids limit, ENOMEM,
+        EMFILE) is tried again after the scheduler's delay, during which no other start is
+        tried (they would fail alike); only a failure that persists breaks the pool.
+        """
         assert self._supervisor is not None and self._wake is not None
         with self._supervisor:
             while True:
@@ -417,8 +419,19 @@ class Pool:
                     try:
                         self._spawn(slot)
                     except Exception as exc:  # noqa: BLE001 - fork/exec failed: EAGAIN, EMFILE
-                        self._sched.spawn_failed(slot, exc)
-                        log.error("aiomp: %s", self._sched.broken)
+                        delay = self._sched.spawn_failed(slot, exc)
+                        if delay is None:
+                            log.error("aiomp: %s", self._sched.broken)
+                            continue
+                        log.warning(
+                            "aiomp: could not start worker %d (%s: %s); trying again in %.2f s",
+                            slot,
+                            type(exc).__name__,
+                            exc,
+                            delay,
+                        )
+                        await anyio.sleep(delay)
+                        self._sched.respawn(slot)
 
     def _spawn(self, slot: int) -> None:
         """Start a worker for ``slot`` and its watcher (from a task, never a callback)."""
@@ -429,13 +442,21 @@ class Pool:
             else _output.Forwarder(slot, self._output, label="worker")
         )
         # Two channels: tasks to the worker, results from it (see *Two channels* in
-        # docs/architecture.md).
-        sock, theirs = _transport.stream_socketpair()
+        # docs/architecture.md). A start that fails (EMFILE here, EAGAIN in launch) is
+        # tried again: whatever it made is closed.
+        try:
+            sock, theirs = _transport.stream_socketpair()
+        except BaseException:
+            if fw is not None:
+                fw.close()
+            raise
         try:
             results, their_results = _transport.stream_socketpair()
         except BaseException:
             sock.close()
             theirs.close()
+            if fw is not None:
+                fw.close()
             raise
         try:
             child = _process.launch(
@@ -505,14 +526,12 @@ class Pool:
         if op == P.OP_OK:
             try:
                 value: Any = _reduction.loads(payload, fds) if fds else pickle.loads(payload)
-            except Exception as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - the caller's, never the loop's
+                # (A SystemExit raised here would leave the reader callback and stop the
+                # loop: issue 25 item 9.)
                 task = self._sched.task(h, tid)
-                err = pickle.UnpicklingError(
-                    f"the result of {task.name if task else tid} from {h.name} could not be "
-                    f"unpickled in the parent: {type(exc).__name__}: {exc}"
-                )
-                err.__cause__ = exc
-                self._sched.complete(h, tid, False, err)
+                what = f"the result of {task.name if task else tid} from {h.name}"
+                self._sched.complete(h, tid, False, P.unpickling_failed(exc, what))
                 return
             self._sched.complete(h, tid, True, value)
         elif op == P.OP_ERR:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import pickle
 import struct
+import sys
 
 from . import _transport
 
@@ -238,16 +239,63 @@ class ErrorPayload:
         return exc
 
     def rebuild(self) -> tuple[BaseException | None, str]:
-        """``(the exception, or None with why not)``, in the parent."""
+        """``(the exception, or None with why not)``, in the parent.
+
+        A ``BaseException`` travels as itself (``SystemExit``, ``KeyboardInterrupt``, as
+        ``concurrent.futures`` raises them), except a cancellation: a task that cancelled
+        itself must not look like a cancellation of its caller. One that unpickling the
+        exception raised here is raised instead, as :func:`unpickling_failed` says.
+        """
         if self.data is None:
             return None, self.why
         try:
             exc = pickle.loads(self.data)
-        except Exception as err:  # noqa: BLE001
+        except BaseException as err:  # noqa: BLE001 - never out of the reader callback
+            if stops(err):
+                err.add_note(f"(raised while unpickling a task's {self.type_name} in the parent)")
+                return err, ""
             return None, f"{type(err).__name__}: {err}"
-        if not isinstance(exc, Exception):
-            return None, f"it is a BaseException ({self.type_name}), not an Exception"
+        if is_cancellation(exc):
+            return None, f"it is a cancellation ({self.type_name}), not the caller's"
         return exc, ""
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or, a group, holds) asyncio's CancelledError or trio's Cancelled.
+
+    Looked up in ``sys.modules``: an exception of a module never imported cannot exist.
+    """
+    for module, name in _CANCELLATIONS:
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(exc, kind):
+            return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(is_cancellation(e) for e in exc.exceptions)
+    return False
+
+
+_CANCELLATIONS = (("asyncio", "CancelledError"), ("trio", "Cancelled"))
+
+
+def stops(exc: BaseException) -> bool:
+    """Whether ``exc`` asks the program to stop (``SystemExit``, ``KeyboardInterrupt``, any
+    ``BaseException`` but a cancellation): it must reach a caller as itself, never be
+    wrapped in an ``Exception`` that ``except Exception`` would swallow."""
+    return not isinstance(exc, Exception) and not is_cancellation(exc)
+
+
+def unpickling_failed(exc: BaseException, what: str) -> BaseException:
+    """What the caller gets when unpickling ``what`` (a task's result) raised ``exc`` in the
+    parent: ``pickle.UnpicklingError`` from ``exc``, or ``exc`` itself when it
+    :func:`stops` the program, as ``anyio.to_process`` raises it, with a note."""
+    if stops(exc):
+        exc.add_note(f"(raised while unpickling {what} in the parent)")
+        return exc
+    err = pickle.UnpicklingError(
+        f"{what} could not be unpickled in the parent: {type(exc).__name__}: {exc}"
+    )
+    err.__cause__ = exc
+    return err
 
 
 def fn_name(fn: object) -> str:

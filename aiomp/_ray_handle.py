@@ -45,6 +45,10 @@ CONFIRM = 10.0
 class ActorHandle:
     """See the module docstring."""
 
+    #: Ray may run an actor's calls in any order: only a task never sent is known not
+    #: to have started.
+    in_order = False
+
     def __init__(
         self,
         slot: int,

@@ -35,6 +35,7 @@ import sys
 import threading
 
 from . import _transport
+from ._errors import TransportError
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
@@ -340,9 +341,11 @@ def add_fd(fd: int) -> int:
     index = pad.fd_index.get(fd)
     if index is None:
         if len(pad.fds) >= _transport.MAX_FDS - 1:
-            raise pickle.PicklingError(
+            # R1: a typed error at the call. EINVAL: what sendmsg says past SCM_MAX_FD.
+            raise TransportError(
+                22,
                 f"a message can carry at most {_transport.MAX_FDS - 1} file descriptors "
-                "(queues, events and shared segments); send fewer objects per message"
+                "(queues, events and shared segments); send fewer objects per message",
             )
         index = pad.fd_index[fd] = len(pad.fds)
         pad.fds.append(fd)

@@ -18,12 +18,18 @@ The rules (the why is in ``aiomp._pool``'s docstring):
   wait behind a running sync chunk of the same call.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
-  the head of the queue. Tasks still in a dead worker's outbox go back the same way.
-* A worker that dies fails the tasks it held with :class:`BrokenWorkerError` and is
-  replaced. One that dies before it is ready is replaced too, unless that slot's workers
-  died during start-up :data:`MAX_START_FAILURES` times in a row: then, as when the
-  initializer raises, the pool is *broken* and every pending and later task fails with
-  :class:`BrokenPoolError`.
+  the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
+  so do the sync tasks that waited in it behind another (a worker whose handle is
+  ``in_order`` runs its sync tasks one at a time in the order sent, so those had not
+  started), unless their caller has gone: then they are dropped.
+* A worker that dies fails the tasks it held (those it may have started) with
+  :class:`BrokenWorkerError` and is replaced. One that dies before it is ready is
+  replaced too, unless that slot's workers died during start-up
+  :data:`MAX_START_FAILURES` times in a row: then, as when the initializer raises, the
+  pool is *broken* and every pending and later task fails with :class:`BrokenPoolError`.
+* A worker that could not be started at all (fork's EAGAIN under a pids limit, ENOMEM,
+  EMFILE: an ``OSError``) is tried again after each delay of :data:`START_RETRY_DELAYS`
+  in turn; only when every retry has failed too does the pool break.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ if TYPE_CHECKING:
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
+#: Seconds to wait before each retry of a slot's worker start that failed with an OSError
+#: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
+#: pool. About 6 s in all, so that a shortage of a few seconds does not.
+START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
 #: Sync chunks of one map that may wait in a worker behind the one it runs (see *Map
 #: chunks ahead* in docs/architecture.md).
 CHUNKS_AHEAD = 2
@@ -62,11 +72,13 @@ class Task:
     """One message's worth of work: an ``apply`` call or a chunk of a map.
 
     ``message`` is whatever the worker handle sends (the scheduler never looks inside):
-    a small frame (``bytes``), or an object whose ``close()`` is called once it is no
-    longer needed, sent or not, and ``discard()`` instead when it will never be sent.
+    a small frame (``bytes``), or an object whose ``close()`` is called once the task is
+    done (it is kept until then: a task that its dead worker never started is sent again
+    to another), and ``discard()`` instead when no worker will ever run it.
     """
 
     __slots__ = (
+        "abandoned",
         "define",
         "fn_id",
         "group",
@@ -117,6 +129,9 @@ class Task:
         self.worker: Worker | None = None
         self.ok = False
         self.value: Any = None
+        # Its caller has gone while it was running: if it turns out never to have
+        # started, it never does.
+        self.abandoned = False
 
     def finish(self, ok: bool, value: object) -> None:
         message = self.message
@@ -142,6 +157,9 @@ class Handle(Protocol):
     """What the scheduler needs of a worker. None of these may block or await."""
 
     slot: int
+    #: The worker runs the sync tasks it holds one at a time, in the order they were sent:
+    #: one sent behind another has not started while the one before it has no outcome.
+    in_order: bool
 
     @property
     def name(self) -> str: ...
@@ -228,6 +246,7 @@ class Scheduler:
         self.completed = 0
         self.replaced = 0
         self.start_failures: dict[int, int] = {}
+        self.start_errors: dict[int, int] = {}  # failed starts in a row, by slot
         self.broken: BrokenPoolError | None = None
         self._state = _OPEN
 
@@ -235,6 +254,7 @@ class Scheduler:
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
         self.workers[handle] = Worker(handle)
+        self.start_errors.pop(handle.slot, None)
 
     def ready(self, handle: Handle) -> None:
         w = self.workers.get(handle)
@@ -263,8 +283,10 @@ class Scheduler:
     def exited(self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = ()) -> None:
         """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL).
 
-        ``unsent``: ids of tasks that never left the pool (its outbox): they go back to the
-        head of the queue. The rest it held fail with :class:`BrokenWorkerError`.
+        ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
+        tasks it had been sent but had not started (see :meth:`_not_started`), go back to
+        the head of the queue, in order; those whose caller has gone are dropped. The rest
+        it held fail with :class:`BrokenWorkerError`.
         """
         w = self.workers.pop(handle, None)
         if w is None:
@@ -273,10 +295,14 @@ class Scheduler:
         tasks = w.running
         w.running = {}
         w.load = 0
-        back = [tasks.pop(tid) for tid in unsent if tid in tasks]
+        back = [tasks.pop(tid) for tid in self._not_started(w, tasks, unsent)]
         for task in reversed(back):
-            task.state = QUEUED
             task.worker = None
+            if task.abandoned:
+                self.unfinished -= 1
+                task.drop()
+                continue
+            task.state = QUEUED
             self.queue.appendleft(task)
             self.queued += 1
         if exitcode is None:
@@ -319,6 +345,26 @@ class Scheduler:
         self._dispatch()
         self._check_drained()
 
+    def _not_started(self, w: Worker, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+        """Ids of the tasks that dead worker ``w`` held and never started, in the order sent.
+
+        ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
+        ``in_order`` worker runs its sync tasks one at a time in that order, so of those
+        it was sent only the first can have started; an async task starts as it arrives.
+        """
+        unsent = set(unsent)
+        in_order = w.handle.in_order
+        out: list[int] = []
+        behind = False  # past the sync task it may have been running
+        for tid, task in tasks.items():
+            if tid in unsent:
+                out.append(tid)
+            elif in_order and not task.is_async:
+                if behind:
+                    out.append(tid)
+                behind = True
+        return out
+
     # -- tasks -------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
         """Start ``task`` on a worker, or queue it. On a broken pool it fails at once."""
@@ -353,9 +399,12 @@ class Scheduler:
 
     def recall(self, task: Task) -> bool:
         """A running task's caller has gone: if the task never left the pool (it waits in
-        its worker's outbox), drop it as if it had been queued. False: it has started."""
+        its worker's outbox), drop it as if it had been queued. False: it has left (the
+        caller stops it or its worker); should that worker die before starting it, it is
+        dropped then rather than sent to another."""
         w = task.worker
         if task.state != RUNNING or w is None or not w.handle.unsend(task):
+            task.abandoned = True
             return False
         del w.running[task.tid]
         w.load -= task.weight
@@ -433,10 +482,30 @@ class Scheduler:
         """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``."""
         self._break(error)
 
-    def spawn_failed(self, slot: int, error: BaseException) -> None:
-        """The pool could not start a process for ``slot`` (fork failed: EAGAIN, EMFILE)."""
-        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}: {error}")
+    def spawn_failed(self, slot: int, error: BaseException) -> float | None:
+        """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
+        ENOMEM, EMFILE...). Returns the seconds to wait before :meth:`respawn` tries again,
+        or None: the pool is broken (an error that is not an OSError, or the retries of
+        :data:`START_RETRY_DELAYS` are spent)."""
+        failures = self.start_errors.get(slot, 0) + 1
+        self.start_errors[slot] = failures
+        delays = START_RETRY_DELAYS
+        if isinstance(error, OSError) and failures <= len(delays):
+            return delays[failures - 1]
+        more = f" ({failures} times in a row)" if failures > 1 else ""
+        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}{more}: {error}")
         self._break(err, cause=error)
+        return None
+
+    def respawn(self, slot: int) -> None:
+        """Ask again for the worker of ``slot`` whose start failed, if the pool still wants
+        one (as when a worker is replaced)."""
+        if self.broken is not None or self._state == _CLOSED:
+            return
+        if self._state == _CLOSING and not self.queued:
+            return
+        self.to_spawn.appendleft(slot)
+        self.on_spawn()
 
     def _break(self, error: BaseException, cause: BaseException | None = None) -> None:
         if self.broken is None:

@@ -35,7 +35,6 @@ storage. It holds the fd while the storage lives, as torch does.
 from __future__ import annotations
 
 import ctypes
-import pickle
 from typing import Any, cast
 
 # torch is optional for type checking: absent (import-not-found) in a venv without it.
@@ -45,6 +44,7 @@ import torch.utils.hooks  # type: ignore[import-not-found,unused-ignore]
 from torch.multiprocessing import reductions  # type: ignore[import-not-found,unused-ignore]
 
 from . import _reduction
+from ._errors import TransportError
 
 # torch's reducers, strategy and storage internals are untyped: used through Any.
 _torch_reductions: Any = reductions
@@ -193,7 +193,7 @@ class _FdStorage:
     def __reduce__(self) -> tuple[Any, ...]:
         try:
             index = _reduction.add_fd(self.fd)
-        except pickle.PicklingError as exc:
+        except TransportError as exc:  # too many fds for one message
             exc.add_note(
                 "each shared torch storage in a message carries its fd: send fewer "
                 "separate tensors per message, or use "

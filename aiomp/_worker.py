@@ -18,7 +18,15 @@ async initializer) starts an asyncio event loop (uvloop when installed), and the
 serves from that loop for the rest of its life: each task becomes an asyncio task, the
 channel is read by a loop reader callback, and ``CANCEL`` cancels one task. A sync
 task runs on the loop thread too: the pool only sends one to a worker that holds no other
-task, so it blocks nothing.
+task (or only sync chunks of the same map), so it blocks nothing.
+
+In either mode a worker runs the sync tasks it holds one at a time, in the order they
+came: the pool counts on it to know that a sync task sent behind another had not started
+when the worker died (see *Pool failures* in docs/architecture.md).
+
+Whatever a task raises is its outcome, sent to its caller: ``SystemExit`` and
+``KeyboardInterrupt`` too, as ``concurrent.futures`` sends them (the worker ignores SIGINT,
+so a KeyboardInterrupt can only come from the task itself). The worker serves on.
 
 The wire format is in ``_protocol``. The worker keeps every function it was sent in a
 ``DEF`` for its whole life; a ``DEF`` that cannot be unpickled here fails every task that
@@ -96,6 +104,7 @@ class Worker:
         self.tasks = tasks  # read: the pool's messages
         self.chan = chan  # written: the replies (see *Two channels* in docs/architecture.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
+        self.sync_turn: Any = None  # asyncio.Lock, in async mode (see serve_async)
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
         # The logging-records socket to the parent, until logging is imported here (by the
         # initializer or a function's module) and its records can be forwarded.
@@ -113,8 +122,17 @@ class Worker:
             self.runner = _child.new_runner()
         return self.runner
 
-    def run_coro(self, coro: object) -> object:
-        return self.get_runner().run(coro)
+    def run_coro(self, coro: Any) -> object:
+        """Run ``coro`` on the worker's loop; raise what it raises.
+
+        A ``SystemExit`` or ``KeyboardInterrupt`` leaves the coroutine as a value and is
+        raised here, after the loop has stopped: asyncio lets those two out of the loop in
+        the middle of its step, leaving the loop to stop at once when it next runs.
+        """
+        ok, value = self.get_runner().run(_boxed(coro))
+        if ok:
+            return value
+        raise value
 
     # -- start-up ------------------------------------------------------------------
     def initialize(self) -> bool:
@@ -129,9 +147,7 @@ class Worker:
                 result = initializer(*initargs)
                 if isinstance(result, types.CoroutineType):
                     self.run_coro(result)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: reported to the parent
             send(self.chan, P.OP_INIT_ERR, 0, error_payload(exc))
             return False
         self.forward_logging()
@@ -174,8 +190,6 @@ class Worker:
             self.fns[fid] = _reduction.loads(payload, fds)
             if self.records is not None:
                 self.forward_logging()
-        except (KeyboardInterrupt, SystemExit):
-            raise
         except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
             self.fns[fid] = _BadDef(
                 error_payload(exc, "the task's function could not be unpickled in the worker")
@@ -200,9 +214,7 @@ class Worker:
                 return fn, (), None
             args: Any = _reduction.loads(payload[4:], fds)
             return fn, args[0], args[1]
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             send(
                 self.chan,
                 P.OP_ERR,
@@ -226,9 +238,7 @@ class Worker:
             else:
                 # A loop in C, as multiprocessing's mapstar: a chunk may hold thousands.
                 result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             del fn, items, kwds
             send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
@@ -249,14 +259,10 @@ class Worker:
             send(self.chan, P.OP_OK, tid, result)
         except _transport.Closed:
             raise
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             if chunk and type(result) is list and _Coroutine in set(map(type, result)):
                 try:
                     result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
-                except (KeyboardInterrupt, SystemExit):
-                    raise
                 except BaseException as run_exc:  # noqa: BLE001
                     send(self.chan, P.OP_ERR, tid, error_payload(run_exc))
                     return
@@ -279,6 +285,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         finished: asyncio.Future[None] = loop.create_future()
         tasks: dict[int, asyncio.Task[None]] = {}
+        # Sync tasks one at a time, in the order they came (see the module docstring):
+        # each task's first step, in creation order, queues it on this FIFO lock.
+        self.sync_turn = asyncio.Lock()
 
         def finish() -> None:
             if not finished.done():
@@ -337,7 +346,11 @@ class Worker:
         self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
     ) -> None:
         try:
-            await self._run_async(tid, flags, payload, fds)
+            if flags & P.F_ASYNC:
+                await self._run_async(tid, flags, payload, fds)
+            else:
+                async with self.sync_turn:
+                    await self._run_async(tid, flags, payload, fds)
         except _transport.Closed:
             pass  # the parent has gone; serve_async is ending too
 
@@ -361,14 +374,21 @@ class Worker:
                     if isinstance(r, types.CoroutineType):
                         r = await r
                     result.append(r)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - CancelledError too: the parent asked
+        except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
             del msg, fn, items, kwds
             send(self.chan, P.OP_ERR, tid, error_payload(exc))
             return
         del msg, items, kwds
         self.reply(tid, fn, result)
+
+
+async def _boxed(coro: Any) -> tuple[bool, Any]:
+    """``(True, what coro returns)``, or ``(False, the SystemExit or KeyboardInterrupt it
+    raised)``: those two never leave an asyncio task (see :meth:`Worker.run_coro`)."""
+    try:
+        return True, await coro
+    except (KeyboardInterrupt, SystemExit) as exc:
+        return False, exc
 
 
 def main(

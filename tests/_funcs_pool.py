@@ -74,3 +74,51 @@ def say(x: int) -> int:
     print(f"err {x}", file=sys.stderr)
     logging.getLogger("aiomp.test.worker").warning("log %d", x)
     return x
+
+
+# -- issue 25: faults that must end in an error in one caller (test_pool_faults.py) ------
+
+
+def exit_task(code: int) -> None:
+    """A task that asks to exit (``sys.exit``): the caller gets SystemExit, not the worker."""
+    import sys
+
+    sys.exit(code)
+
+
+async def exit_task_async(code: int) -> None:
+    import asyncio
+    import sys
+
+    await asyncio.sleep(0)
+    sys.exit(code)
+
+
+def interrupt_task() -> None:
+    raise KeyboardInterrupt("from the task")
+
+
+def exit_at(x: int) -> int:
+    """``x * x``, except that input 3 raises SystemExit(3)."""
+    if x == 3:
+        import sys
+
+        sys.exit(3)
+    return x * x
+
+
+class _ExitsWhenUnpickled:
+    """Pickles fine; unpickling it calls ``sys.exit(4)`` (in the parent, for a result)."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        import sys
+
+        return sys.exit, (4,)
+
+
+def result_that_exits_when_unpickled() -> object:
+    return _ExitsWhenUnpickled()
+
+
+async def nothing_async() -> None:
+    return None

@@ -12,14 +12,26 @@ from typing import Any
 import pytest
 
 import aiomp
-from aiomp._scheduler import DONE, DROPPED, MAX_START_FAILURES, QUEUED, RUNNING, Scheduler, Task
+from aiomp._scheduler import (
+    DONE,
+    DROPPED,
+    MAX_START_FAILURES,
+    QUEUED,
+    RUNNING,
+    START_RETRY_DELAYS,
+    Scheduler,
+    Task,
+)
 
 
 class FakeHandle:
-    """A worker that records what it was sent; ``alive=False`` makes sends fail."""
+    """A worker that records what it was sent; ``alive=False`` makes sends fail.
+    ``in_order``: it runs its sync tasks one at a time in the order sent (a process
+    worker does; a Ray actor need not)."""
 
-    def __init__(self, slot: int, pid: int = 0) -> None:
+    def __init__(self, slot: int, pid: int = 0, in_order: bool = True) -> None:
         self.slot = slot
+        self.in_order = in_order
         self.pid = pid or 1000 + slot
         self.sent: list[int] = []
         self.outbox: list[int] = []  # sent, but still waiting for room in the socket
@@ -368,3 +380,127 @@ def test_a_task_still_in_its_workers_outbox_can_be_recalled() -> None:
     t3 = r.task(is_async=True)
     r.submit(t3)
     assert w.sent == [t1.tid, t3.tid]  # its slot was given back
+
+
+# -- issue 25 ------------------------------------------------------------------------------
+
+
+def test_sync_tasks_waiting_behind_the_one_that_killed_their_worker_go_to_another() -> None:
+    """Issue 25 item 12: chunks sent to a worker behind the chunk it ran when it died had
+    not started (it runs its sync tasks in the order sent): they go back to the head of
+    the queue, in order, ahead of tasks never sent; only the first fails."""
+    r = Rig(1)
+    (w,) = r.handles
+    group = object()
+    c1, c2, c3, c4 = (r.task(group=group) for _ in range(4))
+    r.submit(c1, c2, c3, c4)
+    assert w.sent == [c1.tid, c2.tid, c3.tid] and c4.state == QUEUED
+    r.sched.exited(w, 3)
+    assert isinstance(c1.value, aiomp.BrokenWorkerError)
+    assert "while it ran f" in str(c1.value)
+    assert [t.tid for t in r.sched.queue] == [c2.tid, c3.tid, c4.tid]
+    assert r.done == [c1] and r.sched.unfinished == 3
+    (new,) = r.spawn_requested()
+    r.sched.ready(new)
+    assert new.sent == [c2.tid, c3.tid, c4.tid]
+
+
+def test_after_a_finished_chunk_the_next_one_is_the_one_that_ran() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    group = object()
+    c1, c2, c3 = (r.task(group=group) for _ in range(3))
+    r.submit(c1, c2, c3)
+    r.sched.complete(w, c1.tid, True, [None])
+    r.sched.exited(w, -9)
+    assert isinstance(c2.value, aiomp.BrokenWorkerError)
+    assert [t.tid for t in r.sched.queue] == [c3.tid]
+
+
+def test_a_worker_not_in_order_fails_every_task_it_was_sent() -> None:
+    """A worker that may run its tasks in any order (a Ray actor): only tasks never sent
+    are known not to have started."""
+    r = Rig(0)
+    w = FakeHandle(0, in_order=False)
+    r.handles.append(w)
+    r.sched.add(w)
+    r.sched.ready(w)
+    group = object()
+    c1, c2, c3 = (r.task(group=group) for _ in range(3))
+    r.submit(c1, c2, c3)
+    r.sched.exited(w, -9, unsent=[c3.tid])
+    assert all(isinstance(c.value, aiomp.BrokenWorkerError) for c in (c1, c2))
+    assert [t.tid for t in r.sched.queue] == [c3.tid]
+
+
+def test_async_tasks_a_dead_worker_was_sent_had_started() -> None:
+    r = Rig(1, concurrency=3)
+    (w,) = r.handles
+    tasks = [r.task(is_async=True) for _ in range(3)]
+    r.submit(*tasks)
+    r.sched.exited(w, -9)
+    assert all(isinstance(t.value, aiomp.BrokenWorkerError) for t in tasks)
+
+
+def test_unstarted_tasks_of_a_caller_that_left_are_dropped_not_requeued() -> None:
+    """A cancelled map's chunks that wait behind its running chunk cannot be taken back
+    from the socket: the pool kills the worker, and they must never start elsewhere."""
+    r = Rig(1)
+    (w,) = r.handles
+    group = object()
+    chunks = [r.task(group=group) for _ in range(3)]
+    r.submit(*chunks)
+    assert not any(r.sched.recall(c) for c in chunks)  # all sent: the worker is killed
+    r.sched.kill(w, " (cancelled)")
+    r.sched.exited(w, -15)
+    assert isinstance(chunks[0].value, aiomp.BrokenWorkerError)
+    assert [c.state for c in chunks[1:]] == [DROPPED, DROPPED]
+    assert not r.sched.queue and r.sched.unfinished == 0 and r.drained >= 1
+
+
+def test_a_failed_start_is_retried_with_growing_delays_then_breaks_the_pool() -> None:
+    """Issue 25 item 10: a worker start that fails with an OSError (fork's EAGAIN) is
+    retried after each delay in turn; a success resets the count; only when every retry
+    has failed too does the pool break, with the OSError as the cause."""
+    r = Rig(1)
+    (w,) = r.handles
+    queued = r.task()
+    r.submit(r.task(), queued)
+    r.sched.exited(w, 3)
+    assert list(r.sched.to_spawn) == [0]
+    error = BlockingIOError(11, "Resource temporarily unavailable")
+    for _ in range(2):
+        slot = r.sched.to_spawn.popleft()
+        assert r.sched.spawn_failed(slot, error) == START_RETRY_DELAYS[0]
+        r.sched.respawn(slot)
+        assert list(r.sched.to_spawn) == [0] and r.sched.broken is None
+        (new,) = r.spawn_requested()  # this start works: the count starts again
+        r.sched.exited(new, -9)  # (a start-up death, counted apart)
+    delays = []
+    for _ in START_RETRY_DELAYS:
+        delays.append(r.sched.spawn_failed(r.sched.to_spawn.popleft(), error))
+        r.sched.respawn(0)
+    assert tuple(delays) == START_RETRY_DELAYS and queued.state == QUEUED
+    assert r.sched.spawn_failed(r.sched.to_spawn.popleft(), error) is None
+    assert isinstance(r.sched.broken, aiomp.BrokenPoolError) and r.sched.broken.__cause__ is error
+    assert isinstance(queued.value, aiomp.BrokenPoolError)
+    r.sched.respawn(0)
+    assert not r.sched.to_spawn
+
+
+def test_a_start_failure_that_is_not_an_os_error_breaks_the_pool_at_once() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    r.sched.exited(w, 3)
+    assert r.sched.spawn_failed(r.sched.to_spawn.popleft(), RuntimeError("a bug")) is None
+    assert isinstance(r.sched.broken, aiomp.BrokenPoolError)
+
+
+def test_no_retried_start_once_the_pool_is_closed() -> None:
+    r = Rig(1)
+    (w,) = r.handles
+    r.sched.exited(w, 3)
+    assert r.sched.spawn_failed(r.sched.to_spawn.popleft(), OSError(11, "EAGAIN")) is not None
+    r.sched.close()  # nothing queued: no worker is needed any more
+    r.sched.respawn(0)
+    assert not r.sched.to_spawn
