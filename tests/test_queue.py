@@ -967,6 +967,42 @@ async def test_event_set_then_clear_wakes_an_async_waiter_in_a_child() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
+    ids=["asyncio", "uvloop"],  # a child forked from trio.run sees sniffio say "trio"
+)
+async def test_event_waits_in_a_forked_child_after_the_parent_waited() -> None:
+    """A forked child inherits the parent's registration and its eventfd: it must wait on
+    a wake-up of its own. Shared, the one write of a set() woke whichever process read it
+    first (here the parent, whose task waits too), and the other could miss it."""
+    go, ready = aiomp.Event(), aiomp.Event()
+    parent_woken = False
+
+    async def parent_waiter() -> None:
+        nonlocal parent_woken
+        await go.wait()
+        parent_woken = True
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(parent_waiter)
+            await anyio.wait_all_tasks_blocked()  # registered before the fork
+            async with aiomp.spawn(
+                qfuncs.event_wait_reported,
+                1,
+                args=(go, ready, QUICK),
+                start_method="fork",
+                grace_period=GRACE,
+            ) as ctx:
+                await ready.wait()
+                go.set()
+                go.clear()
+    assert ctx.results == ["woken"]
+    assert parent_woken
+
+
+@pytest.mark.anyio
 async def test_event_set_then_clear_wakes_a_sync_waiter_in_a_child() -> None:
     """Regression, issue 25 item 6: a child blocked in ``go.sync.wait()``. The parent sees
     the child's wait registered (see ``wait_registered``) before it sets and clears."""
