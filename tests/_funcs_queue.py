@@ -76,3 +76,28 @@ def async_calls_without_a_loop(rank: int, q: Any, e: Any) -> list[str]:
                 out.append(str(exc))
     q.sync.put("still usable")
     return out
+
+
+async def event_wait_reported(rank: int, go: Any, ready: Any, timeout: float) -> str:
+    """Wait for ``go`` in a task; once that task is blocked in ``go.wait()``, set
+    ``ready`` (the parent then sets and clears ``go``). "woken", or TimeoutError."""
+    import anyio
+
+    woken = anyio.Event()
+
+    async def waiter() -> None:
+        await go.wait()
+        woken.set()
+
+    with anyio.fail_after(timeout):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.wait_all_tasks_blocked()  # the waiter is inside go.wait()
+            ready.set()
+            await woken.wait()
+    return "woken"
+
+
+def event_sync_wait(rank: int, go: Any, timeout: float) -> bool:
+    """``go.sync.wait(timeout)``: True once a set() reached it."""
+    return bool(go.sync.wait(timeout=timeout))

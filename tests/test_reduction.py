@@ -134,8 +134,9 @@ def test_loads_closes_fds_no_object_took() -> None:
 def test_aiomp_objects_resolve_to_themselves_in_their_own_process() -> None:
     q, e = aiomp.Queue(), aiomp.Event()
     out = _reduction.dumps((q, e, q))
-    # an unbounded queue: 2 sockets, the room eventfd, its overflow log; an event: 1
-    assert len(out.fds) == 4 + 1
+    # an unbounded queue: 2 sockets, the room eventfd, its overflow log; an event: its
+    # state's memfd and its registry socket
+    assert len(out.fds) == 4 + 2
     fds = received(out)
     q2, e2, q3 = _reduction.loads(out.body, fds)  # type: ignore[misc]
     assert q2 is q and q3 is q and e2 is e
@@ -151,14 +152,15 @@ def test_fd_objects_refuse_plain_pickle(obj: type) -> None:
 
 
 def test_too_many_fds_in_one_message() -> None:
-    events = [aiomp.Event() for _ in range(_transport.MAX_FDS)]
+    fits = (_transport.MAX_FDS - 1) // 2  # an Event carries 2 fds
+    events = [aiomp.Event() for _ in range(fits + 1)]
     before = open_fds()
     with pytest.raises(aiomp.TransportError, match="at most 252"):  # R1 (issue 25 item 13)
         _reduction.dumps(events)
     assert open_fds() == before
     # the most that fits leaves room for a LARGE body's memfd
-    out = _reduction.dumps(events[: _transport.MAX_FDS - 1])
-    assert len(out.fds) == _transport.MAX_FDS - 1
+    out = _reduction.dumps(events[:fits])
+    assert len(out.fds) == 2 * fits == _transport.MAX_FDS - 1
     out.close()
 
 
