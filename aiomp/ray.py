@@ -171,9 +171,11 @@ def _bootstrap_address(address: str | None) -> tuple[str, int] | None:
             target = None if address in (None, "auto", "local") else address
         else:
             # As ray.init resolves it: RAY_ADDRESS, the latest local instance, localhost
-            # as the node's IP. Raises ConnectionError for "auto" with none running. (Typed
-            # as taking a str, it takes None too: its docstring.)
-            target = canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
+            # as the node's IP. (Typed as taking a str, it takes None too: its docstring.)
+            try:
+                target = canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - nothing to probe: ray.init says what is wrong
+                return None
     if not target:
         return None
     host, sep, port = target.rpartition(":")
@@ -511,7 +513,12 @@ class Pool(_pool.Pool):
         """The Ray session the pool started with still runs (never auto-inits one: Ray's
         calls start a local instance when none is initialised)."""
         ray = self._ray
-        return bool(ray.is_initialized()) and ray.get_runtime_context().get_job_id() == self._job
+        try:
+            return bool(ray.is_initialized()) and (
+                ray.get_runtime_context().get_job_id() == self._job
+            )
+        except Exception:  # noqa: BLE001 - disconnected between the two
+            return False
 
     async def _watch_session(self) -> None:
         """Break the pool once its Ray session has ended (checked every SESSION_CHECK s)."""
@@ -532,12 +539,14 @@ class Pool(_pool.Pool):
         if self._job is None:  # lost already
             return
         self._job = None
+        self._started_ray = False  # gone: a session opened since is not this pool's
         why = "Ray was shut down (ray.shutdown()) while the pool was open"
         self._sched.fail(RuntimeError(why))
         for h in list(self._handles):
             cast(ActorHandle, h).lost(why)  # (this pool makes ActorHandles)
 
     async def _shutdown(self, graceful: bool) -> BaseException | None:
+        """As :meth:`aiomp.Pool._shutdown`; the session watch ends first."""
         if self._session_watch is not None:
             self._session_watch.cancel()
         return await super()._shutdown(graceful)
@@ -552,7 +561,13 @@ class Pool(_pool.Pool):
         if not self._session_ok():
             self._session_lost()
             return
-        actor = self._actor_cls.options(**self._options).remote()
+        try:
+            actor = self._actor_cls.options(**self._options).remote()
+        except Exception:
+            if self._session_ok():
+                raise
+            self._session_lost()  # ray.shutdown() in another thread, under this call
+            return
         h = ActorHandle(
             slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
         )

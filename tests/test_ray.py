@@ -430,7 +430,8 @@ async def test_ray_shutdown_under_a_running_task_fails_it_promptly(
                 with anyio.fail_after(10):  # SESSION_CHECK (1 s), with room for a busy host
                     await done.wait()
             assert isinstance(results[0], aiomp.BrokenWorkerError), results
-            assert "Ray was shut down" in str(results[0])
+            # Ray may report the actor's death before its session ends: either is clear.
+            assert "Ray was shut down" in str(results[0]) or "owner has died" in str(results[0])
             with pytest.raises(aiomp.BrokenPoolError, match="Ray was shut down"):
                 await p.apply(funcs.square, (1,))
         assert not ray.is_initialized()  # nothing started a Ray instance of its own
