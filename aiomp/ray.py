@@ -471,8 +471,17 @@ class Pool(_pool.Pool):
                 raise ValueError(_unplaceable(demand, held, nodes))
         else:  # an actor that asks for nothing: one per CPU
             fits = [node.get("CPU", 0.0) for node in nodes]
+        room = int(sum(fits))
         if self._auto_processes:
-            self._processes = max(1, int(sum(fits)))
+            self._processes = max(1, room)
+        elif self._processes > room:  # those that fit serve; the others wait for room
+            log.warning(
+                "aiomp.ray.Pool: %d actors asked, and the cluster's nodes can hold %d of "
+                "them (each asks %s): the others wait until Ray has room",
+                self._processes,
+                room,
+                _fmt(demand),
+            )
 
     async def _connect(self) -> None:
         """``ray.init(address=...)``, in a thread: it blocks for seconds (it may start a

@@ -462,3 +462,15 @@ async def test_a_pool_inside_an_actor_counts_what_the_actor_holds() -> None:
             assert got.startswith("ValueError: Ray cannot place"), got
             assert "beside what the caller holds there ({CPU: 1}" in got, got
             assert await p.apply(funcs.nested_pool, (3,)) == "ok 9"
+
+
+@asyncio_only
+async def test_more_actors_than_fit_serve_with_those_that_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 25 item 11: more actors than the cluster holds are not an error (an
+    autoscaling cluster may grow), but no longer silent: a warning says how many fit."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool(2, num_cpus=3) as p:  # the head has 4 CPUs: one fits
+            assert "2 actors asked, and the cluster's nodes can hold 1" in caplog.text
+            assert await p.apply(funcs.square, (5,)) == 25
