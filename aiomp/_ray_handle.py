@@ -17,6 +17,10 @@ grace period plus :data:`CONFIRM` seconds) until Ray confirms the death and ever
 sent has settled, so that a task that finished just before the death keeps its result, and
 reports the exit. Every ref still unsettled then belonged to a dead actor: the scheduler
 fails those tasks with :class:`aiomp.BrokenWorkerError`.
+
+Once Ray's session has ended (``ray.shutdown()``), nothing is asked of Ray any more (its
+calls would start a local instance of their own) and :meth:`lost` reports the actor gone:
+no ref of it will ever settle.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class ActorHandle:
         import ray
 
         self._ray = ray
+        self._connected: Callable[[], bool] = ray.is_initialized
         self._actor_error = ray.exceptions.RayActorError
         self.slot = slot
         self.actor = actor
@@ -155,7 +160,7 @@ class ActorHandle:
 
     def send(self, task: Task) -> bool:
         """Submit ``task`` to the actor; False once the actor is known to be gone."""
-        if self.closed:
+        if self.closed or not self._connected():
             return False
         msg = task.message
         tid = task.tid
@@ -180,7 +185,7 @@ class ActorHandle:
 
     def cancel(self, tid: int) -> None:
         """Cancel async task ``tid`` inside the actor (its coroutine sees CancelledError)."""
-        if not self.closed:
+        if not self.closed and self._connected():
             # Watched, so that Ray counts its error (the actor died meanwhile) as handled.
             self._watch(self._cancel(tid), _ignore)
 
@@ -190,6 +195,17 @@ class ActorHandle:
         if not self._stop.is_set():
             self.exitcode = KILLED
             self._stop.set()
+
+    def lost(self, why: str) -> None:
+        """Ray's session has ended under the pool: the actor is gone with it, and no ref
+        will settle. The watcher reports the exit at once (tasks held: BrokenWorkerError)."""
+        self.closed = True
+        if not self._stop.is_set():
+            self.why = why
+            self._stop.set()
+        self._gone.set()
+        self.pending = 0
+        self._settled.set()
 
     # -- the watcher -------------------------------------------------------------------
     async def run(self) -> None:
@@ -203,7 +219,8 @@ class ActorHandle:
                 await self._stop.wait()
                 self.closed = True
                 try:
-                    self._ray.kill(self.actor, no_restart=True)
+                    if self._connected():
+                        self._ray.kill(self.actor, no_restart=True)
                 except Exception:  # noqa: BLE001 - Ray forgot it: it is gone already
                     pass
                 with anyio.move_on_after(self._grace + CONFIRM):

@@ -27,6 +27,12 @@ why nothing polls: *Ray workers* in docs/architecture.md. What differs from
 * An actor starts in about a second. ``address=None`` uses the Ray instance initialised
   in this process or running on this machine, or starts a local one (seconds) and shuts
   it down when the pool closes; a session opened with ``ray.init`` is left running.
+* Faults end in an error, not a wait: an address where nothing answers raises
+  ``ConnectionError`` within :data:`PROBE_TIMEOUT` seconds; an actor that no node of
+  the cluster could hold (beside what the caller holds, inside a Ray actor or task)
+  raises ``ValueError`` on entering, as Ray's own Pool does; ``ray.shutdown()`` under an
+  open pool breaks it within :data:`SESSION_CHECK` seconds (its running tasks fail with
+  :class:`aiomp.BrokenWorkerError`, the others with :class:`aiomp.BrokenPoolError`).
 """
 
 from __future__ import annotations
@@ -37,25 +43,39 @@ import io
 import logging
 import pickle
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import anyio
 
 from . import _pool
 from . import _protocol as P
 from ._ray_handle import ActorHandle
+from ._scheduler import fresh
 from ._transport import running_asyncio_loop
 
-__all__ = ("ARRAY_THRESHOLD", "ActorInfo", "Pool")
+__all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
 
 log = logging.getLogger("aiomp")
 
 #: numpy arrays at least this large (bytes) travel through Ray's object store (``ray.put``);
 #: smaller ones inside the task's pickle. Ray's own limit for inlining an argument.
 ARRAY_THRESHOLD = 100 * 1024
+
+#: Seconds a TCP connection to the cluster's address may take before the pool raises
+#: ``ConnectionError``: ``ray.init`` itself retries an address where nothing answers for
+#: minutes, in a thread that cannot be interrupted.
+PROBE_TIMEOUT = 5.0
+#: How often (seconds) an open pool checks that the Ray session it uses still runs: Ray
+#: has no shutdown hook, and after ``ray.shutdown()`` no ref's callback runs any more.
+SESSION_CHECK = 1.0
+
+# Held (in worker threads only) around a pool's ray.init and ray.shutdown: one at a time,
+# one whose caller was cancelled and has left included.
+_connect_lock = threading.Lock()
 
 _CTL_GROUP = {"ctl": 8}  # cancel and alive: never behind a task that blocks the actor's loop
 
@@ -136,6 +156,137 @@ def _cloudpickle(obj: object) -> bytes:
     return dumps(obj, protocol=5)
 
 
+def _bootstrap_address(address: str | None) -> tuple[str, int] | None:
+    """Where ``ray.init(address)`` will connect: the cluster's GCS (a ``ray://`` address:
+    its Ray Client server), or None where it starts a local instance (or where the address
+    says no port: ``ray.init`` says what is wrong with it). Blocks (it may scan processes).
+    """
+    target: str | None
+    if address is not None and address.startswith("ray://"):
+        target = address.removeprefix("ray://")
+    else:
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+        except ImportError:  # Ray moved it: the address as given
+            target = None if address in (None, "auto", "local") else address
+        else:
+            # As ray.init resolves it: RAY_ADDRESS, the latest local instance, localhost
+            # as the node's IP. (Typed as taking a str, it takes None too: its docstring.)
+            try:
+                target = canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
+            except Exception:  # noqa: BLE001 - nothing to probe: ray.init says what is wrong
+                return None
+    if not target:
+        return None
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+async def _probe(host: str, port: int, address: str | None) -> None:
+    """Raise ``ConnectionError`` unless something accepts a TCP connection at ``host:port``
+    within :data:`PROBE_TIMEOUT` seconds (cancellable: it runs on the loop)."""
+    try:
+        with anyio.fail_after(PROBE_TIMEOUT):
+            stream = await anyio.connect_tcp(host, port)
+    except OSError as exc:  # TimeoutError included
+        raise ConnectionError(
+            f"no Ray cluster answers at address={address!r}: connecting to {host}:{port} "
+            f"failed ({exc or f'no answer in {PROBE_TIMEOUT:g} s'})"
+        ) from exc
+    await stream.aclose()
+
+
+class _Connecting:
+    """One ``ray.init`` in a worker thread, whose caller may be cancelled and leave first.
+
+    Whichever of the two is done first takes the one token: the thread, when ``ray.init``
+    has returned (the caller then owns the session it opened, ``started``), or the caller
+    as it leaves (the thread then shuts that session down itself: nobody would use or
+    close it).
+    """
+
+    def __init__(self, ray: Any, address: str | None) -> None:
+        self._ray = ray
+        self._address = address
+        self._token = [None]
+        self.started = False  # this ray.init opened the session
+
+    def run(self) -> bool:
+        """(In the worker thread) Connect; True if this opened the session."""
+        ray = self._ray
+        with _connect_lock:
+            if not ray.is_initialized():
+                try:
+                    ray.init(address=self._address)
+                except SystemExit as exc:  # Ray's core worker gives up on an absent GCS so
+                    raise ConnectionError(
+                        f"ray.init(address={self._address!r}) gave up: SystemExit({exc.code})"
+                    ) from exc
+                self.started = True
+            if self.take():
+                return self.started
+            if self.started:
+                ray.shutdown()
+            return False
+
+    def take(self) -> bool:
+        """Take the token (atomic: list.pop); False if the other side has it."""
+        try:
+            self._token.pop()
+        except IndexError:
+            return False
+        return True
+
+
+def _shutdown_ray(ray: Any) -> None:
+    with _connect_lock:
+        ray.shutdown()
+
+
+def _capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """What the caller holds if it is a Ray actor or task (for as long as the pool lives
+    inside it), and what each live node of the cluster has for the pool's actors: its
+    resources, less those on the caller's node. Blocks (RPCs to Ray's GCS)."""
+    ctx = ray.get_runtime_context()
+    held: dict[str, float] = {}
+    if getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE:
+        held = {k: float(v) for k, v in ctx.get_assigned_resources().items() if v}
+    here = ctx.get_node_id()
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = {k: float(v) for k, v in node.get("Resources", {}).items()}
+        if node.get("NodeID") == here:
+            for k, v in held.items():
+                if k in have:
+                    have[k] -= v
+        nodes.append(have)
+    return held, nodes
+
+
+def _unplaceable(
+    demand: Mapping[str, float], held: Mapping[str, float], nodes: list[dict[str, float]]
+) -> str:
+    where = "; ".join(_fmt({k: node.get(k, 0.0) for k in demand}) for node in nodes[:8])
+    beside = (
+        f" beside what the caller holds there ({_fmt(held)}: it runs in a Ray actor or task, "
+        "which keeps them while the pool lives)"
+        if held
+        else ""
+    )
+    return (
+        f"Ray cannot place an actor of this pool: each asks {_fmt(demand)}, more than any "
+        f"node of the cluster has{beside}; its nodes have {where or 'nothing (none alive)'}"
+    )
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
+
+
 _actor_class: Any = None
 
 
@@ -157,14 +308,18 @@ class Pool(_pool.Pool):
     (see the module docstring of ``aiomp.ray`` for what Ray changes: arrays arrive
     read-only, start-up takes about a second per actor).
 
-    - ``processes``: actors to keep (default: the cluster's CPUs divided by ``num_cpus``,
-      or its GPUs divided by ``num_gpus``).
+    - ``processes``: actors to keep (default: as many as the cluster's nodes can hold,
+      by ``num_cpus``, ``num_gpus`` and ``resources``).
     - ``address``: ``None`` uses the Ray session of this process, else a Ray instance
       running on this machine, else starts a local one (shut down when the pool closes).
       ``"auto"`` or ``"ray://host:port"`` joins a cluster. A session the caller opened
-      with ``ray.init`` is always used, and left running.
+      with ``ray.init`` is always used, and left running. Where nothing answers at the
+      address, entering raises ``ConnectionError`` (within :data:`PROBE_TIMEOUT` s).
     - ``num_cpus``, ``num_gpus``, ``resources``, ``runtime_env``: each actor's Ray
       placement and environment (``aiomp`` must be importable where the actors run).
+      If no node could hold one actor (inside a Ray actor or task: beside what the
+      caller holds), entering raises ``ValueError``, as Ray's Pool does; an autoscaling
+      cluster counts only the nodes that are up.
     - ``concurrency``: the actor's ``max_concurrency``, async tasks at once per actor.
     - ``initializer``, ``initargs``, ``maxtasksperchild``, ``grace_period``: as for
       :class:`aiomp.Pool`; the initializer may be any callable cloudpickle can carry.
@@ -227,6 +382,8 @@ class Pool(_pool.Pool):
         # fn -> its cloudpickle (weak: the cache must not keep a function alive).
         self._fn_keys: weakref.WeakKeyDictionary[object, bytes] = weakref.WeakKeyDictionary()
         self._puts: _Puts | None = None  # the latest call's, while it has tasks
+        self._job: str | None = None  # the Ray session's job id, while it is the pool's
+        self._session_watch: anyio.CancelScope | None = None
 
     def __repr__(self) -> str:
         state = ("new", "open", "closing", "closed")[self._state]
@@ -253,12 +410,18 @@ class Pool(_pool.Pool):
     async def __aenter__(self) -> Self:
         """Connect to Ray (see ``address``) and start the actors (returns before they are
         ready). On cancellation or failure the actors started so far are killed, and a Ray
-        instance this pool started is shut down."""
+        instance this pool started is shut down. Cancelled while ``ray.init`` connects,
+        it leaves at once with a warning: ``ray.init`` cannot be interrupted and goes on in
+        its thread, and a session it opens after all is shut down again there."""
         try:
-            return await super().__aenter__()
+            await super().__aenter__()
         except BaseException:
             await self._disconnect()
             raise
+        assert self._tg is not None
+        self._session_watch = anyio.CancelScope()
+        self._tg.start_soon(self._watch_session)
+        return self
 
     async def __aexit__(
         self,
@@ -286,25 +449,66 @@ class Pool(_pool.Pool):
             exc.add_note("(while pickling the pool's initializer and initargs for Ray)")
             raise
         if not ray.is_initialized():
-            # ray.init blocks for seconds (it may start a whole local instance): a thread.
-            await anyio.to_thread.run_sync(self._connect)
+            await self._connect()
         self._actor_cls = _get_actor_class(ray)
+        self._job = ray.get_runtime_context().get_job_id()
+        # Ray's state calls ask its GCS (RPCs): in a thread, as ray.init.
+        held, nodes = await anyio.to_thread.run_sync(_capacity, ray, abandon_on_cancel=True)
+        demand = {
+            k: float(v)
+            for k, v in {
+                "CPU": self._num_cpus,
+                "GPU": self._num_gpus,
+                **self._options.get("resources", {}),
+            }.items()
+            if v
+        }
+        if demand:
+            # How many actors each node could hold: none anywhere, and they would wait
+            # for ever (Ray queues an actor it cannot place, silently).
+            fits = [min(node.get(k, 0.0) // v for k, v in demand.items()) for node in nodes]
+            if not any(n >= 1 for n in fits):
+                raise ValueError(_unplaceable(demand, held, nodes))
+        else:  # an actor that asks for nothing: one per CPU
+            fits = [node.get("CPU", 0.0) for node in nodes]
+        room = int(sum(fits))
         if self._auto_processes:
-            total = ray.cluster_resources()
-            if self._num_gpus:
-                n = total.get("GPU", 0) // self._num_gpus
-            elif self._num_cpus:
-                n = total.get("CPU", 1) // self._num_cpus
-            else:
-                n = total.get("CPU", 1)
-            self._processes = max(1, int(n))
+            self._processes = max(1, room)
+        elif self._processes > room:  # those that fit serve; the others wait for room
+            log.warning(
+                "aiomp.ray.Pool: %d actors asked, and the cluster's nodes can hold %d of "
+                "them (each asks %s): the others wait until Ray has room",
+                self._processes,
+                room,
+                _fmt(demand),
+            )
 
-    def _connect(self) -> None:
-        ray = self._ray
-        if ray.is_initialized():
-            return
-        ray.init(address=self._address)
-        self._started_ray = True
+    async def _connect(self) -> None:
+        """``ray.init(address=...)``, in a thread: it blocks for seconds (it may start a
+        whole local instance), and for minutes where nothing answers at the address, so
+        that is tried first (``ConnectionError``). Cancelled, it abandons the thread (see
+        :meth:`__aenter__`)."""
+        where = await anyio.to_thread.run_sync(
+            _bootstrap_address, self._address, abandon_on_cancel=True
+        )
+        if where is not None:
+            await _probe(*where, self._address)
+        connecting = _Connecting(self._ray, self._address)
+        try:
+            self._started_ray = await anyio.to_thread.run_sync(
+                connecting.run, abandon_on_cancel=True
+            )
+        except anyio.get_cancelled_exc_class():
+            if connecting.take():
+                log.warning(
+                    "aiomp.ray.Pool: cancelled while ray.init(address=%r) connects; it goes "
+                    "on in its thread (it cannot be interrupted), and a session it opens "
+                    "will be shut down there",
+                    self._address,
+                )
+            else:  # it had connected: the session is this pool's to shut down
+                self._started_ray = connecting.started
+            raise
 
     async def _disconnect(self) -> None:
         """Shut down the Ray session this pool started (shielded; Ray bounds it)."""
@@ -312,7 +516,49 @@ class Pool(_pool.Pool):
         if self._started_ray:
             self._started_ray = False
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._ray.shutdown)
+                await anyio.to_thread.run_sync(_shutdown_ray, self._ray)
+
+    def _session_ok(self) -> bool:
+        """The Ray session the pool started with still runs (never auto-inits one: Ray's
+        calls start a local instance when none is initialised)."""
+        ray = self._ray
+        try:
+            return bool(ray.is_initialized()) and (
+                ray.get_runtime_context().get_job_id() == self._job
+            )
+        except Exception:  # noqa: BLE001 - disconnected between the two
+            return False
+
+    async def _watch_session(self) -> None:
+        """Break the pool once its Ray session has ended (checked every SESSION_CHECK s)."""
+        assert self._session_watch is not None
+        with self._session_watch:
+            # A poll: Ray offers no event for it (see SESSION_CHECK).
+            while True:
+                await anyio.sleep(SESSION_CHECK)
+                if not self._session_ok():
+                    self._session_lost()
+                    return
+
+    def _session_lost(self) -> None:
+        """``ray.shutdown()`` (and maybe ``ray.init`` again) under the pool: its actors and
+        refs are gone, and no callback of theirs will run. Break the pool (queued and later
+        calls: BrokenPoolError) and report every actor dead (its tasks: BrokenWorkerError).
+        """
+        if self._job is None:  # lost already
+            return
+        self._job = None
+        self._started_ray = False  # gone: a session opened since is not this pool's
+        why = "Ray was shut down (ray.shutdown()) while the pool was open"
+        self._sched.fail(RuntimeError(why))
+        for h in list(self._handles):
+            cast(ActorHandle, h).lost(why)  # (this pool makes ActorHandles)
+
+    async def _shutdown(self, graceful: bool) -> BaseException | None:
+        """As :meth:`aiomp.Pool._shutdown`; the session watch ends first."""
+        if self._session_watch is not None:
+            self._session_watch.cancel()
+        return await super()._shutdown(graceful)
 
     def _release_init(self) -> None:
         self._puts = None
@@ -321,7 +567,16 @@ class Pool(_pool.Pool):
     def _spawn(self, slot: int) -> None:
         """Start an actor for ``slot`` and its watcher (from a task, never a callback)."""
         assert self._tg is not None and self._loop is not None
-        actor = self._actor_cls.options(**self._options).remote()
+        if not self._session_ok():
+            self._session_lost()
+            return
+        try:
+            actor = self._actor_cls.options(**self._options).remote()
+        except Exception:
+            if self._session_ok():
+                raise
+            self._session_lost()  # ray.shutdown() in another thread, under this call
+            return
         h = ActorHandle(
             slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
         )
@@ -389,6 +644,10 @@ class Pool(_pool.Pool):
         group: object,
     ) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
+        if not self._ray.is_initialized():  # ray.put would start a local Ray of its own
+            self._session_lost()
+            assert self._sched.broken is not None
+            raise fresh(self._sched.broken)
         try:
             key = self._fn_key(fn)
             task = (tid, flags, key, items, kwds)

@@ -97,3 +97,63 @@ def unpicklable_result() -> object:
     import threading
 
     return threading.Lock()
+
+
+async def nested_pool(num_cpus: float) -> str:
+    """Open an ``aiomp.ray.Pool`` of one actor asking ``num_cpus`` inside this actor (which
+    holds its own CPU): ``"ok ..."``, or the ``ValueError`` it raised, as text."""
+    import anyio
+
+    import aiomp.ray
+
+    try:
+        with anyio.fail_after(20):
+            async with aiomp.ray.Pool(1, num_cpus=num_cpus, grace_period=0.3) as p:
+                return f"ok {await p.apply(square, (3,))}"
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+
+
+def connect_faults() -> None:
+    """(In a fresh interpreter, not connected to Ray; on asyncio, then uvloop) An address
+    where nothing listens fails at once with ``ConnectionError``; at one that accepts and
+    never answers ``ray.init`` hangs, and a deadline around the pool fires on time (its
+    thread abandoned). Prints ``ok``; exits at once (``os._exit``): the abandoned
+    ``ray.init`` threads would hold the interpreter for minutes."""
+    import socket
+    import sys
+    import time
+
+    import anyio
+
+    import aiomp.ray
+
+    closed = socket.socket()
+    closed.bind(("0.0.0.0", 0))  # bound, not listening: refused (Ray dials the node's IP)
+    silent = socket.socket()
+    silent.bind(("0.0.0.0", 0))
+    silent.listen()  # the kernel accepts; nothing ever answers
+
+    async def main() -> None:
+        start = time.monotonic()
+        try:
+            with anyio.fail_after(60):
+                async with aiomp.ray.Pool(1, address=f"127.0.0.1:{closed.getsockname()[1]}"):
+                    pass
+        except ConnectionError as exc:
+            assert "no Ray cluster answers" in str(exc), exc
+        else:
+            raise AssertionError("no ConnectionError for an address where nothing listens")
+        assert time.monotonic() - start < 10, f"ConnectionError after {time.monotonic() - start}"
+        start = time.monotonic()
+        with anyio.move_on_after(2) as scope:
+            async with aiomp.ray.Pool(1, address=f"127.0.0.1:{silent.getsockname()[1]}"):
+                pass
+        assert scope.cancelled_caught
+        assert time.monotonic() - start < 6, f"cancelled after {time.monotonic() - start}"
+
+    anyio.run(main)
+    anyio.run(main, backend_options={"use_uvloop": True})
+    print("ok", flush=True)
+    sys.stderr.flush()
+    os._exit(0)

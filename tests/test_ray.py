@@ -66,16 +66,31 @@ def ray_head() -> Iterator[Any]:
         },
     )
     try:
-        ray.init(
-            address=cluster.address,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-        )
+        connect_driver(cluster.address)
         _PERSISTENT.update(child_pids())  # Ray's own processes live as long as the module
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def connect_driver(address: str) -> None:
+    ray.init(
+        address=address,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+    )
+
+
+@pytest.fixture
+def ray_reconnect(ray_head: Any) -> Iterator[None]:
+    """For a test that shuts this driver's Ray session down: connected again after it (and
+    a Ray instance that something started meanwhile shut down: a failing test's)."""
+    yield
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == ray_head.address:
+        return
+    ray.shutdown()
+    connect_driver(ray_head.address)
 
 
 def pool(processes: int = 2, **kwargs: Any) -> aiomp.ray.Pool:
@@ -370,3 +385,92 @@ def test_example_runs(ray_head: Any) -> None:
         "examples/ray_pool.py", "--batches", "8", "--address", ray_head.address, timeout=120
     )
     assert out.stdout.strip().endswith("ok")
+
+
+# -- faults that end in an error, not a wait (issue 25 item 11) --------------------------
+
+
+def test_unreachable_address_fails_at_once_and_connecting_is_cancellable() -> None:
+    """Issue 25 item 11: ``fail_after(30)`` around ``Pool(address=<nothing listens>)`` had
+    not fired after 90 s (``ray.init`` retried for two minutes in a thread the await could
+    not leave, then raised SystemExit). In a fresh interpreter: see
+    ``_funcs_ray.connect_faults``."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    code = "from tests._funcs_ray import connect_faults; connect_faults()"
+    out = run_python("-c", code, timeout=90, env=env)
+    assert out.stdout.strip().endswith("ok")
+
+
+@LOOPS
+async def test_ray_shutdown_under_a_running_task_fails_it_promptly(
+    gate: Gate, ray_reconnect: None
+) -> None:
+    """Issue 25 item 11: after ``ray.shutdown()`` under a running task the call never
+    completed (no ref's callback runs again; a replacement actor's ``.remote()`` even
+    started a local Ray of its own). The task fails with BrokenWorkerError within about
+    SESSION_CHECK seconds, later calls with BrokenPoolError."""
+    results: list[object] = []
+    done = anyio.Event()
+
+    async def call() -> None:
+        try:
+            results.append(await p.apply(funcs.at_gate, (0, gate.address)))
+        except Exception as exc:  # noqa: BLE001
+            results.append(exc)
+        finally:
+            done.set()
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1) as p:
+            assert await p.apply(funcs.square, (2,)) == 4
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(call)
+                await gate.ready(1)
+                await anyio.to_thread.run_sync(ray.shutdown)
+                with anyio.fail_after(10):  # SESSION_CHECK (1 s), with room for a busy host
+                    await done.wait()
+            assert isinstance(results[0], aiomp.BrokenWorkerError), results
+            # Ray may report the actor's death before its session ends: either is clear.
+            assert "Ray was shut down" in str(results[0]) or "owner has died" in str(results[0])
+            with pytest.raises(aiomp.BrokenPoolError, match="Ray was shut down"):
+                await p.apply(funcs.square, (1,))
+        assert not ray.is_initialized()  # nothing started a Ray instance of its own
+
+
+@LOOPS
+async def test_an_actor_no_node_can_hold_fails_at_once() -> None:
+    """Issue 25 item 11: a pool whose actors no node could hold waited silently for ever.
+    Entering raises ValueError (as Ray's Pool does) naming what was asked and what the
+    nodes have; nothing is started."""
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(ValueError, match=r"each asks \{CPU: 8\}.* its nodes have \{CPU: 4\}"):
+            async with pool(1, num_cpus=8):
+                pass
+        with pytest.raises(ValueError, match=r"asks \{aiomp_none: 1\}"):
+            async with pool(1, num_cpus=0, resources={"aiomp_none": 1}):
+                pass
+
+
+@asyncio_only
+async def test_a_pool_inside_an_actor_counts_what_the_actor_holds() -> None:
+    """Issue 25 item 11: a pool opened inside another pool's actor, asking for what only
+    that actor's own CPU would complete, waited for ever. The head has 4 CPUs and the
+    outer actor holds 1: an inner actor asking 4 raises ValueError, one asking 3 runs."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1) as p:
+            got = await p.apply(funcs.nested_pool, (4,))
+            assert got.startswith("ValueError: Ray cannot place"), got
+            assert "beside what the caller holds there ({CPU: 1}" in got, got
+            assert await p.apply(funcs.nested_pool, (3,)) == "ok 9"
+
+
+@asyncio_only
+async def test_more_actors_than_fit_serve_with_those_that_fit(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 25 item 11: more actors than the cluster holds are not an error (an
+    autoscaling cluster may grow), but no longer silent: a warning says how many fit."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool(2, num_cpus=3) as p:  # the head has 4 CPUs: one fits
+            assert "2 actors asked, and the cluster's nodes can hold 1" in caplog.text
+            assert await p.apply(funcs.square, (5,)) == 25
