@@ -77,9 +77,7 @@ class Worker:
                 result = initializer(*initargs)
                 if asyncio.iscoroutine(result):
                     await result
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - reported to the pool
+        except BaseException as exc:  # noqa: BLE001 - reported to the pool, SystemExit too
             return False, P.ErrorPayload.of(exc)
         return True, os.getpid(), ray.get_runtime_context().get_node_id()
 
@@ -115,9 +113,9 @@ class Worker:
                 for x in items:
                     r = fn(*x) if flags & F_STAR else fn(x)
                     result.append(await r if asyncio.iscoroutine(r) else r)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - CancelledError too: the pool asked
+        except BaseException as exc:  # noqa: BLE001 - the task's outcome, whatever it is:
+            # CancelledError (the pool asked), and SystemExit or KeyboardInterrupt, which
+            # are raised in the caller alone, as a process worker's are (issue 25 item 9).
             return P.ErrorPayload.of(exc)
         finally:
             self._tasks.pop(tid, None)

@@ -143,6 +143,13 @@ async def test_exception_is_its_own_type_with_the_actor_traceback() -> None:
             assert p.statistics().replaced == 0
             with pytest.raises(TypeError):  # pickled in the caller: raises here, sends nothing
                 await p.apply(funcs.add, (1,), {"y": (i for i in ())})
+            # Issue 25 item 9, as on a process pool: the caller gets the task's SystemExit,
+            # and the actor serves on (it re-raised it and died).
+            with pytest.raises(SystemExit) as exit_info:
+                await p.apply(sys.exit, (3,))
+            assert exit_info.value.code == 3
+            assert await p.apply(funcs.square, (4,)) == 16
+            assert p.statistics().replaced == 0
 
 
 @LOOPS
