@@ -173,8 +173,8 @@ def lead_own_group() -> None:
     (:data:`PASSED_ON`); otherwise (no terminal, a background job, a child of a child) it
     stays in this group, out of reach of a SIGKILL aimed at the parent's group.
 
-    Without a keeper (``fork`` failed: a pids limit) the child still runs, and its group
-    is still signalled with it.
+    Without a keeper (``fork`` failed: a pids limit; no fd left) the child still runs,
+    and its group is still signalled with it.
     """
     old = os.getpgrp()
     stand_in = old if _is_foreground(old) else 0
@@ -183,7 +183,10 @@ def lead_own_group() -> None:
     except OSError:  # pragma: no cover - only a session leader cannot: not our child
         return
     me = os.getpid()
-    pidfd = os.pidfd_open(me)
+    try:
+        pidfd = os.pidfd_open(me)
+    except OSError:  # out of fds: no keeper (as below)
+        return
     # Until the keeper has its place and its handlers, the signals it passes on wait
     # (blocked), so that none is lost or ends it; ours are delivered when we unblock.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
