@@ -33,6 +33,7 @@ import multiprocessing
 import multiprocessing.util
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -262,11 +263,28 @@ class Child:
                     self._release()  # deferred while we were waiting on the pidfd
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child and to the process group it leads: whatever it
+        started goes with it (see :func:`aiomp._child.lead_own_group`).
+
+        The group is signalled once, the child with it; the child alone where its group
+        is not made yet (it is still starting). A SIGKILL also goes to the child itself,
+        in case it has left its group.
+        """
         if self.exitcode is None and self.pidfd >= 0:
-            try:
-                signal.pidfd_send_signal(self.pidfd, sig)
-            except ProcessLookupError:
-                pass
+            grouped = _child.signal_group(self.pidfd, self.pid, sig, self._unreaped())
+            if not grouped or sig == signal.SIGKILL:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _unreaped(self) -> bool:
+        """Whether its pid (the number of the group it leads) is still its own: we have
+        not reaped it or, for a forkserver child (the server reaps it), it runs now."""
+        if self._via_server:
+            return not select.select([self.pidfd], [], [], 0)[0]
+        popen: Any = self.process._popen  # type: ignore[attr-defined]
+        return popen.returncode is None
 
     def terminate(self) -> None:
         """SIGTERM it, logged as torch logs it; once (concurrent terminations share it).

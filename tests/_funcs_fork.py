@@ -14,12 +14,17 @@ from tests._funcs import gate_connect, gate_wait
 def exit_leaving_a_grandchild(rank: int, address: str) -> None:
     """Fork a grandchild that keeps every inherited fd (the report socket among them)
     open until the test releases it at the gate as rank ``100 + rank``; then exit with
-    status 3 without reporting."""
+    status 3 without reporting. It leaves the child's process group (``setsid``) before
+    the child exits, or it would end with the child (issue 25 item 5)."""
+    r, w = os.pipe()
     if os.fork() == 0:
         try:
+            os.setsid()
+            os.write(w, b"x")
             gate_wait(100 + rank, address)
         finally:
             os._exit(0)
+    os.read(r, 1)
     os._exit(3)
 
 

@@ -1,0 +1,319 @@
+"""Issue 25 item 5: the processes a child starts end with it.
+
+A Pool task or a spawned function starts a ``sleep 1000`` (``subprocess``) and an
+``os.fork`` child and says their pids; then the child ends by every path that ends one
+(``timeout=``, a cancelled task, a failed sibling, a normal close, the function
+returning, the parent's SIGKILL). Before the fix all of them outlived it (re-parented to
+init). The test holds a pidfd of each from the moment it is reported, so that a reused
+pid cannot pass for one, and waits for them to exit with a bound; survivors are killed.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+
+import anyio
+import pytest
+
+import aiomp
+import aiomp._child
+from tests import _funcs_groups as funcs
+from tests._gate import Gate
+from tests._run import REPO
+
+TIMEOUT = 30
+GRACE = 0.3
+#: How long the descendants may take to go once their ancestor has.
+GONE_WITHIN = 10
+METHODS = ["spawn", "forkserver", "fork"]
+
+
+@contextmanager
+def watching(pids: object) -> Iterator[list[int]]:
+    """pidfds of ``pids`` (an iterable of them), taken while they run; whatever is still
+    running at the end is SIGKILLed: a failed test leaves no orphan behind."""
+    fds = [os.pidfd_open(pid) for pid in pids]  # type: ignore[attr-defined]
+    try:
+        yield fds
+    finally:
+        for fd in fds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.close(fd)
+
+
+@contextmanager
+def watching_later() -> Iterator[Callable[[object], list[int]]]:
+    """:func:`watching`, for pids known later: ``watch(pids)`` returns their pidfds."""
+    with ExitStack() as stack:
+        yield lambda pids: stack.enter_context(watching(pids))
+
+
+async def all_exit(fds: list[int]) -> None:
+    """Wait (bounded) until every process behind ``fds`` has exited."""
+    with anyio.fail_after(GONE_WITHIN):
+        for fd in fds:
+            await anyio.wait_readable(fd)
+
+
+def all_exit_sync(fds: list[int]) -> bool:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    exited: set[int] = set()
+    deadline = time.monotonic() + GONE_WITHIN
+    while len(exited) < len(fds) and time.monotonic() < deadline:
+        exited.update(fd for fd, _ in poller.poll(50))
+    return len(exited) == len(fds)
+
+
+# -- the Pool ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_a_pool_closed_normally_takes_its_workers_descendants(start_method: str) -> None:
+    """A task that leaves processes running: the worker retired at close takes them."""
+    with anyio.fail_after(TIMEOUT):
+        with watching_later() as watch:
+            async with aiomp.Pool(1, start_method=start_method, grace_period=GRACE) as pool:
+                fds = watch(await pool.apply(funcs.descendants))
+            await all_exit(fds)
+
+
+@pytest.mark.anyio
+async def test_a_timed_out_task_takes_its_descendants(gate: Gate) -> None:
+    """``timeout=`` kills the worker, and with it what the task started."""
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.Pool(1, start_method="forkserver", grace_period=GRACE) as pool:
+            await pool.apply(pow, (2, 3))  # the worker is up: the timeout counts the task
+            async with anyio.create_task_group() as tg:
+
+                async def timed_out() -> None:
+                    with pytest.raises(TimeoutError):
+                        await pool.apply(funcs.descendants_then_block, (0, gate.address), timeout=2)
+
+                tg.start_soon(timed_out)
+                pids = await gate.ready(2)
+                with watching(pids.values()) as fds:
+                    await all_exit(fds)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_a_cancelled_task_takes_its_descendants(start_method: str, gate: Gate) -> None:
+    """Cancelling a running sync task kills its worker, and what the task started."""
+    with anyio.fail_after(TIMEOUT), watching_later() as watch:
+        async with aiomp.Pool(1, start_method=start_method, grace_period=GRACE) as pool:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pool.apply, funcs.descendants_then_block, (0, gate.address))
+                    fds = watch((await gate.ready(2)).values())
+                    scope.cancel()
+            await all_exit(fds)  # (outside the cancelled scope: it would not wait)
+
+
+@pytest.mark.anyio
+async def test_descendants_go_where_groups_are_signalled_by_number(
+    gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kernels before 6.9 cannot signal a group through a pidfd: the parent signals it by
+    number while it holds the worker unreaped, the keeper after the worker's exit (fork
+    children inherit the setting). A cancelled task's worker, then a normal close."""
+    monkeypatch.setattr(aiomp._child, "pidfd_groups", False)
+    with anyio.fail_after(TIMEOUT), watching_later() as watch:
+        async with aiomp.Pool(1, start_method="fork", grace_period=GRACE) as pool:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(pool.apply, funcs.descendants_then_block, (0, gate.address))
+                    fds = watch((await gate.ready(2)).values())
+                    scope.cancel()
+            await all_exit(fds)  # (outside the cancelled scope: it would not wait)
+            fds = watch(await pool.apply(funcs.descendants))
+        await all_exit(fds)
+
+
+# -- spawn ------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("start_method", METHODS)
+async def test_a_failed_sibling_takes_the_others_descendants(start_method: str, gate: Gate) -> None:
+    """Rank 1 fails: rank 0 is terminated, and what it started goes with it."""
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(
+            funcs.descendants_or_fail,
+            2,
+            args=(gate.address,),
+            start_method=start_method,
+            grace_period=GRACE,
+        )
+        pids = await gate.ready(3)  # rank 0's two descendants, rank 1 (key 11)
+        with watching([pids[0], pids[1]]) as fds:
+            gate.release(11)
+            with pytest.raises(aiomp.ProcessRaisedException, match="rank 1 failed"):
+                await ctx.join()
+            await all_exit(fds)
+
+
+@pytest.mark.anyio
+async def test_a_function_that_returns_takes_its_descendants(gate: Gate) -> None:
+    """A spawned function that returns, leaving processes running: they end as it exits."""
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(
+            funcs.descendants_then_return,
+            1,
+            args=(gate.address,),
+            start_method="forkserver",
+            grace_period=GRACE,
+        ) as ctx:
+            pids = await gate.ready(3)
+            with watching([pids[0], pids[1]]) as fds:
+                gate.release(10)
+                assert await ctx.join()
+                await all_exit(fds)
+
+
+# -- the parent's death -----------------------------------------------------------------
+
+_PARENT = textwrap.dedent("""
+    import sys
+
+    import anyio
+
+    import aiomp
+    from tests import _funcs_groups as funcs
+
+    async def main():
+        address, method = "\\0" + sys.argv[1], sys.argv[2]
+        async with aiomp.Pool(1, start_method=method) as pool:
+            funcs.report(address, 1, await pool.apply(funcs.descendants))
+            async with aiomp.spawn(funcs.descendants_then_block, 1, args=(address,),
+                                   start_method=method):
+                await anyio.sleep_forever()
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+@pytest.mark.parametrize(
+    ("start_method", "target"),
+    [("spawn", "parent"), ("forkserver", "parent"), ("fork", "parent"), ("spawn", "group")],
+)
+def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: str) -> None:
+    """The parent is SIGKILLed (alone, or with its whole process group, as ``kill -9 -PGID``
+    does): its children die by their parent-death signal, and their keepers (out of the
+    parent's group: no terminal here) take the descendants."""
+    gate = Gate()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, gate.address[1:], start_method],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a group of its own, to SIGKILL whole
+    )
+    try:
+        pids = gate.ready_sync(4, timeout=TIMEOUT)
+        with watching(pids.values()) as fds:
+            if target == "group":
+                os.killpg(parent.pid, signal.SIGKILL)
+            else:
+                parent.kill()
+            parent.communicate(timeout=TIMEOUT)
+            assert all_exit_sync(fds), "descendants outlived their parent's SIGKILL"
+    finally:
+        gate.close()
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+
+
+# -- the terminal -----------------------------------------------------------------------
+
+_CTRL_C_PARENT = textwrap.dedent("""
+    import signal
+    import sys
+
+    import anyio
+
+    import aiomp
+    from tests import _funcs_groups as funcs
+
+    # The parent lets the Ctrl-C pass, so that only the child's answer counts.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    async def main():
+        ctx = await aiomp.spawn(funcs.ready_for_ctrl_c, 1, args=("\\0" + sys.argv[1],),
+                                start_method=sys.argv[2])
+        try:
+            await ctx.join()
+        except aiomp.ProcessRaisedException as exc:
+            print("KeyboardInterrupt in the child" if "KeyboardInterrupt" in exc.msg else exc)
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+# Runs argv with the pty's slave as its controlling terminal (a session of its own whose
+# group is the terminal's foreground group), as a shell runs a program.
+_ON_TERMINAL = "import os, sys; os.login_tty(int(sys.argv[1])); os.execv(sys.argv[2], sys.argv[2:])"
+
+
+@pytest.mark.parametrize("start_method", METHODS)
+def test_ctrl_c_on_the_terminal_still_reaches_a_child(start_method: str, gate: Gate) -> None:
+    """A child leads its own process group now, which a terminal's Ctrl-C does not reach;
+    its keeper stands in the terminal's foreground group and passes the SIGINT on: the
+    child raises KeyboardInterrupt, as it did in its parent's group (R9, torch's
+    behaviour). Run on a real pseudo-terminal; ``\\x03`` is the Ctrl-C."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _ON_TERMINAL,
+            str(slave),
+            sys.executable,
+            "-c",
+            _CTRL_C_PARENT,
+            gate.address[1:],
+            start_method,
+        ],
+        cwd=REPO,
+        pass_fds=[slave],
+    )
+    os.close(slave)
+    output = b""
+    try:
+        gate.ready_sync(1, timeout=TIMEOUT)
+        os.write(master, b"\x03")
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:  # read until the terminal closes (EIO)
+            if not select.select([master], [], [], deadline - time.monotonic())[0]:
+                break
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert proc.wait(timeout=TIMEOUT) == 0, output
+        assert b"KeyboardInterrupt in the child" in output, output
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
