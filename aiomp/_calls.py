@@ -18,13 +18,12 @@ import collections
 import inspect
 import itertools
 import math
-import operator
 import pickle
 import sys
 import types
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Generic, SupportsIndex, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -32,6 +31,7 @@ import anyio.lowlevel
 from . import _process, _transport
 from . import _protocol as P
 from ._errors import BrokenPoolError
+from ._process import count
 from ._scheduler import DONE, QUEUED, Task, fresh
 from ._wakeup import Signal, Wakeup
 
@@ -88,17 +88,6 @@ def _as_args(args: Iterable[Any]) -> tuple[Any, ...]:
             f"{type(args).__name__}; for one argument write apply(fn, (x,))"
         )
     return tuple(args)
-
-
-def count(name: str, value: object) -> int:
-    """``value`` as an int >= 1 (anything with ``__index__``, a numpy integer too, but not a
-    bool): ``TypeError`` for another type, as Python's pools raise, ``ValueError`` below 1."""
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise TypeError(f"{name} must be an int >= 1, not {type(value).__name__} ({value!r})")
-    n = operator.index(value)
-    if n < 1:
-        raise ValueError(f"{name} must be an int >= 1, not {value!r}")
-    return n
 
 
 def fn_info(fn: object) -> _Fn:

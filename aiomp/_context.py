@@ -469,8 +469,7 @@ async def start_children(
 ) -> ProcessContext:
     check_not_bootstrapping()
     _output.check_output(output)
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, not {nprocs!r}")
+    nprocs = _process.count("nprocs", nprocs)
     check_start_method(start_method)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, not {type(args).__name__}")

@@ -187,10 +187,10 @@ class Pool:
         output: _output.Output = "prefix",
     ) -> None:
         # (A wrong type is a TypeError, a number below 1 a ValueError, as Python's pools.)
-        processes = _cpu_count() if processes is None else _calls.count("processes", processes)
-        concurrency = _calls.count("concurrency", concurrency)
+        processes = _cpu_count() if processes is None else _process.count("processes", processes)
+        concurrency = _process.count("concurrency", concurrency)
         if maxtasksperchild is not None:
-            maxtasksperchild = _calls.count("maxtasksperchild", maxtasksperchild)
+            maxtasksperchild = _process.count("maxtasksperchild", maxtasksperchild)
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
         _process.check_start_method(start_method)

@@ -31,6 +31,7 @@ import inspect
 import logging
 import multiprocessing
 import multiprocessing.util
+import operator
 import os
 import pickle
 import select
@@ -41,7 +42,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 import anyio
 
@@ -53,6 +54,17 @@ log = logging.getLogger("aiomp")
 START_METHODS = ("spawn", "forkserver", "fork")
 #: Seconds to wait for a SIGKILLed child to vanish before giving up on it.
 KILL_TIMEOUT = 5.0
+
+
+def count(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (anything with ``__index__``, a numpy integer too, but not a
+    bool): ``TypeError`` for another type, as Python's pools raise, ``ValueError`` below 1."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{name} must be an int >= 1, not {type(value).__name__} ({value!r})")
+    n = operator.index(value)
+    if n < 1:
+        raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+    return n
 
 
 def check_start_method(start_method: str) -> None:

@@ -1053,6 +1053,15 @@ async def test_nprocs_below_one(nprocs: int) -> None:
     _no_process_started()
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("nprocs", [2.0, "2", None, True])
+async def test_nprocs_of_the_wrong_type_is_a_type_error(nprocs: Any) -> None:
+    # Issue 25 item 13: as Python's pools (and aiomp.Pool's counts), a TypeError.
+    with pytest.raises(TypeError, match="nprocs"):
+        await aiomp.spawn(funcs.echo, nprocs)
+    _no_process_started()
+
+
 def _local_function(rank: int) -> int:
     return rank
 
