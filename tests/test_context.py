@@ -1055,7 +1055,7 @@ async def test_nprocs_below_one(nprocs: int) -> None:
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("nprocs", [2.0, "2", None, True])
-async def test_nprocs_of_the_wrong_type_is_a_type_error(nprocs: Any) -> None:
+async def test_nprocs_of_the_wrong_type_is_a_type_error(nprocs: object) -> None:
     # Issue 25 item 13: as Python's pools (and aiomp.Pool's counts), a TypeError.
     with pytest.raises(TypeError, match="nprocs"):
         await aiomp.spawn(funcs.echo, nprocs)
