@@ -76,3 +76,17 @@ def async_calls_without_a_loop(rank: int, q: Any, e: Any) -> list[str]:
                 out.append(str(exc))
     q.sync.put("still usable")
     return out
+
+
+def stop_at(rank: int, q: Any, step: str, item: object, held: Any) -> None:
+    """Put ``item`` and stop this process (SIGSTOP) at ``step`` of the overflow put, while
+    it holds the overflow's lock, once ``held`` is set: the test resumes it (SIGCONT)."""
+    from aiomp import _overflow
+
+    def fault(name: str) -> None:
+        if name == step:
+            held.set()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _overflow.fault = fault
+    q.sync.put(item)
