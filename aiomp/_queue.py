@@ -460,9 +460,9 @@ class Queue:
 
         On cancellation nothing is taken (while the queue's overflow lock is held
         elsewhere, the get waits for it on the loop). Raises
-        :class:`~aiomp.QueueClosed` once the queue is closed and drained, :class:`~aiomp.QueueItemError` for an item that
-        cannot be rebuilt here, and RuntimeError at once where no event loop runs: use
-        ``q.sync.get``.
+        :class:`~aiomp.QueueClosed` once the queue is closed and drained,
+        :class:`~aiomp.QueueItemError` for an item that cannot be rebuilt here, and
+        RuntimeError at once where no event loop runs: use ``q.sync.get``.
         """
         aio = sys.modules.get("asyncio")  # _transport.running_asyncio_loop, inlined
         loop = None if aio is None else aio._get_running_loop()
