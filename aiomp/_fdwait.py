@@ -33,7 +33,7 @@ class FdWaiters:
 
     def waiting(self, fd: int) -> bool:
         """Whether a task waits on ``fd`` now (it must not be closed under it)."""
-        return any(key[0] == fd for key in self._events)
+        return any(key[0] == fd for key in list(self._events))  # a copy: other threads
 
     async def wait(self, fd: int, write: bool = False) -> None:
         """Return once ``fd`` is readable (writable with ``write``), or once the task that

@@ -147,7 +147,7 @@ class _Mutex:
 
     def acquire(self) -> None:
         """Take the mutex, blocking this thread while another holds it (in short waits:
-        signal handlers run in between, and an exception they raise leaves it unheld)."""
+        signal handlers run in between, so Ctrl-C interrupts it)."""
         while True:
             try:
                 if rc := self._trylock(self.addr):
@@ -174,8 +174,13 @@ class _Mutex:
             rc = clocklock(self.addr, time.CLOCK_MONOTONIC, ctypes.byref(when))
             if rc == errno.ETIMEDOUT:
                 continue
-            self.recover(rc)  # held now (or raised): give it straight back
-            self.release()
+            if rc not in (0, errno.EOWNERDEAD):
+                _check(rc)
+            try:  # held now: give it straight back, marked consistent if its holder died
+                if rc:
+                    self.recover(rc)
+            finally:
+                self.release()
             return True
 
     def recover(self, rc: int) -> None:
