@@ -1524,3 +1524,44 @@ def test_two_threads_loops_get_from_one_queue(backends: tuple[str, str]) -> None
     assert sorted(got[0] + got[1]) == list(range(n))
     with pytest.raises(aiomp.Empty):  # not q.empty(): two threads' counts may race (qsize)
         q.get_nowait()
+
+
+@pytest.mark.anyio
+async def test_a_stopped_holder_killed_while_others_wait_for_the_overflow_lock() -> None:
+    """Issue 25 item 2, recovery: while a stopped process holds the overflow's lock, a
+    blocking get (a thread, in timed waits) and an async get (pausing on the loop) wait;
+    SIGKILLed, its lock is recovered (EOWNERDEAD) by whichever comes first, its half-put
+    item is not in the queue, and both gets return."""
+    q = aiomp.Queue(10)
+    q.put_nowait("first")
+    q.put_nowait("second")
+    held = aiomp.Event()
+    with anyio.fail_after(TIMEOUT):
+        ctx = await aiomp.spawn(
+            qfuncs.stop_at,
+            1,
+            args=(q, "producer: record written", "never committed", held),
+            grace_period=GRACE,
+        )
+        await held.wait()
+    got: list[Any] = []
+
+    async def async_get() -> None:
+        got.append(await q.get())
+
+    async def sync_get() -> None:
+        got.append(await anyio.to_thread.run_sync(functools.partial(q.sync.get, timeout=TIMEOUT)))
+
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(async_get)
+            tg.start_soon(sync_get)
+            await anyio.sleep(0.2)  # both are waiting for the lock (nothing to hand-shake)
+            assert got == []
+            os.kill(ctx.pids()[0], signal.SIGKILL)
+        with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
+            await ctx.join()
+    assert sorted(got) == ["first", "second"]
+    assert q.qsize() == 0
+    q.put_nowait("the queue works on")
+    assert q.get_nowait() == "the queue works on"
