@@ -1565,3 +1565,50 @@ async def test_a_stopped_holder_killed_while_others_wait_for_the_overflow_lock()
     assert q.qsize() == 0
     q.put_nowait("the queue works on")
     assert q.get_nowait() == "the queue works on"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+def test_a_blocking_call_waiting_for_a_stopped_holder_can_be_interrupted() -> None:
+    """Issue 25 item 2, the blocking side: ``q.sync.get`` waited in ``pthread_mutex_lock``,
+    where no signal handler runs (Ctrl-C did nothing) and its timeout did not hold, for as
+    long as the holder stayed stopped. Now it waits in timed slices: a signal handler's
+    exception interrupts it, leaving the lock unheld, and a timeout raises Empty/Full."""
+    import multiprocessing
+
+    q = aiomp.Queue(10)
+    q.put_nowait("before")
+    held = aiomp.Event()
+    child = multiprocessing.get_context("fork").Process(
+        target=qfuncs.stop_at, args=(0, q, "producer: record written", "carried", held)
+    )
+    child.start()
+    watchdog = threading.Timer(WATCHDOG, os.kill, (child.pid, signal.SIGCONT))
+    previous = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        assert held.sync.wait(TIMEOUT)
+        watchdog.start()
+        started = time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, 0.2)  # as Ctrl-C would, in the main thread
+        with pytest.raises(_Interrupted):
+            q.sync.get()
+        assert time.monotonic() - started < WATCHDOG / 2, "interrupted only once resumed"
+        with pytest.raises(aiomp.Empty):
+            q.sync.get(timeout=0.1)
+        with pytest.raises(aiomp.Full):
+            q.sync.put("refused", timeout=0.1)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        watchdog.cancel()
+        os.kill(child.pid, signal.SIGCONT)
+    child.join(TIMEOUT)
+    assert child.exitcode == 0
+    child.close()
+    assert drain(q) == ["before", "carried"], "nothing lost, the interrupted get took nothing"
