@@ -3,12 +3,15 @@
 Two tasks must never wait on one fd at once (trio refuses it; asyncio's selector keeps
 only the last reader), so the first waiter waits on the fd and any other waits on an
 event the first sets when it wakes, or when it is cancelled (then one of the others takes
-over). anyio is imported on first use: children import this module without it.
+over). Per thread: two threads' event loops waiting on one fd each have their own first
+waiter, and an event is only ever set by its own loop's thread (issue 25 item 8). anyio is
+imported on first use: children import this module without it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from threading import get_ident
 from typing import Any
 
 
@@ -23,13 +26,14 @@ class FdWaiters:
     __slots__ = ("_events", "_readable")
 
     def __init__(self, readable: Callable[[int], Awaitable[None]] | None = None) -> None:
-        # (fd, write) -> None while one task waits alone, an anyio.Event once others join
-        self._events: dict[tuple[int, bool], Any] = {}
+        # (fd, write, thread) -> None while one task waits alone, an anyio.Event once
+        # others join
+        self._events: dict[tuple[int, bool, int], Any] = {}
         self._readable = readable
 
     def waiting(self, fd: int) -> bool:
         """Whether a task waits on ``fd`` now (it must not be closed under it)."""
-        return (fd, False) in self._events or (fd, True) in self._events
+        return any(key[0] == fd for key in list(self._events))  # a copy: other threads
 
     async def wait(self, fd: int, write: bool = False) -> None:
         """Return once ``fd`` is readable (writable with ``write``), or once the task that
@@ -40,7 +44,7 @@ class FdWaiters:
         """
         import anyio
 
-        key = (fd, write)
+        key = (fd, write, get_ident())
         if key in self._events:
             event = self._events[key]
             if event is None:

@@ -8,6 +8,12 @@ records ``[length, nfds, nonce, pickle bytes]`` from ``head`` to ``tail``, grown
 queue's own socket pair. Every access holds a process-shared robust mutex in the header
 page, and every operation commits with one one-byte store.
 
+The mutex is only ever *tried* by an operation: found held (by another thread, or by a
+process stopped with SIGSTOP or in a debugger while it holds it), the operation raises
+:class:`Busy` having done nothing, and its caller waits its own way (issue 25 item 2): an
+async call on its event loop, a blocking call in :meth:`Overflow.wait_unlocked`. So no
+event loop's thread ever blocks on the mutex.
+
 Why no item is lost or duplicated when any process dies at any instruction, how each
 producer's order is kept (*Order*) and how bounded queues count (*Bounded queues*): the
 section "Queue overflow: no loss or duplication at any instruction" in
@@ -73,6 +79,16 @@ SENT, RECEIVED = 8, 16  # a count's offset in its slot
 fault: Callable[[str], None] | None = None
 
 
+class Busy(Exception):
+    """The overflow's mutex is held by another thread or process: nothing was done. The
+    caller waits for it (:meth:`Overflow.wait_unlocked`, or on its loop) and tries again."""
+
+
+#: How long one timed wait for the mutex lasts: a blocking wait is a series of these, so
+#: that this thread's signal handlers (Ctrl-C) run between them.
+_WAIT_SLICE = 0.05
+
+
 def _take(fd: int) -> bool:
     try:
         os.eventfd_read(fd)
@@ -100,20 +116,23 @@ class _Mutex:
     """The header's process-shared robust mutex, called through ctypes (loaded on first
     use: a child that never overflows a queue never imports ctypes)."""
 
-    __slots__ = ("_anchor", "_lock", "_unlock", "addr")
+    __slots__ = ("_anchor", "_trylock", "_unlock", "addr")
 
     _libc: Any = None
+    _timespec: Any = None  # a struct timespec type, for pthread_mutex_clocklock
 
     def __init__(self, header: mmap.mmap) -> None:
         import ctypes
 
         if _Mutex._libc is None:
             _Mutex._libc = ctypes.CDLL(None, use_errno=True)
+            fields = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+            _Mutex._timespec = type("timespec", (ctypes.Structure,), {"_fields_": fields})
         libc: Any = _Mutex._libc
         self._anchor = (ctypes.c_char * PAGE).from_buffer(header)  # pins the mapping
         # A ready-made argument: ctypes converts nothing per call.
         self.addr = ctypes.c_void_p(ctypes.addressof(self._anchor) + _MUTEX)
-        self._lock = libc.pthread_mutex_lock
+        self._trylock = libc.pthread_mutex_trylock
         self._unlock = libc.pthread_mutex_unlock
 
     def init(self) -> None:
@@ -127,12 +146,48 @@ class _Mutex:
         _check(libc.pthread_mutex_init(self.addr, attr))
 
     def acquire(self) -> None:
-        if rc := self._lock(self.addr):
-            self.recover(rc)
+        """Take the mutex, blocking this thread while another holds it (in short waits:
+        signal handlers run in between, so Ctrl-C interrupts it)."""
+        while True:
+            try:
+                if rc := self._trylock(self.addr):
+                    self.recover(rc)
+                return
+            except Busy:
+                self.wait(None)
+
+    def wait(self, deadline: float | None) -> bool:
+        """Block this thread until the mutex is free (taken and given back at once), or
+        until ``deadline`` (a ``time.monotonic()``) passes: False then. Waits in slices of
+        _WAIT_SLICE, so that signal handlers run in between."""
+        import ctypes
+        import time
+
+        clocklock: Any = _Mutex._libc.pthread_mutex_clocklock
+        when: Any = _Mutex._timespec()
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return False
+            end = now + _WAIT_SLICE if deadline is None else min(deadline, now + _WAIT_SLICE)
+            when.tv_sec, when.tv_nsec = int(end), int(end % 1 * 1e9)
+            rc = clocklock(self.addr, time.CLOCK_MONOTONIC, ctypes.byref(when))
+            if rc == errno.ETIMEDOUT:
+                continue
+            if rc not in (0, errno.EOWNERDEAD):
+                _check(rc)
+            try:  # held now: give it straight back, marked consistent if its holder died
+                if rc:
+                    self.recover(rc)
+            finally:
+                self.release()
+            return True
 
     def recover(self, rc: int) -> None:
-        """After ``pthread_mutex_lock`` returned ``rc`` (not 0): raise, or take over the
-        mutex of a holder that died."""
+        """After a lock call returned ``rc`` (not 0): raise :class:`Busy` if the mutex is
+        held, take over the mutex of a holder that died, or raise OSError."""
+        if rc == errno.EBUSY:
+            raise Busy
         if rc == errno.EOWNERDEAD:
             # Its holder died. The log is consistent at every instruction (see *Queue
             # overflow* in docs/reliability.md): only the mutex needs marking so.
@@ -173,7 +228,9 @@ class Overflow:
         self._poll = select.poll()  # is the socket empty? (no exception, unlike recvmsg)
         self._poll.register(vault_in, select.POLLIN)
         #: ``look(0)``: the socket's poll events, empty while it holds nothing (and is not
-        #: at EOF): :meth:`socket_empty` without its frame, for a queue's hot path.
+        #: at EOF): :meth:`socket_empty` without its frame, for a queue's hot path. It
+        #: raises RuntimeError while another thread of this process is inside it: the
+        #: caller then asks :meth:`socket_empty` (issue 25 item 8).
         self.look = self._poll.poll
 
     @property
@@ -203,6 +260,12 @@ class Overflow:
         mutex = self._mutex or self._make_mutex()
         mutex.acquire()
         return mutex
+
+    def wait_unlocked(self, deadline: float | None = None) -> bool:
+        """After :class:`Busy`: block this thread until the mutex is free, or until
+        ``deadline`` (a ``time.monotonic()``) passes: False then. For blocking callers
+        only (never an event loop's thread); Ctrl-C interrupts it, leaving it unheld."""
+        return (self._mutex or self._make_mutex()).wait(deadline)
 
     def _make_mutex(self) -> _Mutex:
         mutex = self._mutex = _Mutex(self._header)
@@ -293,7 +356,14 @@ class Overflow:
 
     def socket_empty(self) -> bool:
         """Whether the queue's socket holds no datagram (and is not at EOF)."""
-        return not self._poll.poll(0)
+        try:
+            return not self._poll.poll(0)
+        except RuntimeError:
+            # Another thread (another event loop) polls the shared object right now
+            # ("concurrent poll() invocation"): look with a poll object of this call's own.
+            look = select.poll()
+            look.register(self._vault_in, select.POLLIN)
+            return not look.poll(0)
 
     # -- the vault --------------------------------------------------------------------
     def _peek_vault(self) -> tuple[bytes, list[int]] | None:
@@ -350,14 +420,15 @@ class Overflow:
         queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (*Bounded queues*):
         False then also means that the log holds ``limit`` items. Returns False if the
         item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
-        carrying fds): nothing was put. Raises QueueClosed once the queue is closed, or
-        TransportError (no memory, or fd limits): nothing was put.
+        carrying fds): nothing was put. Raises QueueClosed once the queue is closed,
+        TransportError (no memory, or fd limits), or :class:`Busy` (the mutex is held
+        elsewhere): nothing was put.
         """
         # The lock and unlock calls inlined (not _lock()/release()): this runs per item
         # once the socket is full (see *Queue overflow* in docs/architecture.md).
         mutex = self._mutex or self._make_mutex()
-        if rc := mutex._lock(mutex.addr):
-            mutex.recover(rc)
+        if rc := mutex._trylock(mutex.addr):
+            mutex.recover(rc)  # Busy: nothing was done
         try:
             header = self._header
             if used_socket:  # first: whatever happens next, the flag has been passed on
@@ -406,10 +477,11 @@ class Overflow:
 
         A bounded queue passes ``try_socket=None``, its token and room eventfds (see
         Bounded). The caller owns the fds returned. Raises TransportError if the item's fds cannot
-        be received here (this process is at its fd limit): the item stays in the log.
+        be received here (this process is at its fd limit): the item stays in the log; or
+        :class:`Busy` (the mutex is held elsewhere): nothing was taken.
         """
         mutex = self._mutex or self._make_mutex()  # inlined, as in append
-        if rc := mutex._lock(mutex.addr):
+        if rc := mutex._trylock(mutex.addr):
             mutex.recover(rc)
         try:
             header = self._header
@@ -487,7 +559,8 @@ class Overflow:
 
     def close_log(self) -> None:
         """Mark the queue closed, under the lock: an append that has checked it finishes
-        first, so a consumer that finds the log empty after this finds it for good."""
+        first, so a consumer that finds the log empty after this finds it for good. Blocks
+        (interruptibly) while the mutex is held elsewhere."""
         mutex = self._lock()
         try:
             self._header[_CLOSED] = 1

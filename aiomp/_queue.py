@@ -19,7 +19,10 @@ at ``get`` (that item is lost; the queue goes on); exceptions that could not be 
 are refused at ``put``. An :class:`Event` is a flag and a generation in shared memory,
 with a registry of waiting threads' eventfds (see *Event wake-ups*).
 
-Within one process one task waits on an fd (see *One waiter per fd*). Called where no
+Within one process one task waits on an fd (see *One waiter per fd*). No call blocks an
+event loop on the overflow's lock: found held (a process stopped while holding it), an
+async call waits on its loop, cancellably, and a ``*_nowait`` call waits at most
+``NOWAIT_LOCK`` seconds, then raises Empty or Full. Called where no
 event loop runs, ``put``, ``get`` and ``Event.wait`` raise RuntimeError naming the
 ``.sync`` call. Objects rebuilt in a process that already holds the same queue or event
 are that same object; fds are released when the object is garbage-collected. A *child*
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 import weakref
+from threading import get_ident as _get_ident
 
 from . import _lifecycle, _overflow, _reduction, _transport
 from ._errors import CudaIpcError, QueueClosed, QueueItemError
@@ -46,7 +50,7 @@ from ._fdwait import FdWaiters
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import AsyncIterator, Coroutine
+    from collections.abc import AsyncIterator, Callable, Coroutine
     from typing import Any
 
 Full = _stdqueue.Full
@@ -68,6 +72,13 @@ _KIND_DATA = _transport.KIND_DATA
 _DATA = bytes((_KIND_DATA,))
 _NO_FDS: list[int] = []  # never mutated
 _SEND_FLAGS = _transport.SEND_FLAGS
+_Busy = _overflow.Busy
+#: The longest a ``*_nowait`` call waits for the overflow's lock, held by another thread or
+#: process (held for longer, that holder is stopped: the call raises Empty or Full).
+NOWAIT_LOCK = 0.2
+#: An async call's pauses on its loop between tries of a held overflow lock (seconds): a
+#: yield first (the holder, running, is done within microseconds), then growing ones.
+_PAUSES = (0.0, 0.0001, 0.0003, 0.001, 0.003, 0.01)
 
 
 def _eventfd_take(fd: int) -> bool:
@@ -96,6 +107,16 @@ def _trio_running() -> bool:
             return False
         return True
     return False
+
+
+async def _pause(turn: int) -> None:
+    """Wait on the running loop (asyncio, uvloop or trio) before trying the overflow's lock
+    again: the ``turn``-th pause since it was found held. Cancellation leaves nothing."""
+    delay = _PAUSES[min(turn, len(_PAUSES) - 1)]
+    if _transport.running_asyncio_loop() is None:
+        await sys.modules["trio"].sleep(delay)
+    else:
+        await sys.modules["asyncio"].sleep(delay)
 
 
 def _no_loop(call: str, sync_call: str) -> RuntimeError:
@@ -165,8 +186,9 @@ class Queue:
         self._sent = self._received = 0
         # Waits for room (every loop), and for items on a loop without a kept reader.
         self._waiters = FdWaiters(_transport.wait_readable)
-        # trio: fd -> None while one task waits for items, a trio.Event once others join.
-        self._trio_waits: dict[int, Any] = {}
+        # trio: (fd, thread) -> None while one task waits for items, a trio.Event once
+        # others join. Per thread: each thread's trio.run has its own tasks (issue 25 item 8).
+        self._trio_waits: dict[tuple[int, int], Any] = {}
         self.sync = SyncQueue(self)
         self._finalizer = weakref.finalize(self, _close_all, send, recv, self._ovf, items, room)
         _live[token] = self
@@ -212,7 +234,8 @@ class Queue:
 
         After ``close()``, ``put`` raises :class:`~aiomp.QueueClosed` anywhere, and ``get``
         returns the items already queued (overflow included) and then raises
-        QueueClosed; ``async for`` over the queue ends. Idempotent.
+        QueueClosed; ``async for`` over the queue ends. Idempotent. Takes the overflow's
+        lock: while a stopped process holds it, this blocks (Ctrl-C interrupts it).
         """
         self._ovf.close_log()
         try:
@@ -260,13 +283,20 @@ class Queue:
                 self._count_sent()
                 return True
         used, self._used_socket = self._used_socket, False
-        return self._ovf.append(body, _NO_FDS, lambda: self._send_now(_DATA + body, _NO_FDS), used)
+        try:
+            return self._ovf.append(
+                body, _NO_FDS, lambda: self._send_now(_DATA + body, _NO_FDS), used
+            )
+        except _Busy:
+            self._restore_used(used)
+            raise
 
     def _try_put(self, msg: _reduction.Message) -> bool:
         """Put if there is room: True if put (socket or overflow).
 
         False: a bounded queue is full, or the overflow cannot park the item's fds now;
-        wait on ``_room``. Raises QueueClosed (or TransportError); nothing is put then.
+        wait on ``_room``. Raises QueueClosed (or TransportError), or _Busy (the
+        overflow's lock is held elsewhere: wait for it); nothing is put then.
         """
         if self._maxsize:  # every item through the log: the bound is its committed count
             return self._ovf.append(msg.body, msg.fds, None, False, self._maxsize, self._items)
@@ -275,7 +305,19 @@ class Queue:
         if not self._hint[HINT] and self._send_now(*msg.datagram()):
             return True
         used, self._used_socket = self._used_socket, False
-        return self._ovf.append(msg.body, msg.fds, lambda: self._send_now(*msg.datagram()), used)
+        try:
+            return self._ovf.append(
+                msg.body, msg.fds, lambda: self._send_now(*msg.datagram()), used
+            )
+        except _Busy:
+            self._restore_used(used)
+            raise
+
+    def _restore_used(self, used: bool) -> None:
+        """An append found the overflow's lock held: the flag it was to pass on stays
+        with this process. Only ever set again (another thread may have set it since)."""
+        if used:
+            self._used_socket = True
 
     def _put_wait_fd(self, msg: _reduction.Message) -> int:
         """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
@@ -288,7 +330,8 @@ class Queue:
 
     def _try_get(self, blocking: bool = False, peek: bool = False) -> object:
         """An item, or _MISSING. ``peek``: look with ``poll`` before reading, so that an
-        empty socket costs no exception (a get about to wait usually finds it empty)."""
+        empty socket costs no exception (a get about to wait usually finds it empty).
+        Raises _Busy (nothing taken) while the overflow's lock is held elsewhere."""
         if self._maxsize:
             popped = self._ovf.pop(None, self._items, self._room)
             if popped is None:
@@ -305,8 +348,13 @@ class Queue:
                     if fds and not from_socket:
                         os.eventfd_write(self._room, 1)  # the vault has room again
                     return _load(body, fds)
-            if peek and not hint[HINT] and not self._look(0):  # _ovf.socket_empty, inlined
-                return _MISSING
+            if peek and not hint[HINT]:
+                try:
+                    if not self._look(0):  # _ovf.socket_empty, inlined
+                        return _MISSING
+                except RuntimeError:  # another thread polls it now (issue 25 item 8)
+                    if self._ovf.socket_empty():
+                        return _MISSING
             # Blocking in recvmsg is safe only while the overflow is empty: it becomes
             # non-empty only when the socket is full, which wakes this recvmsg.
             try:
@@ -328,6 +376,17 @@ class Queue:
                 return _load(memoryview(data)[1:], fds)
             _, body, fds = _transport.decode(data, fds)
             return _load(body, fds)
+
+    def _when_unlocked(self, call: Callable[[], Any], deadline: float | None) -> Any:
+        """``call()`` again each time the overflow's lock, found held, is free: its
+        result, or _MISSING once ``deadline`` passes first. Blocks this thread: a blocking
+        call's, or a ``*_nowait`` call's bounded wait."""
+        while self._ovf.wait_unlocked(deadline):
+            try:
+                return call()
+            except _Busy:
+                pass
+        return _MISSING
 
     def _recv_locked(self) -> _overflow.Popped | None:
         """The overflow's look at the socket, under its mutex: ``(body, fds, True)`` or
@@ -368,7 +427,8 @@ class Queue:
     def put(self, obj: object) -> Coroutine[Any, Any, None]:
         """Put ``obj`` (``await q.put(obj)``), waiting only while a bounded queue is full.
 
-        Pickling errors raise here. On cancellation nothing has been put.
+        Pickling errors raise here. On cancellation nothing has been put (while the
+        queue's overflow lock is held elsewhere, the put waits for it on the loop).
         Raises :class:`~aiomp.QueueClosed` once the queue is closed, and RuntimeError at
         once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
@@ -378,22 +438,34 @@ class Queue:
         return self._put(obj)
 
     async def _put(self, obj: object) -> None:
-        if self._put_plain(obj):
-            return
+        try:
+            if self._put_plain(obj):
+                return
+        except _Busy:
+            pass  # the overflow's lock is held: the general path waits for it
         with _message(obj) as msg:
-            while not self._try_put(msg):
-                fd = self._put_wait_fd(msg)
+            turn = 0
+            while True:
+                try:
+                    if self._try_put(msg):
+                        return
+                    fd = self._put_wait_fd(msg)
+                except _Busy:
+                    await _pause(turn)
+                    turn += 1
+                    continue
                 if fd < 0:
-                    break
+                    return
                 await self._waiters.wait(fd)
 
     def get(self) -> Coroutine[Any, Any, Any]:
         """Remove and return an item (``await q.get()``), waiting while the queue is empty.
 
-        On cancellation nothing is taken. Raises :class:`~aiomp.QueueClosed` once the
-        queue is closed and drained, :class:`~aiomp.QueueItemError` for an item that
-        cannot be rebuilt here, and RuntimeError at once where no event loop runs: use
-        ``q.sync.get``.
+        On cancellation nothing is taken (while the queue's overflow lock is held
+        elsewhere, the get waits for it on the loop). Raises
+        :class:`~aiomp.QueueClosed` once the queue is closed and drained,
+        :class:`~aiomp.QueueItemError` for an item that cannot be rebuilt here, and
+        RuntimeError at once where no event loop runs: use ``q.sync.get``.
         """
         aio = sys.modules.get("asyncio")  # _transport.running_asyncio_loop, inlined
         loop = None if aio is None else aio._get_running_loop()
@@ -405,14 +477,27 @@ class Queue:
         """``loop``: the running asyncio loop, None on trio."""
         # Look before reading only if the last get had to wait: a poll costs less than an
         # empty read's exception, but is wasted where items are waiting (a busy consumer).
-        item = self._try_get(peek=self._waited)
+        busy = False
+        try:
+            item = self._try_get(peek=self._waited)
+        except _Busy:
+            item, busy = _MISSING, True
         if item is not _MISSING:
             self._waited = False
             return item
         self._waited = True
+        turn = 0
         while item is _MISSING:
-            await self._wait_readable(self._wait_fd, loop)
-            item = self._try_get()
+            if busy:  # the overflow's lock is held elsewhere: pause on the loop, try again
+                await _pause(turn)
+                turn += 1
+            else:
+                await self._wait_readable(self._wait_fd, loop)
+            try:
+                item = self._try_get()
+                busy = False
+            except _Busy:
+                busy = True
         return item
 
     async def _wait_readable(self, fd: int, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -427,17 +512,18 @@ class Queue:
             # task waits on the fd; the others on an event it sets when it wakes or is
             # cancelled, so that one of them takes over.
             waits = self._trio_waits
-            if fd in waits:
-                event = waits[fd]
+            key = (fd, _get_ident())
+            if key in waits:
+                event = waits[key]
                 if event is None:
-                    event = waits[fd] = sys.modules["trio"].Event()
+                    event = waits[key] = sys.modules["trio"].Event()
                 await event.wait()
                 return
-            waits[fd] = None
+            waits[key] = None
             try:
                 await sys.modules["trio"].lowlevel.wait_readable(fd)
             finally:
-                event = waits.pop(fd)
+                event = waits.pop(key)
                 if event is not None:
                     event.set()
             return
@@ -453,12 +539,21 @@ class Queue:
 
     def put_nowait(self, obj: object) -> None:
         """Put ``obj`` at once. Raises :class:`aiomp.Full` if a bounded queue is full (or,
-        unbounded, if the overflow cannot park any more fds: see the module docstring)."""
-        if self._put_plain(obj):
-            return
+        unbounded, if the overflow cannot park any more fds: see the module docstring, or
+        if its lock stays held elsewhere for NOWAIT_LOCK seconds)."""
+        try:
+            if self._put_plain(obj):
+                return
+        except _Busy:
+            pass  # the general path waits for the lock
         msg = _message(obj)
         try:  # not `with`: this is the hot path of a producer that never waits
-            if self._try_put(msg):
+            try:
+                put = self._try_put(msg)
+            except _Busy:
+                deadline = time.monotonic() + NOWAIT_LOCK
+                put = self._when_unlocked(lambda: self._try_put(msg), deadline) is True
+            if put:
                 msg.close()
                 return
         except BaseException:
@@ -468,8 +563,12 @@ class Queue:
         raise Full
 
     def get_nowait(self) -> Any:
-        """Remove and return an item if one is there, else raise :class:`aiomp.Empty`."""
-        item = self._try_get()
+        """Remove and return an item if one is there, else raise :class:`aiomp.Empty` (also
+        if the queue's overflow lock stays held elsewhere for NOWAIT_LOCK seconds)."""
+        try:
+            item = self._try_get()
+        except _Busy:
+            item = self._when_unlocked(self._try_get, time.monotonic() + NOWAIT_LOCK)
         if item is _MISSING:
             raise Empty
         return item
@@ -495,36 +594,57 @@ class SyncQueue:
         self._q = q
 
     def put(self, obj: object, timeout: float | None = None) -> None:
-        """Put ``obj``, blocking only while a bounded queue is full; :class:`aiomp.Full`
-        after ``timeout`` s."""
+        """Put ``obj``, blocking only while a bounded queue is full (or the queue's
+        overflow lock is held elsewhere); :class:`aiomp.Full` after ``timeout`` s."""
         q = self._q
-        if q._put_plain(obj):
-            return
+        try:
+            if q._put_plain(obj):
+                return
+        except _Busy:
+            pass  # the general path waits for the lock
         deadline = None if timeout is None else time.monotonic() + timeout
         with _message(obj) as msg:
-            while not q._try_put(msg):
-                fd = q._put_wait_fd(msg)
+            while True:
+                try:
+                    if q._try_put(msg):
+                        return
+                    fd = q._put_wait_fd(msg)
+                except _Busy:
+                    if not q._ovf.wait_unlocked(deadline):
+                        raise Full from None
+                    continue
                 if fd < 0:
-                    break
+                    return
                 if not _transport.wait_fd_sync(fd, deadline=deadline):
                     raise Full
 
     def get(self, timeout: float | None = None) -> Any:
-        """Remove and return an item, blocking while empty; :class:`aiomp.Empty` after
-        ``timeout`` s; :class:`aiomp.QueueClosed` once closed and drained."""
+        """Remove and return an item, blocking while empty (or while the queue's overflow
+        lock is held elsewhere); :class:`aiomp.Empty` after ``timeout`` s;
+        :class:`aiomp.QueueClosed` once closed and drained."""
         q = self._q
         if timeout is None and not q._maxsize:
             # One blocking recvmsg: waking a process blocked in recvmsg costs far less
             # than waking one blocked in poll. (If an event loop somewhere made the
             # socket non-blocking, this returns at once and we poll below.)
-            item = q._try_get(blocking=True)
+            try:
+                item = q._try_get(blocking=True)
+            except _Busy:
+                item = _MISSING
             if item is not _MISSING:
                 return item
         deadline = None if timeout is None else time.monotonic() + timeout
-        while (item := q._try_get()) is _MISSING:
+        while True:
+            try:
+                item = q._try_get()
+            except _Busy:
+                if not q._ovf.wait_unlocked(deadline):
+                    raise Empty from None
+                continue
+            if item is not _MISSING:
+                return item
             if not _transport.wait_fd_sync(q._wait_fd, deadline=deadline):
                 raise Empty
-        return item
 
     def __iter__(self) -> Any:
         while True:

@@ -327,14 +327,20 @@ async def wait_readable(fd: int) -> None:
 
 def kept_readable(loop: Any, fd: int) -> asyncio.Future[None] | None:
     """A future of ``loop`` resolved once ``fd`` is readable, through the reader kept for
-    ``fd`` (made on first use), or None where no reader can be kept (a task of another
-    thread's loop waits on ``fd``, or the loop has no ``add_reader``): then wait another
-    way. Any number of tasks may wait on one fd this way: the reader resolves every
-    future it holds. The caller awaits it with :func:`wait_kept`."""
+    ``fd`` (made on first use), or None where no reader can be kept (another loop's
+    task waits on ``fd``, another thread's running loop keeps it, or the loop has no
+    ``add_reader``): then wait another way. Any number of tasks may wait on one fd this
+    way: the reader resolves every future it holds. The caller awaits it with
+    :func:`wait_kept`."""
     reader = _readers.get(fd)
     if reader is None or reader.loop is not loop:
         if reader is not None:
-            if reader.waiters:  # a task of another loop (thread) waits: leave its reader be
+            if reader.waiters or (
+                reader.thread != threading.get_ident() and reader.loop.is_running()
+            ):
+                # A task of another loop waits, or another thread's loop runs (it may be
+                # adding a waiter right now: only its thread changes its reader; issue 25
+                # item 8): leave its reader be.
                 return None
             reader.remove()
         if type(loop) in _readerless:

@@ -101,3 +101,17 @@ async def event_wait_reported(rank: int, go: Any, ready: Any, timeout: float) ->
 def event_sync_wait(rank: int, go: Any, timeout: float) -> bool:
     """``go.sync.wait(timeout)``: True once a set() reached it."""
     return bool(go.sync.wait(timeout=timeout))
+
+
+def stop_at(rank: int, q: Any, step: str, item: object, held: Any) -> None:
+    """Put ``item`` and stop this process (SIGSTOP) at ``step`` of the overflow put, while
+    it holds the overflow's lock, once ``held`` is set: the test resumes it (SIGCONT)."""
+    from aiomp import _overflow
+
+    def fault(name: str) -> None:
+        if name == step:
+            held.set()
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    _overflow.fault = fault
+    q.sync.put(item)
