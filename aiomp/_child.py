@@ -97,6 +97,7 @@ def begin(
     if output is not None:
         redirect_output(output)
     reset_signals()
+    forget_async_library()
     set_parent_death_signal()
     # Reparented to init: our parent died (a forkserver child's parent is the server,
     # which exits with our parent once release_forkserver has let go of it).
@@ -289,6 +290,16 @@ def new_runner() -> asyncio.Runner:
     except ImportError:
         factory = asyncio.new_event_loop
     return asyncio.Runner(loop_factory=factory)
+
+
+def forget_async_library() -> None:
+    """A fork of a trio task keeps sniffio's mark that trio runs this thread (and anyio's,
+    that asyncio does): clear both, or this child's own event loop would be taken for the
+    parent's by anyio and every library that asks sniffio."""
+    sniffio = sys.modules.get("sniffio")
+    if sniffio is not None:
+        sniffio.thread_local.name = None
+        sniffio.current_async_library_cvar.set(None)
 
 
 def reset_signals() -> None:

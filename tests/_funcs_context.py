@@ -70,3 +70,10 @@ def thread_outlives_fn(rank: int, directory: str) -> None:
         open(f"{directory}/thread-{rank}", "w").close()
 
     threading.Thread(target=late).start()
+
+
+async def async_library(rank: int) -> str:
+    """What sniffio (and so anyio) says runs this child's event loop."""
+    import sniffio
+
+    return str(sniffio.current_async_library())

@@ -1362,3 +1362,17 @@ def test_pid_alive_counts_a_zombie_and_a_reaped_pid_as_dead() -> None:
     assert not pid_alive(proc.pid)
     proc.wait()
     assert not pid_alive(proc.pid)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("trio", {})], ids=["trio"])
+@pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
+async def test_a_child_forked_from_trio_runs_asyncio_as_asyncio() -> None:
+    # Found while fixing issue 25 item 6: the fork kept sniffio's mark that trio runs the
+    # thread, so anyio in the child's own asyncio loop took it for trio and failed.
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.spawn(
+            funcs_context.async_library, 1, start_method="fork", grace_period=GRACE
+        ) as ctx:
+            pass
+    assert ctx.results == ["asyncio"]
