@@ -231,7 +231,8 @@ def _keep(pidfd: int, leader: int, stand_in: int, mask: set[int | signal.Signals
     waits for their hang-up), its output (the forwarder reads to end of file) or any of
     the caller's files. ``stand_in``: the terminal's foreground group to stand in and
     pass signals on from; 0: stay in the child's group and ignore them, so that the
-    parent's SIGTERM to the group does not end the keeper before the child. ``mask``:
+    parent's SIGTERM to the group does not end the keeper before the child (every other
+    signal it ignores either way). ``mask``:
     the signal mask to restore once its handlers are in place.
 
     Its last act is safe by number too (before Linux 6.9): it signals after the leader's
@@ -253,6 +254,7 @@ def _keep(pidfd: int, leader: int, stand_in: int, mask: set[int | signal.Signals
 
         for sig in PASSED_ON:
             signal.signal(sig, handler)
+        _ignore_the_rest()
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         _prctl(_PR_SET_NAME, b"aiomp-keeper")
         import select
@@ -263,6 +265,20 @@ def _keep(pidfd: int, leader: int, stand_in: int, mask: set[int | signal.Signals
         signal_group(pidfd, leader, signal.SIGKILL, by_number=True)
     finally:
         os._exit(0)
+
+
+def _ignore_the_rest() -> None:
+    """The keeper ignores every signal it does not pass on: one sent to the whole group
+    it stands in (the child's: a task's ``os.killpg(0, SIGUSR1)`` to poke what it started;
+    or the terminal's) must not end it before its child, or the child's group outlives
+    the child."""
+    for sig in signal.valid_signals():
+        if sig in PASSED_ON or sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_IGN)
+        except (OSError, ValueError):  # pragma: no cover - one the C library reserves
+            pass
 
 
 def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:

@@ -67,3 +67,13 @@ def ready_for_ctrl_c(rank: int, address: str) -> None:
 
     gate_connect(rank, address).close()
     wait_for_signals()
+
+
+def descendants_after_group_signal(*_: object) -> list[int]:
+    """Start descendants that, as this process, ignore SIGUSR1, then send SIGUSR1 to the
+    whole process group (as code that pokes every helper it started does) and return
+    their pids, leaving them running."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    pids = start_descendants()
+    os.killpg(0, signal.SIGUSR1)
+    return pids

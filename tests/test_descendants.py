@@ -317,3 +317,18 @@ def test_ctrl_c_on_the_terminal_still_reaches_a_child(start_method: str, gate: G
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- what the keeper must not do --------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_signal_to_the_childs_own_group_leaves_the_keeper() -> None:
+    """A task sends SIGUSR1 to its worker's whole group (everything it started ignores
+    it): the keeper, in that group, must not die of it, or the descendants outlive the
+    worker (review of issue 25 item 5: the keeper ignored only the terminal's signals)."""
+    with anyio.fail_after(TIMEOUT):
+        with watching_later() as watch:
+            async with aiomp.Pool(1, start_method="forkserver", grace_period=GRACE) as pool:
+                fds = watch(await pool.apply(funcs.descendants_after_group_signal))
+            await all_exit(fds)
