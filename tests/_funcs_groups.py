@@ -77,3 +77,17 @@ def descendants_after_group_signal(*_: object) -> list[int]:
     pids = start_descendants()
     os.killpg(0, signal.SIGUSR1)
     return pids
+
+
+def reaps_to_the_last_child(*_: object) -> str:
+    """Start a process, reap it with ``os.wait()``, then ask (without waiting) whether any
+    child is left: "none left" is what a reap-them-all loop needs to end."""
+    import subprocess
+
+    subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+    os.wait()
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return "none left"
+    return "a child is left, still running" if pid == 0 else f"reaped {pid}"

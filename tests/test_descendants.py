@@ -332,3 +332,82 @@ async def test_a_signal_to_the_childs_own_group_leaves_the_keeper() -> None:
             async with aiomp.Pool(1, start_method="forkserver", grace_period=GRACE) as pool:
                 fds = watch(await pool.apply(funcs.descendants_after_group_signal))
             await all_exit(fds)
+
+
+@pytest.mark.anyio
+@pytest.mark.xfail(
+    strict=True,
+    reason="the keeper is the child's own child: os.wait() in a task never finds the "
+    "children all reaped (a reap-until-ECHILD loop hangs until the worker ends)",
+)
+async def test_a_task_that_reaps_every_child_finds_none_left() -> None:
+    """A task that reaps its children until none is left (``os.wait()`` until
+    ChildProcessError) must get there: before the keeper it did; now the keeper, a child
+    of the worker that exits only after it, is always left (review of issue 25 item 5)."""
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.Pool(1, start_method="forkserver", grace_period=GRACE) as pool:
+            assert await pool.apply(funcs.reaps_to_the_last_child) == "none left"
+
+
+_SUBREAPER = textwrap.dedent("""
+    import ctypes
+    import os
+    import time
+
+    import anyio
+
+    import aiomp
+
+    def children():
+        \"\"\"(state, name) of each child of this process.\"\"\"
+        out = []
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                for pid in f.read().split():
+                    try:
+                        with open(f"/proc/{pid}/stat") as stat:
+                            fields = stat.read().rsplit(")", 1)
+                    except FileNotFoundError:
+                        continue
+                    out.append((fields[1].split()[0], fields[0].split("(", 1)[1]))
+        return out
+
+    async def main():
+        ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER, as PID 1 in a container
+        async with aiomp.Pool(1, maxtasksperchild=1, start_method="forkserver") as pool:
+            for _ in range(3):
+                await pool.apply(os.getpid)
+        # The workers are reaped: each keeper is ours now (re-parented) or gone. Wait
+        # (bounded) until none runs any more: it kills its worker's group, then exits.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            keepers = [state for state, name in children() if name == "aiomp-keeper"]
+            if all(state == "Z" for state in keepers):
+                break
+            time.sleep(0.05)
+        print("zombie keepers:", keepers.count("Z"))
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a keeper outlives its child and is re-parented to the nearest subreaper "
+    "(PID 1 in a container: the aiomp parent itself), which never reaps it",
+)
+def test_keepers_leave_no_zombies_in_a_subreaper_parent() -> None:
+    """The parent is a subreaper (``PR_SET_CHILD_SUBREAPER``, or PID 1 in a container
+    started without an init): each keeper, orphaned when its child ends, becomes the
+    parent's child, and a zombie there for good, one per child started (a Pool with
+    ``maxtasksperchild`` runs out of pids). Review of issue 25 item 5."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SUBREAPER],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 2,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "zombie keepers: 0" in out.stdout, out.stdout
