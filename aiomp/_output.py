@@ -24,10 +24,11 @@ subprocess, ``os.fork``) hold copies of its stdout and stderr, so each stream is
 until end-of-file. :meth:`Forwarder.child_exited` notes what the child left queued
 (:func:`forwarded` waits for that: what ``join`` returns after); the forwarder releases
 its fds by itself once both streams have ended. When the spawn or pool closes,
-:func:`close_all` waits up to :data:`LINGER` seconds for the streams' end, then
-:meth:`Forwarder.close` reads once more, flushes the last partial lines, logs what it
-could not read, and detaches. The Pool uses one Forwarder per worker, with
-``label="worker"``, its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
+:func:`close_all` forwards what the child left, waits up to :data:`LINGER` seconds more
+for the streams' end, then :meth:`Forwarder.close` reads once more, flushes the last
+partial lines, logs what it could not read, and detaches (see *Output forwarding* in
+docs/architecture.md). The Pool uses one Forwarder per worker, with ``label="worker"``,
+its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
 """
 
 from __future__ import annotations
@@ -578,20 +579,23 @@ async def forwarded(forwarders: Iterable[Forwarder | None]) -> None:
 
 
 async def close_all(forwarders: Iterable[Forwarder | None], linger: float = LINGER) -> None:
-    """Close ``forwarders``, whose children have exited: wait up to ``linger`` seconds
-    (for them all) for their streams to end, forwarding as they go, then
-    :meth:`Forwarder.close` each (one more bounded read; what is left is logged).
+    """Close ``forwarders``, whose children have exited: forward all the children wrote
+    (:func:`forwarded`), wait up to ``linger`` seconds more (for them all) for streams
+    that the children's own children still hold to end, then :meth:`Forwarder.close`
+    each (one more bounded read; what is left is logged). ``linger <= 0``: close now.
 
-    Shielded: a cancellation does not cut the wait short (it is bounded). An interruption
-    that passes the shield (a native asyncio cancellation, KeyboardInterrupt) closes
-    them at once and goes on.
+    Shielded: a cancellation does not cut it short (it is bounded, by what the socket
+    buffers held and ``linger``). An interruption that passes the shield (a native
+    asyncio cancellation, KeyboardInterrupt) closes them at once and goes on.
     """
     live = [f for f in forwarders if f is not None and not f.closed]
     try:
         if live and linger > 0:
-            with anyio.move_on_after(linger, shield=True):
-                for f in live:
-                    await f._until(f._ended)
+            with anyio.CancelScope(shield=True):
+                await forwarded(live)
+                with anyio.move_on_after(linger):
+                    for f in live:
+                        await f._until(f._ended)
     finally:
         for f in live:
             f.close()
