@@ -455,10 +455,10 @@ class ProcessContext:
         ``grace_period=0`` SIGKILLs at once. Once started it cannot be broken (see
         :func:`terminate_all`): a cancellation or KeyboardInterrupt that arrives meanwhile
         cuts the grace period short (SIGKILL now), and is re-raised once every process has
-        been reaped. Then their output is forwarded to its end, waiting at most
-        ``_output.LINGER`` seconds for streams that their own children still hold, and
-        the forwarders are closed. Bounded: about ``grace_period + KILL_TIMEOUT +
-        LINGER`` seconds at most.
+        been reaped. Then what they wrote is forwarded, streams that their own children
+        still hold get ``_output.LINGER`` seconds more to end, and the forwarders are
+        closed. Bounded: about ``grace_period + KILL_TIMEOUT + LINGER`` seconds, plus the
+        time to forward what they left in their socket buffers.
         """
         grace = self.grace_period if grace_period is None else grace_period
         try:
