@@ -418,6 +418,8 @@ class ProcessContext:
     async def join(self, timeout: float | None = None) -> bool:
         """Wait for every process to exit successfully: True, or False if ``timeout`` passes.
 
+        It returns once what they wrote before they exited has been forwarded.
+
         On the first failure the others are terminated (SIGTERM, the grace period, SIGKILL)
         and the failure is raised: a :class:`ProcessRaisedException` or a
         :class:`ProcessExitedException`. Calling it again raises the same failure.
@@ -434,6 +436,10 @@ class ProcessContext:
                 if self._first_failure() is None:
                     with anyio.move_on_after(timeout):
                         await self._watch_all()
+                        if self._first_failure() is None:
+                            # what they wrote before they exited (their own children
+                            # may write on: that is forwarded until the context closes)
+                            await _output.forwarded(c.output for c in self._children)
         except BaseException:
             await self.terminate()
             raise
@@ -449,10 +455,24 @@ class ProcessContext:
         ``grace_period=0`` SIGKILLs at once. Once started it cannot be broken (see
         :func:`terminate_all`): a cancellation or KeyboardInterrupt that arrives meanwhile
         cuts the grace period short (SIGKILL now), and is re-raised once every process has
-        been reaped. Bounded: about ``grace_period + KILL_TIMEOUT`` seconds at most.
+        been reaped. Then what they wrote is forwarded, streams that their own children
+        still hold get ``_output.LINGER`` seconds more to end, and the forwarders are
+        closed. Bounded: about ``grace_period + KILL_TIMEOUT + LINGER`` seconds, plus the
+        time to forward what they left in their socket buffers.
         """
         grace = self.grace_period if grace_period is None else grace_period
-        await _process.terminate_all(self._children, grace)
+        try:
+            await _process.terminate_all(self._children, grace)
+        except BaseException:
+            await self._close_output(now=True)
+            raise
+        await self._close_output()
+
+    async def _close_output(self, now: bool = False) -> None:
+        """Close the children's forwarders (see :func:`_output.close_all`): at once with
+        ``now``."""
+        forwarders = [c.output for c in self._children]
+        await _output.close_all(forwarders, 0 if now else _output.LINGER)
 
 
 # -- starting ----------------------------------------------------------------------
@@ -504,7 +524,10 @@ async def start_children(
             except _transport.Closed:
                 pass  # it died already; join reports how
     except BaseException:
-        await _process.terminate_all(children, 0)  # not started yet: nothing to wait for
+        try:
+            await _process.terminate_all(children, 0)  # not started yet: nothing to wait for
+        finally:
+            await _output.close_all([c.output for c in children], 0)
         raise
     finally:
         payload.close()
@@ -550,6 +573,8 @@ class SpawnHandle:
     terminates the others and cancels the body, and leaving the block raises that failure.
     Leaving normally joins every process. Leaving by an exception or a cancellation
     terminates them (SIGTERM, the grace period, SIGKILL), reaps them and re-raises.
+    Either way their output is then forwarded to its end, waiting at most
+    ``_output.LINGER`` seconds for streams their own children still hold.
     """
 
     def __init__(
@@ -618,8 +643,12 @@ class SpawnHandle:
         finally:
             # Any way out but a clean join (the body raised, a child failed, or we were
             # cancelled while waiting for the children) terminates and reaps them.
-            if not clean or ctx._failure is not None:
-                await ctx.terminate()
+            try:
+                if not clean or ctx._failure is not None:
+                    await ctx.terminate()
+            finally:
+                # Their output to its end: bounded, even if their children hold it.
+                await ctx._close_output()
         if ctx._failure is not None and (exc is None or swallowed):
             raise ctx._failure
         return False

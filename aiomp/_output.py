@@ -15,22 +15,35 @@ logging record is re-emitted with ``logging.getLogger(record.name).handle(record
 ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` set; the child's side is
 :func:`aiomp._child.forward_logging`.
 
-Nothing is lost: :meth:`Forwarder.close`, once the child has exited, reads what is left
-(what it wrote just before a SIGSEGV or SIGKILL included) and flushes a last partial
-line. The Pool uses one Forwarder per worker, with ``label="worker"``, its
-:meth:`child_ends` passed to ``_process.launch(..., output=...)``.
+Each turn of the loop reads at most :data:`_CHUNK` bytes of a stream and then yields, so a
+child that writes faster than the parent forwards (or for ever) never holds the loop: it
+waits in ``write()`` meanwhile, as it does when the loop is busy (issue 25 item 1).
+
+Nothing is lost, and a child's exit does not end its output: its own children (a
+subprocess, ``os.fork``) hold copies of its stdout and stderr, so each stream is read
+until end-of-file. :meth:`Forwarder.child_exited` notes what the child left queued
+(:func:`forwarded` waits for that: what ``join`` returns after); the forwarder releases
+its fds by itself once both streams have ended. When the spawn or pool closes,
+:func:`close_all` forwards what the child left, waits up to :data:`LINGER` seconds more
+for the streams' end, then :meth:`Forwarder.close` reads once more, flushes the last
+partial lines, logs what it could not read, and detaches (see *Output forwarding* in
+docs/architecture.md). The Pool uses one Forwarder per worker, with ``label="worker"``,
+its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import re
 import socket
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from . import _transport
 
@@ -48,8 +61,17 @@ STREAMS = ("stdout", "stderr")
 #: The parent's streams found to be a closed pipe (``prog | head``): writing to them again
 #: would fail again, so their lines are only counted.
 _closed_sinks: weakref.WeakSet[object] = weakref.WeakSet()
-_CHUNK = 256 * 1024
+#: What one turn of the loop reads of a stream, at most, before it yields: a few ms of
+#: work (64 KiB of 2-byte lines is the worst case), never a drain until EAGAIN, which a
+#: child writing faster than the parent forwards would never let end (issue 25 item 1).
+_CHUNK = 64 * 1024
 _RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr as text
+_RECORDS_PER_TURN = 16  # logging records one turn reads, at most
+#: When a spawn or pool closes, how long its forwarders wait for streams that a process
+#: the child started (a grandchild) still holds open to end, before they detach.
+LINGER = 1.0
+#: What a turn of reading left: more may be there now, nothing is there now, the end.
+_MORE, _IDLE, _END = 0, 1, 2
 #: Once a child's output is readable, wait this long before reading it, so that a child
 #: writing many small pieces (unbuffered, PYTHONUNBUFFERED=1) costs the parent one
 #: wake-up per batch, not one per write. Only while output flows; the line is late by
@@ -79,7 +101,10 @@ class Forwarder:
 
     Create it before the child starts, pass :meth:`child_ends` to the child, call
     :meth:`start` once the child has started (on the loop's thread, in a task), and
-    :meth:`close` once it has exited. ``close`` never waits and is safe to repeat.
+    :meth:`child_exited` once it has exited. It then forwards until both streams end
+    (the child's own children may hold them) and releases its fds by itself; when its
+    spawn or pool closes, :func:`close_all` (or :meth:`close`, now) ends it. Neither
+    waits in a loop callback, and both are safe to repeat.
     """
 
     def __init__(self, rank: int, output: Output, label: str = "rank") -> None:
@@ -87,23 +112,31 @@ class Forwarder:
         self._label = label
         self._prefix = f"[{label} {rank}] "
         self._output = output
-        self._parent: list[socket.socket | None] = []
+        self._parent: list[socket.socket | None] = [None, None, None]  # ours, per socket
         self._child: list[socket.socket] = []
         self._partial = [bytearray(), bytearray()]  # a line's start, per stream
         self._open = [False, False]  # "prefix": a redraw was written, its line not ended
         self._lost = [0, 0]  # lines the sink did not take, per stream
         self._reported = False  # the first failure of the sink was logged
+        self._got = [0, 0]  # bytes read so far, per stream
+        #: At the child's exit: the bytes read by then plus those queued, per stream.
+        self._owed: list[int] | None = None
+        self._unread = [0, 0, 0]  # bytes left in the sockets when closed before their end
+        self.closed = False  # every fd released, the losses reported
+        #: Tasks in :meth:`_until`: (their condition, their wake-up), checked after each
+        #: read and each end.
+        self._waiters: list[tuple[Callable[[], bool], Callable[[], object]]] = []
         self._loop: asyncio.AbstractEventLoop | None = None  # None: trio
-        #: asyncio: pending coalescing reads
-        self._timers: list[asyncio.TimerHandle | None] = [None, None, None]
+        #: asyncio: per socket, the pending coalescing read or next turn
+        self._timers: list[asyncio.Handle | None] = [None, None, None]
         self._trio_scopes: list[Any] = []  # trio.CancelScope (trio is optional)
         try:
             # stdout, stderr (byte streams), then logging records (one datagram each;
             # SOCK_DGRAM, not SEQPACKET: a child tells its control socket, the one
             # seqpacket socket it shares with its parent, by its type)
-            for kind in (socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM):
+            for i, kind in enumerate((socket.SOCK_STREAM, socket.SOCK_STREAM, socket.SOCK_DGRAM)):
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
-                self._parent.append(ours)
+                self._parent[i] = ours
                 self._child.append(theirs)
                 # Two syscalls a pair, no more (see *Forwarder set-up* in
                 # docs/architecture.md): the child's reads of fd 1 and 2 see EOF; our
@@ -135,11 +168,7 @@ class Forwarder:
         for end in self._child:
             end.close()
         self._child = []
-        asyncio = sys.modules.get("asyncio")
-        try:
-            self._loop = asyncio.get_running_loop() if asyncio is not None else None
-        except RuntimeError:
-            self._loop = None
+        self._loop = _transport.running_asyncio_loop()
         for i, ours in enumerate(self._parent):
             assert ours is not None
             if self._loop is not None:
@@ -151,15 +180,90 @@ class Forwarder:
                     self._trio_reader, i, name=f"aiomp output {self._prefix}"
                 )
 
+    # -- the child's exit, and waiting for the streams ---------------------------------
+    def child_exited(self) -> None:
+        """The child has exited (from the loop's thread; maybe a loop callback): all it
+        wrote is queued now, and is what :func:`forwarded` waits for. Never reads."""
+        if self._owed is None:
+            self._owed = [self._got[i] + self._queued(i) for i in (0, 1)]
+        if self._ended():
+            self._finish()
+        else:
+            self._wake()
+
+    def _queued(self, i: int) -> int:
+        """Bytes waiting in socket ``i`` (of a datagram socket: the next datagram's)."""
+        s = self._parent[i]
+        if s is None:
+            return 0
+        import fcntl
+        import termios
+
+        try:
+            return int.from_bytes(
+                fcntl.ioctl(s.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder
+            )
+        except OSError:
+            return 0
+
+    def _ended(self) -> bool:
+        """Both streams have reached their end (or been closed)."""
+        return self._parent[0] is None and self._parent[1] is None
+
+    def _forwarded(self) -> bool:
+        """All the child wrote before it exited has been read (and given to the sink,
+        but for a last line with no end yet, kept until its stream ends)."""
+        owed = self._owed
+        if owed is None or self.closed:
+            return True  # not exited (as far as we know): nothing to wait for
+        return all(self._parent[i] is None or self._got[i] >= owed[i] for i in (0, 1))
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Wait until ``done()`` holds; it is checked after each read and each end.
+        Cancellation leaves the forwarder as it was."""
+        if done():
+            return
+        waiter: tuple[Callable[[], bool], Callable[[], object]]
+        loop = _transport.running_asyncio_loop()
+        if loop is not None:
+            woken = loop.create_future()
+            waiter = (done, functools.partial(_resolve, woken))
+            wait: Any = woken
+        else:
+            import trio
+
+            event = trio.Event()
+            waiter, wait = (done, event.set), event.wait()
+        self._waiters.append(waiter)
+        try:
+            await wait
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _wake(self) -> None:
+        """Wake the waiters whose condition holds now, and only those: one woken on
+        every read would be ready at every turn of a flood, and anyio delivers a
+        cancellation (a timeout) to no task whose wake-up is due (it would never fire)."""
+        woken = [w for w in self._waiters if w[0]()]
+        for waiter in woken:
+            self._waiters.remove(waiter)
+            waiter[1]()
+
+    # -- reading: one bounded turn at a time ---------------------------------------------
     async def _trio_reader(self, i: int) -> None:
         import trio
 
         with trio.CancelScope() as scope:
             self._trio_scopes.append(scope)
-            while self._read(i, drain=True):
+            while True:
+                state = self._turn(i)
                 s = self._parent[i]
-                if s is None:
+                if state == _END or s is None:
                     return
+                if state == _MORE:  # let every other task run, then read on
+                    await trio.lowlevel.checkpoint()
+                    continue
                 try:
                     await trio.lowlevel.wait_readable(s)
                 except (trio.ClosedResourceError, OSError):
@@ -173,12 +277,25 @@ class Forwarder:
         assert loop is not None  # reader callbacks exist on asyncio only
         if s is not None and self._timers[i] is None and not self._at_eof(i):
             loop.remove_reader(s.fileno())
-            self._timers[i] = loop.call_later(COALESCE, self._read_batch, i)
+            self._timers[i] = loop.call_later(COALESCE, self._asyncio_turn, i)
+
+    def _asyncio_turn(self, i: int) -> None:
+        self._timers[i] = None
+        loop = self._loop
+        assert loop is not None  # timers exist on asyncio only
+        state = self._turn(i)
+        s = self._parent[i]
+        if state == _END or s is None:
+            return
+        if state == _MORE:  # the next turn after what else is ready (I/O polled between)
+            self._timers[i] = loop.call_soon(self._asyncio_turn, i)
+        else:
+            loop.add_reader(s.fileno(), self._on_readable, i)
 
     def _at_eof(self, i: int) -> bool:
-        """If stream ``i`` (readable now) is at its end, with nothing left unread, flush
-        its partial line, stop reading it and return True: nothing is worth coalescing
-        for, and a child's exit costs no timer (a logging socket has no end)."""
+        """If stream ``i`` (readable now) is at its end, with nothing left unread, end it
+        and return True: nothing is worth coalescing for, and a child's exit costs no
+        timer (a logging socket has no end)."""
         s = self._parent[i]
         if s is None:
             return True
@@ -191,42 +308,53 @@ class Forwarder:
             return False
         except OSError:
             pass
-        self._emit(i, b"", final=True)
-        self._detach(i)
+        self._end(i)
         return True
 
-    def _read_batch(self, i: int) -> None:
-        self._timers[i] = None
-        s, loop = self._parent[i], self._loop
-        if s is None:
-            return
-        assert loop is not None  # timers exist on asyncio only
-        if self._read(i, drain=True):
-            loop.add_reader(s.fileno(), self._on_readable, i)
-        else:
-            self._detach(i)
-
-    def _read(self, i: int, drain: bool = False) -> bool:
-        """Forward what can be read now (one chunk, or all with ``drain``); False at EOF."""
+    def _turn(self, i: int) -> int:
+        """Forward one bounded read of socket ``i``: :data:`_MORE`, :data:`_IDLE` or
+        :data:`_END` (it has ended, and is detached)."""
         s = self._parent[i]
-        while s is not None:
+        if s is None:
+            return _END
+        if i == 2:
+            return self._records_turn(s)
+        try:
+            data = s.recv(_CHUNK, _DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return _IDLE
+        except OSError:
+            data = b""
+        if not data:
+            self._end(i)
+            return _END
+        self._got[i] += len(data)
+        self._emit(i, data)
+        if self._waiters:
+            self._wake()
+        # A unix stream socket's read stops short only when its queue is empty.
+        return _MORE if len(data) == _CHUNK else _IDLE
+
+    def _records_turn(self, s: socket.socket) -> int:
+        for _ in range(_RECORDS_PER_TURN):
             try:
-                data = s.recv(_CHUNK if i < 2 else _RECORD_MAX, _DONTWAIT)
+                data = s.recv(_RECORD_MAX, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                return True
+                return _IDLE
             except OSError:
-                data = b""
-            if not data:
-                if i < 2:
-                    self._emit(i, b"", final=True)
-                return False
-            if i < 2:
-                self._emit(i, data)
-            else:
+                return _IDLE  # a datagram socket has no end: nothing else to say
+            if data:  # (an empty datagram: nobody sends one)
                 self._emit_record(data)
-            if not drain:
-                return True
-        return False
+        return _MORE
+
+    def _end(self, i: int) -> None:
+        """Stream ``i`` has ended: its last partial line goes, its socket is released."""
+        self._emit(i, b"", final=True)
+        self._detach(i)
+        if self._owed is not None and self._ended():
+            self._finish()
+        else:
+            self._wake()
 
     def _emit_record(self, data: bytes) -> None:
         """Re-emit a child's logging record through this process's logger of its name."""
@@ -362,16 +490,44 @@ class Forwarder:
         s.close()
 
     def close(self) -> None:
-        """Forward what is left (the child has exited), flush partial lines, release fds."""
+        """Stop forwarding now: one bounded read of each stream not ended yet, its last
+        partial line flushed, what is left in it counted and logged; release every fd.
+
+        A process that still holds a stream (the child's own child) gets EPIPE when it
+        writes next. Never waits; safe to repeat.
+        """
         for end in self._child:
             end.close()
         self._child = []
-        for i in range(len(self._parent)):
-            if self._parent[i] is not None:
-                self._read(i, drain=True)
-                if i < 2:
-                    self._emit(i, b"", final=True)
+        for i in (0, 1):
+            if self._parent[i] is not None and self._turn(i) != _END:
+                self._unread[i] = self._queued(i)
+                self._emit(i, b"", final=True)
                 self._detach(i)
+        self._finish()
+
+    def _finish(self) -> None:
+        """Both streams are done with: read the last logging records (bounded), release
+        the records socket, and report what was lost."""
+        if self.closed:
+            return
+        self.closed = True
+        s = self._parent[2]
+        if s is not None:
+            if self._records_turn(s) == _MORE:
+                self._unread[2] = self._queued(2)
+            self._detach(2)
+        self._report_losses()
+        for scope in self._trio_scopes:
+            try:
+                scope.cancel()
+            except RuntimeError:  # trio.run has ended
+                pass
+        self._trio_scopes = []
+        self._wake()
+
+    def _report_losses(self) -> None:
+        name = self._prefix.strip()
         for i, lost in enumerate(self._lost):
             if lost:
                 self._lost[i] = 0
@@ -379,13 +535,67 @@ class Forwarder:
                     "aiomp: %d line%s of %s's %s %s not forwarded",
                     lost,
                     "" if lost == 1 else "s",
-                    self._prefix.strip(),
+                    name,
                     STREAMS[i],
                     "was" if lost == 1 else "were",
                 )
-        for scope in self._trio_scopes:
-            try:
-                scope.cancel()
-            except RuntimeError:  # trio.run has ended
-                pass
-        self._trio_scopes = []
+        for i, unread in enumerate(self._unread[:2]):
+            if unread:
+                log.warning(
+                    "aiomp: %d bytes of %s's %s were not forwarded: a process it started "
+                    "still held the stream open when its spawn or pool closed (what that "
+                    "process writes to it now fails with EPIPE)",
+                    unread,
+                    name,
+                    STREAMS[i],
+                )
+        if self._unread[2]:
+            log.warning(
+                "aiomp: logging records of %s were not forwarded: more were queued than "
+                "its spawn or pool read when it closed",
+                name,
+            )
+        self._unread = [0, 0, 0]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+async def forwarded(forwarders: Iterable[Forwarder | None]) -> None:
+    """Wait until each forwarder has forwarded what its child, which has exited, wrote.
+
+    Bounded by what the child left in the socket buffers (4 MiB a stream at most), not
+    by what its own children write on. Cancellation leaves the forwarders as they were.
+    """
+    for f in forwarders:
+        if f is not None:
+            await f._until(f._forwarded)
+            # A stream at its end now ends here: without waiting for a reader's turn
+            # (it may never come if the loop ends next), its fds are released.
+            for i in (0, 1):
+                f._at_eof(i)
+
+
+async def close_all(forwarders: Iterable[Forwarder | None], linger: float = LINGER) -> None:
+    """Close ``forwarders``, whose children have exited: forward all the children wrote
+    (:func:`forwarded`), wait up to ``linger`` seconds more (for them all) for streams
+    that the children's own children still hold to end, then :meth:`Forwarder.close`
+    each (one more bounded read; what is left is logged). ``linger <= 0``: close now.
+
+    Shielded: a cancellation does not cut it short (it is bounded, by what the socket
+    buffers held and ``linger``). An interruption that passes the shield (a native
+    asyncio cancellation, KeyboardInterrupt) closes them at once and goes on.
+    """
+    live = [f for f in forwarders if f is not None and not f.closed]
+    try:
+        if live and linger > 0:
+            with anyio.CancelScope(shield=True):
+                await forwarded(live)
+                with anyio.move_on_after(linger):
+                    for f in live:
+                        await f._until(f._ended)
+    finally:
+        for f in live:
+            f.close()

@@ -204,6 +204,9 @@ class Pool:
         self._concurrency = concurrency
         self._grace = float(grace_period)
         self._output = output
+        #: Workers' forwarders that have not ended yet: a worker's own children may hold
+        #: its output after it exits; closed with the pool.
+        self._forwarders: list[_output.Forwarder] = []
 
         self._state = _NEW
         self._host: TaskHost | None = None  # where the pool's own tasks run, once open
@@ -331,7 +334,9 @@ class Pool:
             await done.wait()
 
     async def _shutdown(self, graceful: bool) -> BaseException | None:
-        """Stop every worker: politely first if ``graceful``. Shielded and bounded.
+        """Stop every worker: politely first if ``graceful``, then forward their output to
+        its end (at most ``_output.LINGER`` seconds for what their own children still
+        hold). Shielded and bounded.
 
         A cancellation or KeyboardInterrupt that arrives meanwhile (a second Ctrl-C: native
         asyncio cancellations pass anyio's shield) does not stop it: it SIGKILLs the
@@ -357,6 +362,12 @@ class Pool:
             handles = self._kill_workers(" (the pool was shutting down)", interrupted is not None)
             interrupted = await _reap(handles, interrupted)
             self._release_init()
+            try:
+                linger = 0 if interrupted is not None else _output.LINGER
+                await _output.close_all(self._forwarders, linger)
+            except BaseException as exc:  # noqa: BLE001 - returned, as the others are
+                interrupted = interrupted or exc
+            self._forwarders = []
         return interrupted
 
     def _on_host_failed(self) -> None:
@@ -436,11 +447,11 @@ class Pool:
     def _spawn(self, slot: int) -> None:
         """Start a worker for ``slot`` and its watcher (from a task, never a callback)."""
         assert self._tg is not None and self._init is not None
-        fw = (
-            None
-            if self._output == "inherit"
-            else _output.Forwarder(slot, self._output, label="worker")
-        )
+        fw = None
+        if self._output != "inherit":
+            fw = _output.Forwarder(slot, self._output, label="worker")
+            self._forwarders = [f for f in self._forwarders if not f.closed]
+            self._forwarders.append(fw)
         # Two channels: tasks to the worker, results from it (see *Two channels* in
         # docs/architecture.md). A start that fails (EMFILE here, EAGAIN in launch) is
         # tried again: whatever it made is closed.

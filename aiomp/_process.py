@@ -192,7 +192,9 @@ class Child:
         output: _output.Forwarder | None = None,
     ) -> None:
         self.rank = rank
-        self.output = output  # its stdout/stderr, forwarded; closed once it has exited
+        # Its stdout/stderr, forwarded until they end (after its exit: its own children
+        # may hold them) or its spawn or pool closes them (``_output.close_all``).
+        self.output = output
         self.process = process
         self.pid: int = process.pid  # type: ignore[assignment]
         # forkserver children are not ours to reap: their status arrives on the sentinel.
@@ -238,7 +240,8 @@ class Child:
                 self.exitcode = code
                 _running.discard(self)
                 if self.output is not None:
-                    self.output.close()  # forwards what it wrote last
+                    # What it wrote last is queued; its own children may write on.
+                    self.output.child_exited()
                 self._exited()
                 self._release()
                 if code != 0:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
 
 
 def write_lines(rank: int, n: int) -> int:
@@ -77,4 +80,65 @@ def endless_line(rank: int, mib: int) -> int:
     chunk = b"y" * (64 << 10)
     for _ in range(mib * 16):
         os.write(1, chunk)
+    return rank
+
+
+# -- floods and grandchildren (test_output_flood.py, issue 25 items 1, 3 and 4) ------------
+
+#: 4096 short lines of 16 bytes: what a chatty child writes, in one write() each time.
+FLOOD_BLOCK = b"".join(b"flood line %05d\n" % i for i in range(4096))
+FLOOD_LINES = 4096
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def flood(rank: int, seconds: float) -> int:
+    """Short lines on stdout as fast as it can for ``seconds``; returns how many. (A
+    regression test's writer that "never ends" ends after ``seconds`` all the same, so
+    that the test fails instead of hanging.)"""
+    deadline = time.monotonic() + seconds
+    blocks = 0
+    while time.monotonic() < deadline:
+        _write_all(1, FLOOD_BLOCK)
+        blocks += 1
+    return blocks * FLOOD_LINES
+
+
+#: A grandchild (a plain Python subprocess, so it holds only fds 0-2 of its parent): says
+#: ``100 <pid>`` at the test's gate, waits to be released, then writes ``argv[2]`` lines.
+_GRANDCHILD = """
+import os, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\\0" + sys.argv[1])
+s.sendall(b"100 %d\\n" % os.getpid())
+s.recv(1)
+for i in range(int(sys.argv[2])):
+    print("grandchild", i, flush=True)
+"""
+
+
+def leave_a_grandchild_writing(rank: int, address: str, lines: int) -> int:
+    """Start a subprocess on this process's stdout that writes ``lines`` lines once the
+    test releases it at the gate (key 100), and return without waiting for it."""
+    subprocess.Popen([sys.executable, "-c", _GRANDCHILD, address[1:], str(lines)])
+    return rank
+
+
+def leave_a_grandchild_writing_and_die(address: str, lines: int) -> None:
+    """A Pool task: :func:`leave_a_grandchild_writing`, then its worker exits."""
+    leave_a_grandchild_writing(0, address, lines)
+    os._exit(0)
+
+
+def leave_yes_running(rank: int, address: str) -> int:
+    """Start ``yes`` on this process's stdout (it writes as fast as the reader reads, for
+    ever), tell the test its pid at the gate (key 100), and return."""
+    yes = subprocess.Popen(["yes"])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(address)
+        s.sendall(b"100 %d\n" % yes.pid)
     return rank
