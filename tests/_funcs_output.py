@@ -123,8 +123,12 @@ for i in range(int(sys.argv[2])):
 
 def leave_a_grandchild_writing(rank: int, address: str, lines: int) -> int:
     """Start a subprocess on this process's stdout that writes ``lines`` lines once the
-    test releases it at the gate (key 100), and return without waiting for it."""
-    subprocess.Popen([sys.executable, "-c", _GRANDCHILD, address[1:], str(lines)])
+    test releases it at the gate (key 100), and return without waiting for it. It makes
+    a session of its own, as a daemon does: one that stays in the child's process group
+    dies with the child (issue 25 item 5), so only such a one can write after it."""
+    subprocess.Popen(
+        [sys.executable, "-c", _GRANDCHILD, address[1:], str(lines)], start_new_session=True
+    )
     return rank
 
 
@@ -136,8 +140,9 @@ def leave_a_grandchild_writing_and_die(address: str, lines: int) -> None:
 
 def leave_yes_running(rank: int, address: str) -> int:
     """Start ``yes`` on this process's stdout (it writes as fast as the reader reads, for
-    ever), tell the test its pid at the gate (key 100), and return."""
-    yes = subprocess.Popen(["yes"])
+    ever), tell the test its pid at the gate (key 100), and return. In a session of its
+    own (see :func:`leave_a_grandchild_writing`), or it would die with this process."""
+    yes = subprocess.Popen(["yes"], start_new_session=True)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(address)
         s.sendall(b"100 %d\n" % yes.pid)
