@@ -26,10 +26,9 @@ The parts, and who owns what
 Each worker is a process started by ``_process.launch``. The pool owns the task group,
 the *supervisor* task that starts workers (the one thing the scheduler cannot do from a
 loop callback) and the message handler. How a task
-travels: "From apply to its result" in docs/architecture.md; why it is built so: the
-notes *Dispatch*, *Map chunks ahead*, *Pool failures*, *Start-up deaths*, *Stream
-wake-ups*, *Nothing anyio in loop callbacks* and *Termination under native cancellation*
-there.
+travels: "From apply to its result" in docs/architecture.md; why it is built so:
+docs/decisions/ (0024 dispatch, 0025 pool failures, 0029 map chunks, 0002 stream channels,
+0021 termination) and *Nothing anyio in loop callbacks* in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -161,7 +160,7 @@ class Pool:
     stops a running one, terminating its worker if need be. Leaving ``async with``
     normally waits for the submitted tasks; leaving by an exception or cancellation
     terminates the workers (a second cancellation: SIGKILL at once), and they are always
-    reaped first. The design notes: ``docs/architecture.md`` in the source repository.
+    reaped first. The design: ``docs/architecture.md`` in the source repository.
     """
 
     #: Turns a call into a task's message (see ``_calls.make_task``); None: the process
@@ -428,8 +427,8 @@ class Pool:
             if self._output == "inherit"
             else _output.Forwarder(slot, self._output, label="worker")
         )
-        # Two channels: tasks to the worker, results from it (see *Two channels* in
-        # docs/architecture.md).
+        # Two channels: tasks to the worker, results from it (see
+        # docs/decisions/0026-two-channels.md).
         sock, theirs = _transport.stream_socketpair()
         try:
             results, their_results = _transport.stream_socketpair()

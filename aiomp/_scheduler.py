@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
-#: Sync chunks of one map that may wait in a worker behind the one it runs (see *Map
-#: chunks ahead* in docs/architecture.md).
+#: Sync chunks of one map that may wait in a worker behind the one it runs (see
+#: docs/decisions/0029-map-chunks.md).
 CHUNKS_AHEAD = 2
 
 
@@ -339,7 +339,7 @@ class Scheduler:
     def started(self, w: Worker, task: Task) -> None:
         """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
         it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
-        first and makes the Task after: see *Apply sends first* in docs/architecture.md)."""
+        first and makes the Task after: see docs/decisions/0028-apply-sends-first.md)."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -523,7 +523,7 @@ class Scheduler:
         """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
 
         The send comes first and the bookkeeping after it: the worker wakes while this
-        runs (see *Apply critical path* in docs/architecture.md). Nothing can complete the
+        runs (see docs/decisions/0027-apply-critical-path.md). Nothing can complete the
         task in between: a result is read by a later loop callback.
         """
         try:

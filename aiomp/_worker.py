@@ -3,7 +3,7 @@
 A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 
 1. reads the pool's messages from one stream socket and writes its own to a second one
-   (see *Two channels* in docs/architecture.md), asks the kernel to SIGKILL it when its
+   (see docs/decisions/0026-two-channels.md), asks the kernel to SIGKILL it when its
    parent dies, ignores SIGINT (a Ctrl-C in the terminal reaches the whole process group; the
    parent decides what happens to its workers), and clears the ``daemon`` flag
    ``multiprocessing`` gave it, so that a task may start processes of its own (a nested
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 _NONE = pickle.dumps(None, protocol=5)
 FID = P.FID.unpack_from
 _Coroutine = types.CoroutineType
-# The round trip's hot path (see *Apply critical path* in docs/architecture.md): a TASK
+# The round trip's hot path (see docs/decisions/0027-apply-critical-path.md): a TASK
 # datagram of ``fn()`` is its fused header alone, and ``None`` has a constant reply.
 _NOARGS_SIZE = P.TASK_HEAD.size
 _NOARGS_HEAD = P.TASK_HEAD.unpack_from
@@ -94,7 +94,7 @@ class Worker:
 
     def __init__(self, tasks: _transport.Stream, chan: _transport.Stream) -> None:
         self.tasks = tasks  # read: the pool's messages
-        self.chan = chan  # written: the replies (see *Two channels* in docs/architecture.md)
+        self.chan = chan  # written: the replies (see docs/decisions/0026-two-channels.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)
         # The logging-records socket to the parent, until logging is imported here (by the
