@@ -8,8 +8,8 @@ settings ``_loop``, ``_grace``, ``_processes``, ``_concurrency``, ``_tg``, and t
 ``aiomp.ray.Pool`` sets its own way: ``_encode`` (None: tasks use the process workers'
 wire format) and ``_chunks_per_slot`` (map's default chunks per worker slot).
 
-Cancellation: see *Cancellation before sending* and *Pool failures* in
-docs/architecture.md.
+Cancellation: see docs/decisions/0028-apply-sends-first.md and
+docs/decisions/0025-pool-failures.md.
 """
 
 from __future__ import annotations
@@ -291,7 +291,7 @@ async def apply(
         # after the yield costs 11 to 17 % of the round trip), and the reader callback
         # resolves the future awaited here directly. Sent first, as soon as the message
         # is made: the Task, its future and the scheduler's record come after the send,
-        # while the worker wakes (see *Apply sends first* in docs/architecture.md).
+        # while the worker wakes (see docs/decisions/0028-apply-sends-first.md).
         # Unless a cancellation may be pending: then the task goes to the pool from a
         # callback that runs once this task has yielded, and is dropped unsent if the
         # wait was cancelled by then.
@@ -487,7 +487,7 @@ async def map_(
         if not n:
             return []
     # else the chunks go out before this task first yields, as apply's task does: the
-    # wait below is the checkpoint (see *Map critical path* in docs/architecture.md).
+    # wait below is the checkpoint (see docs/decisions/0029-map-chunks.md).
     flags = (P.F_ASYNC if info.is_async else 0) | (P.F_STAR if star else 0)
     gather = _Gather(pool, n, chunksize)
     tasks = gather.tasks
@@ -549,7 +549,7 @@ class _Gather:
     Each chunk's results are copied into their place in the map's result list as they
     come (in the reader callback, while the workers compute the next chunks), so nothing
     is left to assemble after the last one. The list itself is made when the first chunk
-    comes, not before the first send (see *Map critical path* in docs/architecture.md).
+    comes, not before the first send (see docs/decisions/0029-map-chunks.md).
     """
 
     __slots__ = (

@@ -463,8 +463,9 @@ def main(
         sys.exit(1)
     send_message(sock, out)
     # Left open: it closes as this process exits, and that hang-up is when the parent
-    # reads the report, with the exit itself (see *Reports read at the hang-up* in
-    # docs/architecture.md). Detached, so that collecting it neither closes nor warns.
+    # reads the report, with the exit itself (see
+    # docs/decisions/0018-one-waiter-per-spawn.md). Detached, so that collecting it neither closes
+    # nor warns.
     sock.detach()
     if spawned:
         del result, out
@@ -472,8 +473,8 @@ def main(
 
 
 def exit_fast() -> None:
-    """Exit now, status 0, without tearing the interpreter down; see *Start-up cost* in
-    docs/architecture.md.
+    """Exit now, status 0, without tearing the interpreter down; see
+    docs/decisions/0017-spawn-start-up.md.
 
     Does first what a normal exit does for others: multiprocessing's exit hook (its
     finalizers, joining this process's own children), every ``atexit`` function (logging's
@@ -574,7 +575,7 @@ def report_error(
     ``traceback=False`` sends only the exception's one-line summary as the text. Then
     ends the socket's sending side: the parent watches it for that hang-up, which comes
     now, before this process's teardown, even if a grandchild holds a copy of it (see
-    *Reports read at the hang-up* in docs/architecture.md).
+    docs/decisions/0018-one-waiter-per-spawn.md).
     """
     text = format_error(exc, context, traceback)
     try:

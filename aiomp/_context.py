@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 
 #: A child's exit fd: readable once it has exited. Its report socket: hung up, once the
-#: child has exited or has ended its side after reporting an error (see *Reports read at
-#: the hang-up* in docs/architecture.md). One-shot: a fired fd needs no epoll_ctl to go.
+#: child has exited or has ended its side after reporting an error (see
+#: docs/decisions/0018-one-waiter-per-spawn.md). One-shot: a fired fd needs no epoll_ctl to go.
 _EXIT_EVENTS = select.EPOLLIN | select.EPOLLONESHOT
 _REPORT_EVENTS = select.EPOLLRDHUP | select.EPOLLONESHOT
 _EVENTS = (_REPORT_EVENTS, _EXIT_EVENTS)  # by is_exit
@@ -79,8 +79,8 @@ class _Join:
     at once, one that succeeded closes it when it exits, so a clean child costs one
     wake-up, not two. The last waiter to leave closes the epoll set; a child forgets its
     fds here before it closes them. Nothing reached from the callback touches anyio
-    (see *Nothing anyio in loop callbacks*, *One waiter per spawn* and *Reports read at
-    the hang-up* in docs/architecture.md).
+    (see *Nothing anyio in loop callbacks* in docs/architecture.md and
+    docs/decisions/0018-one-waiter-per-spawn.md).
     """
 
     __slots__ = (
@@ -503,7 +503,7 @@ async def start_children(
     try:
         datagram, fds = payload.datagram()
         # Without fds, and small, it rides in the start itself: no send here, no receive
-        # there (see *Payload in the start* in docs/architecture.md). A larger one is sent
+        # there (see docs/decisions/0017-spawn-start-up.md). A larger one is sent
         # on the report socket, so that no start blocks the loop on a full pipe.
         inline = None if fds or len(datagram) > INLINE_START else datagram
         if start_method == "forkserver":
@@ -517,7 +517,7 @@ async def start_children(
             if inline is not None:
                 continue
             # Sent at once, not after every start: a forked child boots in a millisecond
-            # and would wait for the rest (see *Start-up cost* in docs/architecture.md).
+            # and would wait for the rest (see docs/decisions/0017-spawn-start-up.md).
             assert c.sock is not None
             try:
                 await _transport.send_async(c.sock, datagram, fds)

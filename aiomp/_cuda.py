@@ -6,10 +6,11 @@ dtype, the device (index and PCI bus id), a ``cudaIpcEventHandle`` recorded on t
 sender's current stream, and the lease slot that keeps the block alive.
 
 Which block an array travels in (an IPC-safe block of :class:`_BlockPool`, its base
-allocation, or a staging copy made by :func:`_stage`): see *CUDA IPC blocks* in
-docs/architecture.md. Who keeps it alive (R6: a :class:`SlotTable` slot per sent block,
+allocation, or a staging copy made by :func:`_stage`): see
+docs/decisions/0030-cuda-ipc.md. Who keeps it alive (R6: a :class:`SlotTable` slot per sent block,
 leased by each message in flight and each consumer holding a view, freed by
-:meth:`SlotTable.collect`): see *CUDA lifetime* and *Kernel leases* there.
+:meth:`SlotTable.collect`): see
+docs/decisions/0030-cuda-ipc.md and *Kernel leases* in docs/architecture.md.
 
 The CUDA calls sit behind a small backend (:class:`_CupyBackend`); the bookkeeping
 around it is plain Python that the tests drive with a fake backend (a model of CuPy's

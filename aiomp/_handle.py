@@ -69,7 +69,7 @@ class WorkerHandle:
         self.chan = _transport.Stream(sock)  # tasks and control frames, to the worker
         self._sock_send = sock.send  # (send_first's, a bound method made once)
         # Its results, from the worker: a second pair, so that reading a result wakes
-        # nobody (see *Two channels* in docs/architecture.md).
+        # nobody (see docs/decisions/0026-two-channels.md).
         self.results = _transport.Stream(results)
         self._loop = loop
         self._grace = grace
@@ -136,7 +136,7 @@ class WorkerHandle:
         """Send a small task frame (no fds) before its Task exists, if nothing must go
         before it (its function's DEF, frames waiting for room); False: nothing was sent,
         the caller submits the Task instead (whose send says why, if the worker has gone).
-        ``apply``'s hot path: see *Apply sends first* in docs/architecture.md."""
+        ``apply``'s hot path: see docs/decisions/0028-apply-sends-first.md."""
         if (
             self.closed
             or self._outbox

@@ -3,8 +3,8 @@ mark of a finalizer that Ctrl-C must not interrupt.
 
 The lowest layer of the process toolkit: standard library only, imported by children
 (``_child``, ``_worker``), by ``_shm`` and ``_cuda`` (which register hooks here when they
-are imported) and by ``_process`` (which runs them). See *Process hooks* in
-docs/architecture.md.
+are imported) and by ``_process`` (which runs them). See
+docs/decisions/0016-process-hooks.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def finalizer(fn: F) -> F:
     raised in a finalizer ("Exception ignored in") and drops it, so a Ctrl-C landing there
     would be lost, and the finalizer cut short. trio protects every frame whose code is
     named ``__del__`` and delivers the interrupt at its next checkpoint instead; the
-    function keeps its qualified name. See *Finalizers and Ctrl-C* in docs/architecture.md.
+    function keeps its qualified name. See docs/decisions/0022-finalizers-and-ctrl-c.md.
     """
     fn.__code__ = fn.__code__.replace(co_name="__del__")
     return fn

@@ -15,7 +15,7 @@ An array inside a message (a Queue item, ``spawn`` args, a Pool task or result):
   x[:, 1]]``) are rebuilt as views of one shared copy of the bytes they span together,
   whatever their own sizes. Arrays whose memory does not overlap travel independently.
 
-Why 64 KiB: *Inline threshold* in docs/architecture.md.
+Why 64 KiB: docs/decisions/0011-inline-threshold.md.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def init_reductions() -> None:
     _reduction.register_alone(np.ndarray, _send_alone)
 
 
-# -- one array alone in a message: no pickler (see *One-array messages* in
-# docs/architecture.md). The body is a pickle all the same, of one call:
+# -- one array alone in a message: no pickler (see
+# docs/decisions/0013-one-array-messages.md). The body is a pickle all the same, of one call:
 # ``_receive(head)``, the handle packed by hand.
 
 #: segment size, block size, block index, device, inode, offset in the block, ndim; then

@@ -2,8 +2,8 @@
 
 One :class:`Forwarder` per child holds the read ends of the unix sockets that are the
 child's fd 1 and fd 2, and of a third (datagrams) for its logging records, and reads them
-on the parent's loop with no thread and no polling (see *Output forwarding* and *Nothing
-anyio in loop callbacks* in docs/architecture.md).
+on the parent's loop with no thread and no polling (see docs/decisions/0020-output-forwarding.md and
+*Nothing anyio in loop callbacks* in docs/architecture.md).
 
 Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
 parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirections and
@@ -26,8 +26,8 @@ until end-of-file. :meth:`Forwarder.child_exited` notes what the child left queu
 its fds by itself once both streams have ended. When the spawn or pool closes,
 :func:`close_all` forwards what the child left, waits up to :data:`LINGER` seconds more
 for the streams' end, then :meth:`Forwarder.close` reads once more, flushes the last
-partial lines, logs what it could not read, and detaches (see *Output forwarding* in
-docs/architecture.md). The Pool uses one Forwarder per worker, with ``label="worker"``,
+partial lines, logs what it could not read, and detaches (see
+docs/decisions/0020-output-forwarding.md). The Pool uses one Forwarder per worker, with ``label="worker"``,
 its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
 """
 
@@ -138,8 +138,9 @@ class Forwarder:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent[i] = ours
                 self._child.append(theirs)
-                # Two syscalls a pair, no more (see *Forwarder set-up* in
-                # docs/architecture.md): the child's reads of fd 1 and 2 see EOF; our
+                # Two syscalls a pair, no more (see
+                # docs/decisions/0020-output-forwarding.md): the child's reads of fd 1 and 2 see
+                # EOF; our
                 # end stays blocking, read with MSG_DONTWAIT.
                 theirs.shutdown(socket.SHUT_RD)
                 # Room for a few thousand small writes (each costs ~1 KiB of kernel
@@ -368,7 +369,7 @@ class Forwarder:
 
     def _emit(self, i: int, data: bytes, final: bool = False) -> None:
         """Forward what ``data`` completes of stream ``i`` (everything with ``final``)
-        and keep the rest. See *Output forwarding* in docs/architecture.md for carriage
+        and keep the rest. See docs/decisions/0020-output-forwarding.md for carriage
         returns (progress bars) and overlong lines."""
         buf = self._partial[i]
         prefix = self._output == "prefix"
@@ -455,7 +456,7 @@ class Forwarder:
 
     def _lose(self, i: int, lines: int, exc: Exception | None = None, why: str = "") -> None:
         """Count ``lines`` of stream ``i`` the sink did not take; log the first failure with
-        its traceback (see *Output sink failures* in docs/architecture.md)."""
+        its traceback (see docs/decisions/0020-output-forwarding.md)."""
         if exc is not None and not self._reported:
             self._reported = True
             log.error(

@@ -66,8 +66,8 @@ _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXE
 _ANC = socket.CMSG_SPACE(_transport.MAX_FDS * array.array("i").itemsize)
 _TRUNCATED = int(socket.MSG_CTRUNC | socket.MSG_TRUNC)
 U64 = struct.Struct("<Q")
-#: Per-process counts of the items sent and received on the socket (see *Queue counts*
-#: in docs/architecture.md): slots of ``[pid, sent, received]`` to the header's end.
+#: Per-process counts of the items sent and received on the socket (see
+#: docs/decisions/0007-queue-counts.md): slots of ``[pid, sent, received]`` to the header's end.
 _SLOTS = 256
 _SLOT = struct.Struct("<QQQ")
 _NSLOTS = (PAGE - _SLOTS) // _SLOT.size
@@ -425,7 +425,7 @@ class Overflow:
         elsewhere): nothing was put.
         """
         # The lock and unlock calls inlined (not _lock()/release()): this runs per item
-        # once the socket is full (see *Queue overflow* in docs/architecture.md).
+        # once the socket is full (see docs/decisions/0006-queue-overflow-log.md).
         mutex = self._mutex or self._make_mutex()
         if rc := mutex._trylock(mutex.addr):
             mutex.recover(rc)  # Busy: nothing was done

@@ -26,10 +26,9 @@ The parts, and who owns what
 Each worker is a process started by ``_process.launch``. The pool owns the task group,
 the *supervisor* task that starts workers (the one thing the scheduler cannot do from a
 loop callback) and the message handler. How a task
-travels: "From apply to its result" in docs/architecture.md; why it is built so: the
-notes *Dispatch*, *Map chunks ahead*, *Pool failures*, *Start-up deaths*, *Stream
-wake-ups*, *Nothing anyio in loop callbacks* and *Termination under native cancellation*
-there.
+travels: "From apply to its result" in docs/architecture.md; why it is built so:
+docs/decisions/ (0024 dispatch, 0025 pool failures, 0029 map chunks, 0002 stream channels,
+0021 termination) and *Nothing anyio in loop callbacks* in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -164,7 +163,7 @@ class Pool:
     ``timeout``) drops a task that has not started and stops a running one, terminating
     its worker if need be. Leaving ``async with`` normally waits for the submitted tasks;
     leaving by an exception or cancellation terminates the workers (a second
-    cancellation: SIGKILL at once), and they are always reaped first. The design notes:
+    cancellation: SIGKILL at once), and they are always reaped first. The design:
     ``docs/architecture.md`` in the source repository.
     """
 
@@ -452,9 +451,9 @@ class Pool:
             fw = _output.Forwarder(slot, self._output, label="worker")
             self._forwarders = [f for f in self._forwarders if not f.closed]
             self._forwarders.append(fw)
-        # Two channels: tasks to the worker, results from it (see *Two channels* in
-        # docs/architecture.md). A start that fails (EMFILE here, EAGAIN in launch) is
-        # tried again: whatever it made is closed.
+        # Two channels: tasks to the worker, results from it (see
+        # docs/decisions/0026-two-channels.md). A start that fails (EMFILE here, EAGAIN in
+        # launch) is tried again: whatever it made is closed.
         try:
             sock, theirs = _transport.stream_socketpair()
         except BaseException:

@@ -6,21 +6,21 @@ notification and race-free signals); :func:`launch` starts one, handing it the c
 end of a channel its caller made (spawn's report socket, a Pool worker's stream).
 Exactly one task waits on a child's exit fd at a time; the others wait for it
 (:class:`aiomp._fdwait.FdWaiters`); spawn's children override :meth:`Child.wait_exit` to
-wait through their spawn's one epoll set (see *One waiter per spawn* in
-docs/architecture.md). Nothing here polls or uses threads: an exit is the
+wait through their spawn's one epoll set (see
+docs/decisions/0018-one-waiter-per-spawn.md). Nothing here polls or uses threads: an exit is the
 pidfd becoming readable on the event loop.
 
 Termination is one primitive, :func:`terminate_all`: SIGTERM to every live child,
 ``grace`` seconds, SIGKILL to the survivors (each signal logged as torch logs it), then
-reap (see *Termination under native cancellation* in docs/architecture.md). It is
+reap (see docs/decisions/0021-termination.md). It is
 bounded: a child that survives SIGKILL for :data:`KILL_TIMEOUT` seconds (uninterruptible
 sleep) is reported and left to init. Interpreter exit never waits on a child aiomp
 started: :func:`_kill_at_exit` SIGKILLs and reaps the ones still running before
 multiprocessing's own exit hook would join them.
 
 Other layers hang their checks on process events without this module knowing them
-(``_shm``'s sweep of a failed child's names, ``_cuda``'s fork check): see *Process
-hooks* in docs/architecture.md.
+(``_shm``'s sweep of a failed child's names, ``_cuda``'s fork check): see
+docs/decisions/0016-process-hooks.md.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def check_not_bootstrapping() -> None:
 
 def check_fork_safe() -> None:
     """Refuse fork when a hook says so (``_cuda``: CUDA initialised); warn when other
-    threads are running. See *Process hooks* in docs/architecture.md."""
+    threads are running. See docs/decisions/0016-process-hooks.md."""
     _reduction.init_reductions()  # the aiomp module of each library imported: its hooks
     for check in _lifecycle.fork_checks():
         check()
@@ -228,8 +228,8 @@ class Child:
         """Whether it has exited (reaping it if it just has); never waits.
 
         ``ready``: the caller has just seen :attr:`exit_fd` readable, so the child has
-        exited: it is reaped without asking first (see *Reaping a readable exit fd* in
-        docs/architecture.md).
+        exited: it is reaped without asking first (see
+        docs/decisions/0018-one-waiter-per-spawn.md).
         """
         if self.exitcode is None:
             if ready and self._via_server:
@@ -467,8 +467,8 @@ async def prepare_forkserver() -> None:
         # The server imports once what every aiomp child needs (``_worker`` imports
         # ``_child``; unpickling the sockets a child is given imports popen_forkserver;
         # arming the parent-death signal loads ``_ctypes``, a dlopen of libffi),
-        # so that the children it forks start with it loaded; see *Start-up cost* in
-        # docs/architecture.md. The user's preloads stay.
+        # so that the children it forks start with it loaded; see
+        # docs/decisions/0017-spawn-start-up.md. The user's preloads stay.
         preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
         ours = [m for m in _FORKSERVER_PRELOAD if m not in preload]
         if server is not None and ours:

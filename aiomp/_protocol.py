@@ -1,8 +1,8 @@
 """The wire format between :class:`aiomp.Pool` and its workers, used by both sides.
 
 Every message is one ``_transport`` datagram framed on a :class:`_transport.Stream` (a
-stream socket: see *Stream wake-ups* in docs/architecture.md for why), one per direction
-(see *Two channels*). Its body is a 10-byte header
+stream socket: see docs/decisions/0002-stream-channels.md for why), one per direction
+(see docs/decisions/0026-two-channels.md). Its body is a 10-byte header
 followed by a pickle made with ``_reduction`` (so fds of shared arrays ride in the same
 datagram)::
 

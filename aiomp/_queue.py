@@ -1,10 +1,12 @@
 """Queue and Event: between any processes of one tree, async and blocking.
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair shared by every process holding it
-(see *Datagram queues* in docs/architecture.md), an overflow log in shared memory
-(:mod:`aiomp._overflow`, see *Queue overflow*) and eventfds: wake-up tokens for the
-consumers of a bounded queue, and a wake-up for producers that wait (see *Queue
-wake-ups*; an unbounded queue counts its items as in *Queue counts*). An item is in the
+(see docs/decisions/0001-datagram-queue.md), an overflow log in shared memory
+(:mod:`aiomp._overflow`, see docs/decisions/0006-queue-overflow-log.md) and eventfds: wake-up
+tokens for the
+consumers of a bounded queue, and a wake-up for producers that wait (see
+docs/decisions/0005-kept-readers.md; an unbounded queue counts its items as in
+docs/decisions/0007-queue-counts.md). An item is in the
 kernel when ``put`` returns, and an unpicklable item fails in ``put``, in the caller.
 
 Unbounded (``maxsize <= 0``): the socket while it has room, then the log; only items
@@ -17,7 +19,7 @@ puts raise :class:`~aiomp.QueueClosed`; consumers get what is queued, then Queue
 (``async for`` ends). An item that cannot be rebuilt raises :class:`~aiomp.QueueItemError`
 at ``get`` (that item is lost; the queue goes on); exceptions that could not be rebuilt
 are refused at ``put``. An :class:`Event` is a flag and a generation in shared memory,
-with a registry of waiting threads' eventfds (see *Event wake-ups*).
+with a registry of waiting threads' eventfds (see docs/decisions/0032-event-wake-ups.md).
 
 Within one process one task waits on an fd (see *One waiter per fd*). No call blocks an
 event loop on the overflow's lock: found held (a process stopped while holding it), an
@@ -142,7 +144,8 @@ class Queue:
         fds: list[int] = []
         try:
             # Consumers' tokens: a bounded queue's only (an unbounded one's consumers wait
-            # for the socket; see *Queue counts*), so an unbounded queue has one fd fewer.
+            # for the socket; see docs/decisions/0007-queue-counts.md), so an unbounded queue has
+            # one fd fewer.
             fds.append(os.eventfd(0, _EFD | os.EFD_SEMAPHORE) if maxsize else -1)
             fds.append(os.eventfd(0, _EFD))
             fds.append(_overflow.create())
@@ -263,7 +266,7 @@ class Queue:
         unbounded queue: on the socket, or behind the overflow's items, without a Message.
         True if put. False: not plain, a bounded queue, or too large for a datagram;
         nothing is put then, and the caller takes the general path. The general path's
-        work, without its objects (see *Queue fast path*)."""
+        work, without its objects (see docs/decisions/0008-queue-fast-path.md)."""
         if type(obj) not in _PLAIN or self._maxsize:
             return False
         body = pickle.dumps(obj, 5)
@@ -271,7 +274,7 @@ class Queue:
             return False
         if not self._hint[HINT]:
             # _send_now and _transport.try_send inlined for a datagram without fds: two
-            # frames less on every round trip (see *Queue fast path*).
+            # frames less on every round trip (see docs/decisions/0008-queue-fast-path.md).
             self._used_socket = True
             try:
                 self._send.send(_DATA + body, _SEND_FLAGS)
@@ -407,7 +410,7 @@ class Queue:
         return body, fds, True
 
     # One more item sent or received on the socket by this process (for qsize: a store in
-    # shared memory, no syscall; see *Queue counts* in docs/architecture.md).
+    # shared memory, no syscall; see docs/decisions/0007-queue-counts.md).
     def _count_sent(self) -> None:
         if self._slot < 0:
             self._claim_slot()
@@ -508,7 +511,8 @@ class Queue:
         cancelled task that waited on the fd on trio wakes the others (one takes over)."""
         if loop is None:
             # trio: the fan-out of FdWaiters, inlined (two coroutine frames and a second
-            # look for the running loop less per wait; see *Trio wait path*). The first
+            # look for the running loop less per wait; see
+            # docs/decisions/0009-trio-wait-path.md). The first
             # task waits on the fd; the others on an event it sets when it wakes or is
             # cancelled, so that one of them takes over.
             waits = self._trio_waits
@@ -784,7 +788,7 @@ class Event:
     and a generation (changed by every ``set()``) live in shared memory; a waiter returns
     once the flag is set or the generation has changed since it began. Each thread that
     waits registers an eventfd of its own in the event's registry, and ``set()`` writes
-    to every one registered: see *Event wake-ups* in docs/architecture.md.
+    to every one registered: see docs/decisions/0032-event-wake-ups.md.
     """
 
     def __init__(self) -> None:

@@ -7,8 +7,8 @@ An :class:`ActorHandle` is the second kind of worker handle behind the Pool's sc
 
 Each ref the handle makes (the actor's ``init``, each task's ``run``, and ``alive``, which
 returns only when the actor dies) gets a done-callback that Ray runs on its thread and
-that hands the outcome to the pool's loop; each ref is held until then (see *Ray workers*
-and *Nothing anyio in loop callbacks* in docs/architecture.md).
+that hands the outcome to the pool's loop; each ref is held until then (see
+docs/decisions/0031-ray-workers.md and *Nothing anyio in loop callbacks* in docs/architecture.md).
 
 :meth:`run` is the *watcher*, one task in the pool's task group per actor. It waits until
 the actor must go (:meth:`kill`, :meth:`send_exit`) or has gone (``alive`` failed, or a

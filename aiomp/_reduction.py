@@ -14,8 +14,8 @@ its reducers with :func:`register` in its own ``init_reductions()`` (as
 torch or cupy has been imported. Importing aiomp loads none of them. Reducers keep what
 they need per message in its :class:`Scratchpad` (:func:`current`). A module may also
 register a way to send an object of its type that is a whole message without the pickler
-(:func:`register_alone`: numpy's single arrays, see *One-array messages* in
-docs/architecture.md).
+(:func:`register_alone`: numpy's single arrays, see
+docs/decisions/0013-one-array-messages.md).
 
 A reducer that finds, part way through a message, that an earlier object should have been
 pickled differently (a small view sent inline before the array it views) calls
@@ -235,7 +235,7 @@ def register_alone(cls: type, fast: Callable[[Any, bytes], Message | None]) -> N
 
     ``fast`` returns the :class:`Message` (its body a pickle that rebuilds the object,
     after ``prefix``), or None to leave the object to the pickler. It must produce what
-    the pickler would (see *One-array messages* in docs/architecture.md).
+    the pickler would (see docs/decisions/0013-one-array-messages.md).
     """
     _alone[cls] = fast
 

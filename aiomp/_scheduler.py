@@ -51,8 +51,8 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Sync chunks of one map that may wait in a worker behind the one it runs (see *Map
-#: chunks ahead* in docs/architecture.md).
+#: Sync chunks of one map that may wait in a worker behind the one it runs (see
+#: docs/decisions/0029-map-chunks.md).
 CHUNKS_AHEAD = 2
 
 
@@ -385,7 +385,7 @@ class Scheduler:
     def started(self, w: Worker, task: Task) -> None:
         """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
         it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
-        first and makes the Task after: see *Apply sends first* in docs/architecture.md)."""
+        first and makes the Task after: see docs/decisions/0028-apply-sends-first.md)."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -592,7 +592,7 @@ class Scheduler:
         """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
 
         The send comes first and the bookkeeping after it: the worker wakes while this
-        runs (see *Apply critical path* in docs/architecture.md). Nothing can complete the
+        runs (see docs/decisions/0027-apply-critical-path.md). Nothing can complete the
         task in between: a result is read by a later loop callback.
         """
         try:

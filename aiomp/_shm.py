@@ -8,8 +8,8 @@ has a segment of its own.
 
 A block is reused once its creator's own views are gone and the kernel reports no lease
 on it (see *Kernel leases* in docs/architecture.md). Segments are recycled, allocated in
-full up front and pre-faulted (*Recycled segments*), and a segment holds one fd however
-many arrays were sent (*One fd per segment*). Under ``"file_system"`` a message holds no
+full up front and pre-faulted, and a segment holds one fd however many arrays were sent
+(docs/decisions/0012-shared-memory-segments.md). Under ``"file_system"`` a message holds no
 lease while in flight, so the segment's header page counts the references sent and opened
 per block, and names the creator and its *process tree*; who removes a name, and when, is
 "``file_system`` names do not outlive their users" in docs/reliability.md.
@@ -55,7 +55,7 @@ STALE_IN_FLIGHT = 60.0
 #: Bytes of idle pooled segments a process keeps for reuse.
 POOL_LIMIT = 1 << 30
 #: Segments with no array of this process in them that a process keeps (one fd each);
-#: past that the oldest is given away (see *One fd per segment* in docs/architecture.md).
+#: past that the oldest is given away (see docs/decisions/0012-shared-memory-segments.md).
 IDLE_SEGMENTS = 32
 SHM_DIR = "/dev/shm"
 PREFIX = "aiomp-"
@@ -400,7 +400,7 @@ def _rebuild_block(
 
 
 # -- one array alone in a message, without the pickler --------------------------------
-# See *One-array messages* in docs/architecture.md. The same leases as BlockRef's: a
+# See docs/decisions/0013-one-array-messages.md. The same leases as BlockRef's: a
 # fresh description per message holds the block while the message is in flight.
 
 

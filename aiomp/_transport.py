@@ -2,17 +2,19 @@
 
 A message is one byte of kind followed by its body; a body larger than :data:`MAX_INLINE`
 travels in an anonymous memfd whose fd rides in the same datagram (kind ``LARGE``). Why
-datagrams: *Datagram queues* in docs/architecture.md. :class:`Stream` carries the same
+datagrams: docs/decisions/0001-datagram-queue.md. :class:`Stream` carries the same
 datagrams over a ``SOCK_STREAM`` pair, each behind a 5-byte frame header (the length and
-how many fds belong to it), for channels with one process at each end (see *Stream
-wake-ups*). The kernel never merges a sendmsg's fds into a later read, so a Stream's
+how many fds belong to it), for channels with one process at each end (see
+docs/decisions/0002-stream-channels.md). The kernel never merges a sendmsg's fds into a later read,
+so a Stream's
 reader keeps the fds in arrival order and gives each complete frame the first ``nfds``;
 one reader and one writer per end, and a sender finishes a frame before the next.
 
 aiomp never changes a socket's blocking mode (the flag is shared by every process holding
 it), but an event loop may (uvloop's ``add_reader`` does): so non-blocking calls pass
 ``MSG_DONTWAIT``, and blocking calls fall back to ``poll`` on EAGAIN. Async callers wait
-for readiness on the running loop (:func:`wait_readable`, see *Queue wake-ups*). A
+for readiness on the running loop (:func:`wait_readable`, see
+docs/decisions/0005-kept-readers.md). A
 *child* module (see *Light children*).
 """
 
@@ -308,7 +310,7 @@ async def wait_readable(fd: int) -> None:
     removing a reader per wait; on trio this is trio's own ``wait_readable`` (one task per
     process and fd at a time: the queue's waiters fan out). The fd's owner calls
     :func:`forget` before closing it. Cancellation leaves nothing behind but the idle
-    watch. See *Queue wake-ups* in docs/architecture.md.
+    watch. See docs/decisions/0005-kept-readers.md.
     """
     loop = running_asyncio_loop()
     if loop is None:

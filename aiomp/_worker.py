@@ -3,7 +3,7 @@
 A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 
 1. reads the pool's messages from one stream socket and writes its own to a second one
-   (see *Two channels* in docs/architecture.md), asks the kernel to SIGKILL it when its
+   (see docs/decisions/0026-two-channels.md), asks the kernel to SIGKILL it when its
    parent dies, ignores SIGINT (a Ctrl-C in the terminal reaches the parent, and the worker
    through its keeper: see ``_child.lead_own_group``; the parent decides what happens to
    its workers), and clears the ``daemon`` flag ``multiprocessing`` gave it, so that a
@@ -23,7 +23,7 @@ task (or only sync chunks of the same map), so it blocks nothing.
 
 In either mode a worker runs the sync tasks it holds one at a time, in the order they
 came: the pool counts on it to know that a sync task sent behind another had not started
-when the worker died (see *Pool failures* in docs/architecture.md).
+when the worker died (see docs/decisions/0025-pool-failures.md).
 
 Whatever a task raises is its outcome, sent to its caller: ``SystemExit`` and
 ``KeyboardInterrupt`` too, as ``concurrent.futures`` sends them (the worker ignores SIGINT,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 _NONE = pickle.dumps(None, protocol=5)
 FID = P.FID.unpack_from
 _Coroutine = types.CoroutineType
-# The round trip's hot path (see *Apply critical path* in docs/architecture.md): a TASK
+# The round trip's hot path (see docs/decisions/0027-apply-critical-path.md): a TASK
 # datagram of ``fn()`` is its fused header alone, and ``None`` has a constant reply.
 _NOARGS_SIZE = P.TASK_HEAD.size
 _NOARGS_HEAD = P.TASK_HEAD.unpack_from
@@ -103,7 +103,7 @@ class Worker:
 
     def __init__(self, tasks: _transport.Stream, chan: _transport.Stream) -> None:
         self.tasks = tasks  # read: the pool's messages
-        self.chan = chan  # written: the replies (see *Two channels* in docs/architecture.md)
+        self.chan = chan  # written: the replies (see docs/decisions/0026-two-channels.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
         self.sync_turn: Any = None  # asyncio.Lock, in async mode (see serve_async)
         self.fns: dict[int, Any] = {}  # DEF'd functions by id (or a _BadDef)

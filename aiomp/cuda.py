@@ -4,7 +4,7 @@ A ``cupy.ndarray`` anywhere in an aiomp message (a :class:`aiomp.Queue` item,
 ``aiomp.spawn(args=...)``, a Pool task's arguments or result) arrives as a
 ``cupy.ndarray`` on the *same device memory*, and the receiver's current stream waits for
 an event recorded on the sender's current stream at ``put``. Importing aiomp never
-imports cupy. How it works: *CUDA IPC blocks* and *CUDA lifetime* in docs/architecture.md.
+imports cupy. How it works: docs/decisions/0030-cuda-ipc.md.
 
 What travels in place, and what as a copy:
 

@@ -9,7 +9,7 @@
 The calls and the scheduler are the local Pool's; only the worker handle differs (an
 :class:`~aiomp._ray_handle.ActorHandle` drives one ``aiomp._ray_actor.Worker`` actor).
 Ray places the actors, carries the messages and stores the arrays; how a call travels and
-why nothing polls: *Ray workers* in docs/architecture.md. What differs from
+why nothing polls: docs/decisions/0031-ray-workers.md. What differs from
 :class:`aiomp.Pool`:
 
 * Functions are pickled with Ray's cloudpickle, so lambdas and functions of ``__main__``
@@ -106,8 +106,9 @@ class _Puts:
 
 
 class _Call:
-    """A task's message: its blob and the refs of the arrays it names (see *Ray workers* in
-    docs/architecture.md). Dropping the refs lets Ray free the arrays once the actor has them."""
+    """A task's message: its blob and the refs of the arrays it names (see
+    docs/decisions/0031-ray-workers.md). Dropping the refs lets Ray free the arrays once the actor
+    has them."""
 
     __slots__ = ("_done", "blob", "refs")
 

@@ -8,6 +8,10 @@ re-sent, as in bench_cuda), with the consumer dropping each array when the next 
 and with it keeping every array, with the producer's interprocess events recycled (a pool
 of 64) and not; and, for each side, the mean time of every CUDA call aiomp makes (its
 backend's methods, timed in place).
+
+It imports ``aiomp._cuda`` to wrap its backend's calls: the one script here that reaches
+past the public API, because the CUDA calls are what it times (it is run by
+``gpu_check.sh`` on a GPU machine, and a rename inside ``aiomp/`` must update it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """One array alone in a message (issue 17 target 3b): sent without the pickler, its
-handle packed by hand (see *One-array messages* in docs/architecture.md).
+handle packed by hand (see docs/decisions/0013-one-array-messages.md).
 
 Whatever path sends it, an array arrives the same: dtype and byte order, shape, strides,
 flags, contents and whether it is shared. Arrays the fast path does not take (Fortran

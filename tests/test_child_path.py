@@ -1,7 +1,7 @@
 """An async child's ``x = await q.get(); await q.put(x)``: a get that waits and is woken,
 for every kind of datagram (plain, with fds, a large body, one that cannot be rebuilt),
 with the overflow behind the socket, and at close; and a child echoing on every child
-loop under every parent loop (issue 17 target 2's path, see benchmarks/RESULTS.md).
+loop under every parent loop (issue 17 target 2's path, see docs/decisions/0008-queue-fast-path.md).
 """
 
 from __future__ import annotations

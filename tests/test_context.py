@@ -1326,7 +1326,7 @@ async def test_a_childs_exit_waits_for_its_non_daemon_threads(tmp_path: Path, me
 @pytest.mark.anyio
 async def test_failed_exit_hooks_run_once_per_abnormal_exit() -> None:
     """``_shm`` sweeps a failed child's names through this hook; the process layer runs
-    it without knowing ``_shm`` (see *Process hooks* in docs/architecture.md)."""
+    it without knowing ``_shm`` (see docs/decisions/0016-process-hooks.md)."""
     from aiomp import _lifecycle
 
     calls: list[None] = []

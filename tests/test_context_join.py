@@ -1,6 +1,6 @@
 """The join of a spawn's children: one waiter for every child's exit fd and report socket.
 
-What ``_context._Join`` must keep (see *One waiter per spawn* in docs/architecture.md):
+What ``_context._Join`` must keep (see docs/decisions/0018-one-waiter-per-spawn.md):
 an exit is seen whoever holds the report socket, a reported error acts before the failed
 child's teardown ends, cancellation anywhere terminates and reaps and leaves no watch
 behind, and a clean spawn-4 costs one waiting task, woken once. On asyncio, uvloop and

@@ -1,8 +1,8 @@
 """What a spawn costs per child at start and at exit, and what it must still do.
 
-Deterministic guards of *Start-up cost*, *Payload in the start*, *Reports read at the
-hang-up*, *Reaping a readable exit fd*, and *Forwarder
-set-up* (docs/architecture.md): calls per child, not timings. On asyncio, uvloop and
+Deterministic guards of docs/decisions/0017-spawn-start-up.md,
+docs/decisions/0018-one-waiter-per-spawn.md and docs/decisions/0020-output-forwarding.md: calls per
+child, not timings. On asyncio, uvloop and
 trio; every await on a child bounded by ``anyio.fail_after``.
 """
 

@@ -1,5 +1,5 @@
 """Children's output forwarded to the parent, labelled by rank (issue 13, see
-*Output forwarding* in docs/architecture.md), on asyncio, uvloop and trio."""
+docs/decisions/0020-output-forwarding.md), on asyncio, uvloop and trio."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Children's output when the parent's sink fails: a closed stdout pipe (``prog | head``)
 and a line callback that raises. Each failure is reported once, with its traceback, and
 the lines lost are counted when the child exits; the children never block, and the
-other stream keeps flowing (see *Output sink failures* in docs/architecture.md)."""
+other stream keeps flowing (see docs/decisions/0020-output-forwarding.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A child that writes faster than the parent forwards (issue 25 item 1): the parent's
 loop reads a bounded amount per turn, so other tasks and timeouts run in between, and
-nothing is lost (see *Output forwarding* in docs/architecture.md). On asyncio, uvloop and
+nothing is lost (see docs/decisions/0020-output-forwarding.md). On asyncio, uvloop and
 trio, through ``spawn`` and ``Pool``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What ``output="prefix"`` and a line callback make of a child's bytes: carriage returns
-(progress bars) and lines with no end (see *Output forwarding* in docs/architecture.md).
+(progress bars) and lines with no end (see docs/decisions/0020-output-forwarding.md).
 The pure part, ``Forwarder._emit``, is tested on its own; the rest through ``spawn``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ``apply`` round trip's hot path: what each side runs per call, and that the short
-paths keep every outcome of the general ones (see *Apply critical path* in
-docs/architecture.md).
+paths keep every outcome of the general ones (see
+docs/decisions/0027-apply-critical-path.md).
 
 Guards are counts, not timings: the Python calls into aiomp's modules per ``apply`` in
 the worker and in the parent, measured with ``sys.setprofile`` (deterministic, and
@@ -164,8 +164,8 @@ def test_no_argument_frame_is_the_general_frame() -> None:
 @asyncio_loops
 async def test_apply_sends_before_it_makes_its_task() -> None:
     """``apply(fn)`` to an idle worker that knows ``fn`` sends its frame first and makes
-    its Task (and the scheduler's record of it) after, while the worker wakes (see *Apply
-    critical path* in docs/architecture.md); the first call to a worker, which must send
+    its Task (and the scheduler's record of it) after, while the worker wakes (see
+    docs/decisions/0027-apply-critical-path.md); the first call to a worker, which must send
     the function's DEF first, is submitted as before. Results are unchanged."""
     from aiomp import _scheduler
 
@@ -202,7 +202,7 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
 async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
     """Between ``await pool.apply(fn)`` and the ``send`` of its frame, at most three
     Python calls into aiomp: ``apply``, the anyio cancel-scope check and
-    ``WorkerHandle.send_first`` (see *Apply sends first* in docs/architecture.md). Pins
+    ``WorkerHandle.send_first`` (see docs/decisions/0028-apply-sends-first.md). Pins
     the order that sent last: eight before (``make_task``, ``Task.__init__``,
     ``submit``, ``_start``, ``send`` and ``try_send`` came first)."""
     import socket

@@ -1,6 +1,6 @@
 """``Pool.map``'s critical path: when its chunks go out, and what a cancelled caller sends.
 
-See *Map critical path* in docs/architecture.md. Workers are never slept on; every await
+See docs/decisions/0029-map-chunks.md. Workers are never slept on; every await
 is bounded by ``anyio.fail_after``.
 """
 

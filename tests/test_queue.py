@@ -652,7 +652,7 @@ async def test_cancelled_event_wait_leaves_it_as_it_was() -> None:
 
 def wait_registered(e: aiomp.Event, timeout: float) -> bool:
     """Block until a waiter of ``e`` has registered: a test's window into the wait (see
-    *Event wake-ups* in docs/architecture.md). A waiter reads the event's generation
+    docs/decisions/0032-event-wake-ups.md). A waiter reads the event's generation
     before it registers, so from then on any ``set()`` wakes it."""
     import select
 
@@ -1551,7 +1551,7 @@ async def test_waiting_gets_keep_one_reader_on_the_loop() -> None:
     """Issue 17: every get that waited added a reader to the loop and removed it (on
     uvloop: a new poll handle, five epoll_ctl and an ioctl setting O_NONBLOCK on the shared
     socket, per get; on asyncio's own loop two epoll_ctl and anyio's wait). Now the reader
-    stays registered between waits on both (see *Queue wake-ups*)."""
+    stays registered between waits on both (see docs/decisions/0005-kept-readers.md)."""
     import asyncio
 
     loop = asyncio.get_running_loop()
@@ -1585,7 +1585,7 @@ async def test_waiting_gets_keep_one_reader_on_the_loop() -> None:
 
 
 def test_plain_items_and_the_general_path_keep_one_order() -> None:
-    """Plain items skip the Message (see *Queue fast path* in docs/architecture.md): at the
+    """Plain items skip the Message (see docs/decisions/0008-queue-fast-path.md): at the
     inline limit they fall back to the general path (a memfd), behind a full socket they
     go to the overflow, and the queue's order and counts stay one."""
     q = aiomp.Queue()

@@ -1450,7 +1450,8 @@ def test_a_ctrl_c_is_not_lost_in_a_finalizer_under_trio(monkeypatch: pytest.Monk
     """Regression: chaos's ``test_sigint_to_the_parent[trio]`` timed out once. trio raised
     the KeyboardInterrupt inside ``_shm._drop_block``, a weak reference's callback, where
     Python reports it ("Exception ignored in") and drops it: the parent never saw its
-    Ctrl-C. Finalizers are now protected (see *Finalizers and Ctrl-C*): trio delivers the
+    Ctrl-C. Finalizers are now protected (see docs/decisions/0022-finalizers-and-ctrl-c.md): trio
+    delivers the
     interrupt at its next checkpoint instead."""
     import trio
 

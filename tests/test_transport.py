@@ -562,7 +562,7 @@ async def test_stream_async_recv_eof(stream_pair: tuple[t.Stream, t.Stream]) -> 
             a.sock.shutdown(socket.SHUT_WR)
 
 
-# -- the reader kept on an asyncio loop (see *Queue wake-ups*) ----------------------------
+# -- the reader kept on an asyncio loop (see docs/decisions/0005-kept-readers.md) ----------
 
 
 async def loop_turns(n: int) -> None:

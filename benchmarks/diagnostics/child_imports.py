@@ -1,6 +1,6 @@
 """What does a spawned child import? aiomp's children against multiprocessing's.
 
-    python -m benchmarks.child_imports [--async]
+    python -m benchmarks.diagnostics.child_imports [--async]
 
 Starts one child each way (after a warm-up start, so the resource tracker and the page
 cache are warm) with ``PYTHONPROFILEIMPORTTIME=1`` set for the child only, and prints the

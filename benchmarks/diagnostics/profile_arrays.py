@@ -18,9 +18,9 @@ the received fd (what any message that hands memory over must cost: 3 syscalls),
 same with an ``mmap``/``munmap`` of the array's size (a receiver that maps each message
 anew: 5), and a bare ``sendmsg``/``recvmsg`` of a 64 B datagram.
 
-    python -m benchmarks.profile_arrays                 # CPU, syscalls, calls: all rows
-    python -m benchmarks.profile_arrays --cpu-only      # CPU per message only
-    python -m benchmarks.profile_arrays --sizes 102400  # one size
+    python -m benchmarks.diagnostics.profile_arrays                 # CPU, syscalls, calls: all rows
+    python -m benchmarks.diagnostics.profile_arrays --cpu-only      # CPU per message only
+    python -m benchmarks.diagnostics.profile_arrays --sizes 102400  # one size
 """
 
 from __future__ import annotations

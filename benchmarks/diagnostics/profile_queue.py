@@ -14,9 +14,9 @@ Three measurements, each deterministic or in one process where it can be:
   of the child; with ``--cprofile`` the child's top functions by own time. Run it under
   ``strace -c -f`` for syscalls per round trip.
 
-    python -m benchmarks.profile_queue calls --loop uvloop
-    python -m benchmarks.profile_queue cpu --loop asyncio
-    python -m benchmarks.profile_queue rt --loop trio --n 5000 [--cprofile]
+    python -m benchmarks.diagnostics.profile_queue calls --loop uvloop
+    python -m benchmarks.diagnostics.profile_queue cpu --loop asyncio
+    python -m benchmarks.diagnostics.profile_queue rt --loop trio --n 5000 [--cprofile]
 """
 
 from __future__ import annotations
@@ -70,13 +70,22 @@ class Counter:
         sys.setprofile(None)
 
 
-def fill_socket(q: Any) -> int:
-    """Put until the queue's next put would go to the overflow log; how many went."""
-    n = 0
-    while not q._hint[8]:
+#: More 64 B items than a queue's socket holds (its 4 MiB buffer takes about 1 KiB a
+#: datagram): after this many puts the socket is full and the rest are in the overflow log.
+SOCKET_ITEMS = 50_000
+
+
+def fill_socket(q: Any) -> None:
+    """Put until the socket is surely full: later puts go to the overflow log."""
+    for _ in range(SOCKET_ITEMS):
         q.put_nowait(PAYLOAD)
-        n += 1
-    return n
+
+
+def drain_socket(q: Any) -> None:
+    """Take as many items as :func:`fill_socket` put: the socket's are among them (a get
+    takes the socket's items before the log's), so later gets read the log."""
+    for _ in range(SOCKET_ITEMS):
+        q.get_nowait()
 
 
 def drain(q: Any) -> None:
@@ -154,10 +163,7 @@ async def measure_calls(reps: int = 200) -> dict[str, float]:
             for _ in range(reps):
                 q.put_nowait(PAYLOAD)
         out["put_nowait (overflow log)"] = c.n / reps
-        while q._hint[8]:
-            q.get_nowait()  # the socket's items first, then the log's
-            if q._ovf.count() and q._ovf._header[10]:  # drained: now from the log
-                break
+        drain_socket(q)  # the socket's items first: the gets below read the log
         with Counter() as c:
             for _ in range(reps):
                 q.get_nowait()
@@ -203,8 +209,7 @@ async def measure_cpu(n: int = 20000) -> dict[str, float]:
             q.put_nowait(PAYLOAD)
         passes_put.append(clock() - t)
         if not passes_get:  # take the socket's items first: then gets read the log
-            while not (q._ovf._header[10] and q._ovf.count()):
-                q.get_nowait()
+            drain_socket(q)
         t = clock()
         for _ in range(n):
             q.get_nowait()
