@@ -27,8 +27,8 @@ its fds by itself once both streams have ended. When the spawn or pool closes,
 :func:`close_all` forwards what the child left, waits up to :data:`LINGER` seconds more
 for the streams' end, then :meth:`Forwarder.close` reads once more, flushes the last
 partial lines, logs what it could not read, and detaches (see
-docs/decisions/0020-output-forwarding.md). The Pool uses one Forwarder per worker, with ``label="worker"``,
-its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
+docs/decisions/0020-output-forwarding.md). The Pool uses one Forwarder per worker, with
+``label="worker"``, its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 copies of its stdout and stderr, so the forwarder reads until end-of-file, not until the
 child exits, and when the context or pool closes it waits a bounded time, then reads once
 more, counts what is left and detaches (issue 25 items 3 and 4; see
-docs/decisions/0020-output-forwarding.md). On asyncio, uvloop and trio, through ``spawn`` and ``Pool``.
+docs/decisions/0020-output-forwarding.md). On asyncio, uvloop and trio, through ``spawn``
+and ``Pool``.
 
 Every grandchild started here is killed (if still there) and waited for by the test.
 """
