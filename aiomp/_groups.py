@@ -176,6 +176,8 @@ def start_keeper() -> socket.socket | None:
     Where it cannot start (no ``/bin/sh``, a pids limit), the next child tries again.
     """
     global _sock
+    if _sock is not None:
+        return _sock
     with _lock:
         if _sock is not None:
             return _sock
@@ -242,7 +244,10 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
     finally:
         if src != fd:
             os.close(src)
-    _, status = os.waitpid(shell, 0)
+    try:
+        _, status = os.waitpid(shell, 0)
+    except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
+        return
     if status != 0:  # it could not fork (a pids limit) or run the interpreter
         raise OSError(errno.EAGAIN, f"the shell starting it exited with status {status}")
 
