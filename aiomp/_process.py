@@ -176,6 +176,10 @@ def check_fork_safe() -> None:
         )
 
 
+#: ``waitid`` flags that ask whether a child has exited without reaping it.
+_EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
+
+
 class Child:
     """One child process and the pidfd aiomp holds for it (see the module docstring).
 
@@ -250,10 +254,17 @@ class Child:
         """Our own child's exit status, reaping it; None while it runs. ``exited``: its
         pidfd was just seen readable. What is left of its group is killed first, while
         its zombie keeps the group's number its own (see :meth:`_end_group`)."""
-        if not (exited or select.select([self.pidfd], [], [], 0)[0]):
+        if not (exited or self._exited_unreaped()):
             return None
         self._end_group()
         return self.process.exitcode  # (a non-blocking waitpid: it has exited)
+
+    def _exited_unreaped(self) -> bool:
+        """Whether our own child has exited (leaving it to be reaped)."""
+        try:
+            return os.waitid(os.P_PIDFD, self.pidfd, _EXITED_NOWAIT) is not None
+        except ChildProcessError:
+            return True  # reaped already (multiprocessing reaps as it starts a process)
 
     def _server_status(self, ready: bool) -> int | None:
         """A forkserver child's exit status, once the server has sent it (it reaped the
@@ -320,7 +331,9 @@ class Child:
         """Whether its pid (the number of the group it leads) is still its own: we have
         not reaped it or, for a forkserver child (the server reaps it), it runs now."""
         if self._via_server:
-            return not select.select([self.pidfd], [], [], 0)[0]
+            poller = select.poll()  # (not select(): pidfds above 1023 are common enough)
+            poller.register(self.pidfd, select.POLLIN)
+            return not poller.poll(0)
         popen: Any = self.process._popen  # type: ignore[attr-defined]
         return popen.returncode is None
 
