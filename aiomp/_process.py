@@ -230,7 +230,8 @@ class Child:
         pass
 
     def poll_exit(self, ready: bool = False) -> bool:
-        """Whether it has exited (reaping it if it just has); never waits.
+        """Whether it has exited (reaping it if it just has, and killing what is left of
+        its process group: every path that learns of an exit comes here); never waits.
 
         ``ready``: the caller has just seen :attr:`exit_fd` readable, so the child has
         exited: it is reaped without asking first (see *Reaping a readable exit fd* in
