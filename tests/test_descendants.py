@@ -128,8 +128,8 @@ async def test_descendants_go_where_groups_are_signalled_by_number(
     gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Kernels before 6.9 cannot signal a group through a pidfd: the parent signals it by
-    number while it holds the worker unreaped, the keeper after the worker's exit (fork
-    children inherit the setting). A cancelled task's worker, then a normal close."""
+    number while it holds the worker unreaped, on the kill and at the exit before the
+    reap. A cancelled task's worker, then a normal close."""
     monkeypatch.setattr(aiomp._groups, "pidfd_groups", False)
     with anyio.fail_after(TIMEOUT), watching_later() as watch:
         async with aiomp.Pool(1, start_method="fork", grace_period=GRACE) as pool:
@@ -213,8 +213,8 @@ _PARENT = textwrap.dedent("""
 )
 def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: str) -> None:
     """The parent is SIGKILLed (alone, or with its whole process group, as ``kill -9 -PGID``
-    does): its children die by their parent-death signal, and their keepers (out of the
-    parent's group: no terminal here) take the descendants."""
+    does): its children die by their parent-death signal, and its keeper (out of the
+    parent's group and session: no terminal here) takes the descendants."""
     gate = Gate()
     parent = subprocess.Popen(
         [sys.executable, "-c", _PARENT, gate.address[1:], start_method],
@@ -273,7 +273,7 @@ _ON_TERMINAL = "import os, sys; os.login_tty(int(sys.argv[1])); os.execv(sys.arg
 @pytest.mark.parametrize("start_method", METHODS)
 def test_ctrl_c_on_the_terminal_still_reaches_a_child(start_method: str, gate: Gate) -> None:
     """A child leads its own process group now, which a terminal's Ctrl-C does not reach;
-    its keeper stands in the terminal's foreground group and passes the SIGINT on: the
+    the parent's keeper stands in the terminal's foreground group and passes the SIGINT on: the
     child raises KeyboardInterrupt, as it did in its parent's group (R9, torch's
     behaviour). Run on a real pseudo-terminal; ``\\x03`` is the Ctrl-C."""
     import pty
@@ -325,8 +325,9 @@ def test_ctrl_c_on_the_terminal_still_reaches_a_child(start_method: str, gate: G
 @pytest.mark.anyio
 async def test_a_signal_to_the_childs_own_group_leaves_the_keeper() -> None:
     """A task sends SIGUSR1 to its worker's whole group (everything it started ignores
-    it): the keeper, in that group, must not die of it, or the descendants outlive the
-    worker (review of issue 25 item 5: the keeper ignored only the terminal's signals)."""
+    it): the group still ends with the worker. Regression (review of issue 25 item 5): a
+    keeper per child stood in that group and died of it. The one keeper per parent stands
+    in no child's group, and ignores such signals where it stands in the parent's."""
     with anyio.fail_after(TIMEOUT):
         with watching_later() as watch:
             async with aiomp.Pool(1, start_method="forkserver", grace_period=GRACE) as pool:
