@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import _thread
 import array
+import atexit
 import errno
 import os
 import select
@@ -289,6 +290,10 @@ def _forget_in_fork() -> None:
 # socket at once: only this process may hold it, so that its end is this process's end
 # for the keeper too. (It is close-on-exec for the processes that exec.)
 os.register_at_fork(after_in_child=_forget_in_fork)
+# At exit, after ``_process`` has killed and reaped the children still running (its exit
+# hook is registered later, so it runs first): the keeper sees the end now, and the
+# socket is not left to the garbage collector (a ResourceWarning).
+atexit.register(_forget)
 
 
 # -- the keeper ---------------------------------------------------------------------------
