@@ -5,7 +5,7 @@ The child:
 1. asks the kernel to SIGKILL it when its parent dies (``PR_SET_PDEATHSIG``; a forkserver
    child's parent is the fork server, which it lets exit with our process), then checks
    that the parent has not already gone; then becomes the leader of a process group of
-   its own, which a keeper process kills when the child dies (:func:`lead_own_group`);
+   its own, which ends with it (:func:`lead_own_group`);
 2. receives ``(fn, args, is_async)`` on its control socket (fds for shared arrays and
    queues travel in the same message);
 3. runs ``fn(rank, *args)``, on a fresh event loop if it is a coroutine function;
@@ -20,7 +20,6 @@ functions and numpy when an array arrives are loaded on demand.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import socket
@@ -33,34 +32,27 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for impo
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
-    from typing import Any
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_NAME = 15
-
-
-def _prctl(option: int, arg: int | bytes) -> None:
-    """``prctl(option, arg)``, via ``_ctypes`` (a fifth of the cost of ctypes)."""
-    try:
-        import _ctypes
-
-        handle = _ctypes.dlopen(None)  # type: ignore[arg-type]
-        func = _ctypes.dlsym(handle, "prctl")
-        _ctypes.call_function(func, (option, arg))
-    except (ImportError, AttributeError, OSError):  # pragma: no cover - non-CPython
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(option, arg)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
-    """``prctl(PR_SET_PDEATHSIG, sig)``.
+    """``prctl(PR_SET_PDEATHSIG, sig)``, via ``_ctypes`` (a fifth of the cost of ctypes).
 
     Also lets go of the fork server (:func:`release_forkserver`), without which a
     forkserver child's death signal would not follow our parent's death.
     """
     release_forkserver()
-    _prctl(_PR_SET_PDEATHSIG, int(sig))
+    try:
+        import _ctypes
+
+        handle = _ctypes.dlopen(None)  # type: ignore[arg-type]
+        func = _ctypes.dlsym(handle, "prctl")
+        _ctypes.call_function(func, (_PR_SET_PDEATHSIG, int(sig)))
+    except (ImportError, AttributeError, OSError):  # pragma: no cover - non-CPython
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
 def release_forkserver() -> None:
@@ -106,179 +98,16 @@ def begin(
     lead_own_group()
 
 
-#: ``pidfd_send_signal``'s flag (Linux 6.9) to signal the process group the pidfd's
-#: process leads. The kernel finds that group by its pid object, not by its number, so
-#: a number reused since cannot be hit. Cleared where the kernel refuses it (EINVAL).
-PIDFD_SIGNAL_PROCESS_GROUP = 4
-pidfd_groups = True
-
-#: What a terminal (Ctrl-C, Ctrl-\, Ctrl-Z, a hang-up) or a job kill sends to the process
-#: group of the program in the foreground: a keeper that stands in that group passes
-#: them on to its child's group, as if the child were still in it.
-PASSED_ON = (
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGTSTP,
-    signal.SIGCONT,
-    signal.SIGHUP,
-    signal.SIGTERM,
-)
-
-
-def signal_group(pidfd: int, leader: int, sig: int, by_number: bool) -> bool:
-    """Send ``sig`` to the process group ``leader`` leads (through its ``pidfd``); return
-    whether any process got it (False: there is no such group, or nobody left in it).
-
-    Where the kernel cannot signal a group through a pidfd (before Linux 6.9) the group
-    is signalled by number, and only when ``by_number`` says that number cannot have been
-    reused: the caller still holds the leader unreaped, or has just seen it alive. (A
-    number stays taken while any process of its group lives: the kernel never hands out
-    a pid still in use as a process group id.)
-    """
-    global pidfd_groups
-    if pidfd_groups:
-        try:
-            signal.pidfd_send_signal(pidfd, sig, None, PIDFD_SIGNAL_PROCESS_GROUP)
-            return True
-        except ProcessLookupError:
-            return False
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                return False  # (EPERM: nobody in it is ours to signal)
-            pidfd_groups = False
-    if not by_number:
-        return False
-    try:
-        os.killpg(leader, sig)
-    except OSError:  # ESRCH: no group (yet, or any more); EPERM: nobody ours in it
-        return False
-    return True
-
-
 def lead_own_group() -> None:
-    """Lead a process group of our own, and fork a keeper that kills it when we die.
-
-    Every process this one starts (``subprocess``, ``os.fork``, ``multiprocessing``, a
-    shell's pipeline) joins the group, unless it makes a session or group of its own
-    (``setsid``, ``start_new_session=True``, a daemon): those escape. The parent signals
-    the group with the child (terminate, kill). What it cannot cover is the child's end
-    itself: an exit (a Pool worker retired at close, a spawned function that returned and
-    left a process running), a crash, a SIGKILL, or the parent-death signal after the
-    parent's SIGKILL. The keeper covers those: a fork of this process, taken before any of
-    the caller's code runs, that holds nothing but a pidfd of this process, waits for it
-    to exit and then SIGKILLs the group (see :func:`_keep`).
-
-    Leaving the parent's group takes the child out of reach of the terminal's signals
-    (only the foreground group gets a Ctrl-C). Where the parent's group is the terminal's
-    foreground group, the keeper stands in it instead and passes those signals on
-    (:data:`PASSED_ON`); otherwise (no terminal, a background job, a child of a child) it
-    stays in this group, out of reach of a SIGKILL aimed at the parent's group.
-
-    Without a keeper (``fork`` failed: a pids limit; no fd left) the child still runs,
-    and its group is still signalled with it.
-    """
-    old = os.getpgrp()
-    stand_in = old if _is_foreground(old) else 0
+    """Lead a process group of our own: every process this one starts (``subprocess``,
+    ``os.fork``, ``multiprocessing``, a shell's pipeline) joins it, unless it makes a
+    session or group of its own (``setsid``, ``start_new_session=True``, a daemon): those
+    escape. The parent kills the group with this process and when it sees its exit; its
+    keeper, when the parent dies (see ``aiomp._groups``)."""
     try:
         os.setpgid(0, 0)
     except OSError:  # pragma: no cover - only a session leader cannot: not our child
-        return
-    me = os.getpid()
-    try:
-        pidfd = os.pidfd_open(me)
-    except OSError:  # out of fds: no keeper (as below)
-        return
-    # Until the keeper has its place and its handlers, the signals it passes on wait
-    # (blocked), so that none is lost or ends it; ours are delivered when we unblock.
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
-    try:
-        keeper = os.fork()
-        if keeper == 0:
-            _keep(pidfd, me, stand_in, mask)
-        if stand_in:
-            # As a shell does for a job, both sides move it, so that it stands in the
-            # foreground group before this process goes on: a Ctrl-C from now on
-            # reaches this group through it.
-            try:
-                os.setpgid(keeper, stand_in)
-            except OSError:
-                pass  # it has moved itself, or that group has gone with the parent
-    except OSError:
         pass
-    finally:
-        os.close(pidfd)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-
-
-def _is_foreground(pgid: int) -> bool:
-    """Whether ``pgid`` is the foreground process group of our controlling terminal."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False  # no controlling terminal
-    try:
-        return os.tcgetpgrp(fd) == pgid
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _keep(pidfd: int, leader: int, stand_in: int, mask: set[int | signal.Signals]) -> None:
-    """The keeper: wait for ``leader`` (``pidfd``) to exit, then SIGKILL its group; exit.
-
-    It closes every other fd first: it must not hold the child's sockets (its parent
-    waits for their hang-up), its output (the forwarder reads to end of file) or any of
-    the caller's files. ``stand_in``: the terminal's foreground group to stand in and
-    pass signals on from; 0: stay in the child's group and ignore them, so that the
-    parent's SIGTERM to the group does not end the keeper before the child (every other
-    signal it ignores either way). ``mask``:
-    the signal mask to restore once its handlers are in place.
-
-    Its last act is safe by number too (before Linux 6.9): it signals after the leader's
-    exit, while any survivor in the group keeps the number taken. Never returns.
-    """
-    try:
-        os.closerange(0, pidfd)
-        os.closerange(pidfd + 1, os.sysconf("SC_OPEN_MAX"))
-        handler: Any = signal.SIG_IGN
-        if stand_in:
-            try:
-                os.setpgid(0, stand_in)
-            except OSError:
-                pass  # that group has gone, and the parent with it
-            else:
-
-                def handler(sig: int, _: object) -> None:
-                    signal_group(pidfd, leader, sig, by_number=True)
-
-        for sig in PASSED_ON:
-            signal.signal(sig, handler)
-        _ignore_the_rest()
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        _prctl(_PR_SET_NAME, b"aiomp-keeper")
-        import select
-
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        poller.poll()  # (a signal passed on interrupts it; PEP 475 resumes it)
-        signal_group(pidfd, leader, signal.SIGKILL, by_number=True)
-    finally:
-        os._exit(0)
-
-
-def _ignore_the_rest() -> None:
-    """The keeper ignores every signal it does not pass on: one sent to the whole group
-    it stands in (the child's: a task's ``os.killpg(0, SIGUSR1)`` to poke what it started;
-    or the terminal's) must not end it before its child, or the child's group outlives
-    the child."""
-    for sig in signal.valid_signals():
-        if sig in PASSED_ON or sig in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        try:
-            signal.signal(sig, signal.SIG_IGN)
-        except (OSError, ValueError):  # pragma: no cover - one the C library reserves
-            pass
 
 
 def run_fn(fn: object, rank_args: tuple[object, ...], is_async: bool) -> object:

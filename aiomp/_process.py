@@ -46,7 +46,7 @@ from typing import Any, SupportsIndex, TypeVar
 
 import anyio
 
-from . import _child, _lifecycle, _output, _reduction
+from . import _child, _groups, _lifecycle, _output, _reduction
 from ._fdwait import FdWaiters
 
 log = logging.getLogger("aiomp")
@@ -176,6 +176,10 @@ def check_fork_safe() -> None:
         )
 
 
+#: ``waitid`` flags that ask whether a child has exited without reaping it.
+_EXITED_NOWAIT = os.WEXITED | os.WNOHANG | os.WNOWAIT
+
+
 class Child:
     """One child process and the pidfd aiomp holds for it (see the module docstring).
 
@@ -213,6 +217,7 @@ class Child:
         self.waiters = FdWaiters()
         self.sent_term = self.sent_kill = False  # each signal is sent (and logged) once
         _running.add(self)
+        _groups.register(self.pid, self.pidfd)  # for the keeper, should we die first
 
     @property
     def exited(self) -> bool:
@@ -225,17 +230,15 @@ class Child:
         pass
 
     def poll_exit(self, ready: bool = False) -> bool:
-        """Whether it has exited (reaping it if it just has); never waits.
+        """Whether it has exited (reaping it if it just has, and killing what is left of
+        its process group: every path that learns of an exit comes here); never waits.
 
         ``ready``: the caller has just seen :attr:`exit_fd` readable, so the child has
         exited: it is reaped without asking first (see
         docs/decisions/0018-one-waiter-per-spawn.md).
         """
         if self.exitcode is None:
-            if ready and self._via_server:
-                code: int | None = self._read_server_status()
-            else:
-                code = self.process.exitcode  # non-blocking waitpid / sentinel poll
+            code = self._server_status(ready) if self._via_server else self._reap(ready)
             if code is not None:
                 self.exitcode = code
                 _running.discard(self)
@@ -247,6 +250,38 @@ class Child:
                 if code != 0:
                     _lifecycle.failed_exit()
         return self.exitcode is not None
+
+    def _reap(self, exited: bool) -> int | None:
+        """Our own child's exit status, reaping it; None while it runs. ``exited``: its
+        pidfd was just seen readable. What is left of its group is killed first, while
+        its zombie keeps the group's number its own (see :meth:`_end_group`)."""
+        if not (exited or self._exited_unreaped()):
+            return None
+        self._end_group()
+        return self.process.exitcode  # (a non-blocking waitpid: it has exited)
+
+    def _exited_unreaped(self) -> bool:
+        """Whether our own child has exited (leaving it to be reaped)."""
+        try:
+            return os.waitid(os.P_PIDFD, self.pidfd, _EXITED_NOWAIT) is not None
+        except ChildProcessError:
+            return True  # reaped already (multiprocessing reaps as it starts a process)
+
+    def _server_status(self, ready: bool) -> int | None:
+        """A forkserver child's exit status, once the server has sent it (it reaped the
+        child); its group is killed then (exact through the pidfd, which holds the
+        group's pid object)."""
+        code = self._read_server_status() if ready else self.process.exitcode
+        if code is not None:
+            self._end_group()
+        return code
+
+    def _end_group(self) -> None:
+        """The child has exited: SIGKILL whatever is left in the group it led (a function
+        that returned, a worker retired or crashed leaves nothing running), and tell
+        the keeper it is done. See ``aiomp._groups``."""
+        _groups.signal_group(self.pidfd, self.pid, signal.SIGKILL, by_number=True)
+        _groups.unregister(self.pid)
 
     def _read_server_status(self) -> int:
         """The exit status the fork server wrote on the sentinel, which is readable.
@@ -279,14 +314,14 @@ class Child:
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child and to the process group it leads: whatever it
-        started goes with it (see :func:`aiomp._child.lead_own_group`).
+        started goes with it (see ``aiomp._groups``).
 
         The group is signalled once, the child with it; the child alone where its group
         is not made yet (it is still starting). A SIGKILL also goes to the child itself,
         in case it has left its group.
         """
         if self.exitcode is None and self.pidfd >= 0:
-            grouped = _child.signal_group(self.pidfd, self.pid, sig, self._unreaped())
+            grouped = _groups.signal_group(self.pidfd, self.pid, sig, self._unreaped())
             if not grouped or sig == signal.SIGKILL:
                 try:
                     signal.pidfd_send_signal(self.pidfd, sig)
@@ -297,7 +332,9 @@ class Child:
         """Whether its pid (the number of the group it leads) is still its own: we have
         not reaped it or, for a forkserver child (the server reaps it), it runs now."""
         if self._via_server:
-            return not select.select([self.pidfd], [], [], 0)[0]
+            poller = select.poll()  # (not select(): pidfds above 1023 are common enough)
+            poller.register(self.pidfd, select.POLLIN)
+            return not poller.poll(0)
         popen: Any = self.process._popen  # type: ignore[attr-defined]
         return popen.returncode is None
 
@@ -504,6 +541,8 @@ def launch(
     on the event loop's thread, in a task.
     """
     check_not_bootstrapping()
+    # Up before the child runs, so that registering it (``Child``) is one message.
+    _groups.start_keeper()
     mp: Any = multiprocessing.get_context(start_method)
     try:
         proc = mp.Process(

@@ -5,7 +5,7 @@ A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 1. reads the pool's messages from one stream socket and writes its own to a second one
    (see docs/decisions/0026-two-channels.md), asks the kernel to SIGKILL it when its
    parent dies, ignores SIGINT (a Ctrl-C in the terminal reaches the parent, and the worker
-   through its keeper: see ``_child.lead_own_group``; the parent decides what happens to
+   through the parent's keeper: see ``aiomp._groups``; the parent decides what happens to
    its workers), and clears the ``daemon`` flag ``multiprocessing`` gave it, so that a
    task may start processes of its own (a nested pool, a data loader; they end with the
    worker: it leads their process group);

@@ -84,10 +84,14 @@ def reaps_to_the_last_child(*_: object) -> str:
     child is left: "none left" is what a reap-them-all loop needs to end."""
     import subprocess
 
-    subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+    # Held until the end: a Popen collected at once polls its process, and may reap it
+    # before os.wait() does.
+    true = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
     os.wait()
     try:
         pid, _ = os.waitpid(-1, os.WNOHANG)
     except ChildProcessError:
         return "none left"
+    finally:
+        true.returncode = 0  # (reaped above)
     return "a child is left, still running" if pid == 0 else f"reaped {pid}"

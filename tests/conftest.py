@@ -164,6 +164,11 @@ def _warm_up() -> None:
     # life: opened here, before any test counts fds.
     import aiomp._shm  # noqa: F401
 
+    # aiomp's keeper (one per process, started with its first child) holds a socket of
+    # this process for the process's life.
+    from aiomp import _groups
+
+    _groups.start_keeper()
     _PERSISTENT.update(child_pids())
     # The first uvloop loop of a process opens a pipe that lives as long as the process.
     import anyio

@@ -355,8 +355,8 @@ async def test_killed_by_signal(start_method: str, sig: signal.Signals) -> None:
 
 @pytest.mark.anyio
 async def test_sigint_in_child_is_failure(gate: Gate) -> None:
-    """R9: a child that a Ctrl-C interrupts has failed (in a terminal, its keeper passes
-    the Ctrl-C on to it: see test_descendants.py).
+    """R9: a child that a Ctrl-C interrupts has failed (in a terminal, the parent's keeper
+    passes the Ctrl-C on to it: see test_descendants.py).
 
     Regression (issue 11, the loaded-machine flake: a timeout, then 4 leaked pipe fds):
     the child blocked in a ``signal.pause()`` loop, and a SIGINT that landed just before
