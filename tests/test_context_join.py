@@ -21,24 +21,13 @@ import aiomp
 from tests import _funcs as funcs
 from tests import _funcs_fork as funcs_fork
 from tests._gate import Gate
+from tests._sinks import wait_gone
 
 TIMEOUT = 20
 GRACE = 0.5
 METHODS = ["spawn", "forkserver", "fork"]
 
 pytestmark = pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
-
-
-async def _wait_gone(pid: int) -> None:
-    """Wait until ``pid`` (not our child) has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.anyio
@@ -62,7 +51,7 @@ async def test_exit_is_seen_while_a_grandchild_holds_the_report_socket(
         grandchild = (await gate.ready(1))[100]
         os.kill(grandchild, 0)  # still there (ProcessLookupError if not), holding the socket
         gate.release(100)
-        await _wait_gone(grandchild)
+        await wait_gone(grandchild)
 
 
 @pytest.mark.anyio

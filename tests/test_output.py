@@ -14,23 +14,11 @@ import pytest
 
 import aiomp
 from tests import _funcs_output as funcs
+from tests._sinks import Lines
 
 TIMEOUT = 20
 GRACE = 0.5
 REPO = Path(__file__).resolve().parent.parent
-
-
-class Lines:
-    """A callable sink that keeps ``(rank, stream, line)``."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[int, str, str]] = []
-
-    def __call__(self, rank: int, stream: str, line: str) -> None:
-        self.got.append((rank, stream, line))
-
-    def of(self, rank: int, stream: str) -> list[str]:
-        return [line for r, s, line in self.got if (r, s) == (rank, stream)]
 
 
 @pytest.mark.anyio

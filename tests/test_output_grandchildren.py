@@ -22,34 +22,10 @@ import pytest
 import aiomp
 from tests import _funcs_output as funcs
 from tests._gate import Gate
+from tests._sinks import Lines, wait_gone
 
 TIMEOUT = 30
 GRACE = 0.5
-
-
-class Lines:
-    """A callable sink that keeps ``(rank, stream, line)``."""
-
-    def __init__(self) -> None:
-        self.got: list[tuple[int, str, str]] = []
-
-    def __call__(self, rank: int, stream: str, line: str) -> None:
-        self.got.append((rank, stream, line))
-
-    def of(self, rank: int, stream: str) -> list[str]:
-        return [line for r, s, line in self.got if (r, s) == (rank, stream)]
-
-
-async def _wait_gone(pid: int) -> None:
-    """Wait until ``pid`` (not our child: the kernel reaps it for us) has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 @asynccontextmanager
@@ -66,7 +42,7 @@ async def grandchild_at(gate: Gate) -> AsyncIterator[list[int]]:
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                await _wait_gone(p)
+                await wait_gone(p)
 
 
 GRANDCHILD_LINES = [f"grandchild {i}" for i in range(20)]
@@ -90,7 +66,7 @@ async def test_a_grandchilds_output_after_the_child_exited_arrives(gate: Gate) -
                 grandchild.append((await gate.ready(1))[100])
                 assert await ctx.join()  # the child has exited, and aiomp has seen it go
                 gate.release(100)
-                await _wait_gone(grandchild[0])
+                await wait_gone(grandchild[0])
     assert lines.of(0, "stdout") == GRANDCHILD_LINES
 
 
@@ -109,7 +85,7 @@ async def test_a_grandchilds_output_after_its_worker_died_arrives(gate: Gate) ->
                     )
                 grandchild.append((await gate.ready(1))[100])
                 gate.release(100)
-                await _wait_gone(grandchild[0])
+                await wait_gone(grandchild[0])
     assert lines.of(0, "stdout") == GRANDCHILD_LINES
 
 

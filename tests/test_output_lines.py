@@ -14,17 +14,10 @@ import pytest
 import aiomp
 from aiomp import _output
 from tests import _funcs_output as funcs
+from tests._sinks import Lines
 
 TIMEOUT = 20
 GRACE = 0.5
-
-
-class Lines:
-    def __init__(self) -> None:
-        self.got: list[tuple[int, str, str]] = []
-
-    def __call__(self, rank: int, stream: str, line: str) -> None:
-        self.got.append((rank, stream, line))
 
 
 @pytest.fixture
