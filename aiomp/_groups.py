@@ -116,7 +116,7 @@ def register(pid: int, pidfd: int) -> None:
 
 def unregister(pid: int) -> None:
     """The child ``pid`` has exited and its group was killed: the keeper forgets it."""
-    if _registered.pop(pid, None) is not None:
+    if _registered.pop(pid, None) is not None and not _unqueue(b"+%d" % pid):
         _send(b"-%d" % pid, -1)
 
 
@@ -126,25 +126,49 @@ def _send(data: bytes, fd: int) -> None:
         return
     try:
         _flush(sock)
-        _send_now(sock, data, fd)
-    except BlockingIOError:  # (a stopped keeper) sent before the next message
-        try:
-            _pending.append((data, os.dup(fd) if fd >= 0 else -1))
-        except OSError:
-            pass  # (EMFILE) this one is lost: the others are kept
+        _deliver(sock, data, fd)
     except OSError as exc:
         if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
-            return
+            return  # (ETOOMANYREFS) this one is lost: the parent still kills it
         # It has gone (killed by hand): a new one learns every child registered.
         _log("the keeper process has gone; starting another")
         _forget()
         sock = start_keeper()
         try:
-            for pid, pidfd in _registered.items():
+            for pid, pidfd in list(_registered.items()):
                 if sock is not None:
-                    _send_now(sock, b"+%d" % pid, pidfd)
+                    _deliver(sock, b"+%d" % pid, pidfd)
         except OSError:
             pass
+
+
+def _deliver(sock: socket.socket, data: bytes, fd: int) -> None:
+    """Send one message after those queued; queue it where the socket has no room (a
+    stopped keeper, or one still starting that many children's messages fill up):
+    sent before the next message. Raises OSError where it cannot be sent."""
+    if not _pending:
+        try:
+            _send_now(sock, data, fd)
+            return
+        except BlockingIOError:
+            pass
+    try:
+        _pending.append((data, os.dup(fd) if fd >= 0 else -1))
+    except OSError:
+        pass  # (EMFILE) this one is lost: the others are kept
+
+
+def _unqueue(data: bytes) -> bool:
+    """Take ``data`` back if it is still queued (whether it was): a child that exits
+    while its ``+pid`` waits for room must not keep a pidfd open here, one per child,
+    for as long as the keeper is stopped."""
+    for i, (queued, fd) in enumerate(_pending):
+        if queued == data:
+            del _pending[i]
+            if fd >= 0:
+                os.close(fd)
+            return True
+    return False
 
 
 def _send_now(sock: socket.socket, data: bytes, fd: int) -> None:
@@ -155,9 +179,18 @@ def _send_now(sock: socket.socket, data: bytes, fd: int) -> None:
 
 
 def _flush(sock: socket.socket) -> None:
+    """Send what was queued, in order, while there is room. Raises OSError where the
+    keeper has gone; a message it cannot take otherwise (ETOOMANYREFS) is dropped, so
+    that it does not hold up every one after it."""
     while _pending:
         data, fd = _pending[0]
-        _send_now(sock, data, fd)
+        try:
+            _send_now(sock, data, fd)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EPIPE, errno.ECONNRESET):
+                raise
         _pending.pop(0)
         if fd >= 0:
             os.close(fd)
@@ -282,8 +315,12 @@ def _forget() -> None:
 
 
 def _forget_in_fork() -> None:
+    global _lock
     _forget()
     _registered.clear()  # (their pidfds are the parent's children's, not ours to close)
+    # Another thread of the parent may have held it (starting the keeper) at the fork:
+    # it would stay held here, and our own first child would wait for it forever.
+    _lock = _thread.allocate_lock()
 
 
 # A fork of this process (a child started by "fork", a user's os.fork) lets go of the
