@@ -121,6 +121,8 @@ def unregister(pid: int) -> None:
 
 
 def _send(data: bytes, fd: int) -> None:
+    if _shells:
+        _reap_shells()
     sock = _sock or start_keeper()
     if sock is None:
         return
@@ -278,12 +280,49 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
     finally:
         if src != fd:
             os.close(src)
+    _reap_shells()
     try:
-        _, status = os.waitpid(shell, 0)
-    except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
+        pidfd = os.pidfd_open(shell)
+    except ProcessLookupError:  # reaped by a SIGCHLD handler that reaps every child
         return
-    if status != 0:  # it could not fork (a pids limit) or run the interpreter
+    # It forks and exits at once, but a shell under a pids limit may retry its fork with
+    # sleeps (bash: 1, 2, 4, 8 s): wait briefly, on the loop's thread, then reap it later.
+    ready = select.poll()
+    ready.register(pidfd, select.POLLIN)
+    if not ready.poll(SHELL_WAIT_MS):
+        _shells.append(pidfd)
+        return
+    status = _reap(pidfd)
+    if status:  # it could not fork (a pids limit) or run the interpreter
         raise OSError(errno.EAGAIN, f"the shell starting it exited with status {status}")
+
+
+#: Milliseconds the parent waits for the shell that starts a keeper, before it goes on.
+SHELL_WAIT_MS = 50
+#: pidfds of shells that had not exited within SHELL_WAIT_MS: reaped at the next start.
+_shells: list[int] = []
+
+
+def _reap(pidfd: int) -> int:
+    """Reap the exited shell behind ``pidfd`` (closed here): its exit status, 0 if gone."""
+    try:
+        result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
+        return 0
+    finally:
+        os.close(pidfd)
+    return result.si_status if result is not None else 0
+
+
+def _reap_shells() -> None:
+    """Reap the slow shells that have exited since (a failed one shows as a keeper gone)."""
+    ready = select.poll()
+    for fd in _shells:
+        ready.register(fd, select.POLLIN)
+    done = {fd for fd, _ in ready.poll(0)}
+    for fd in done:
+        _reap(fd)
+    _shells[:] = [fd for fd in _shells if fd not in done]
 
 
 def _is_foreground(pgid: int) -> bool:
@@ -318,6 +357,9 @@ def _forget_in_fork() -> None:
     global _lock
     _forget()
     _registered.clear()  # (their pidfds are the parent's children's, not ours to close)
+    for fd in _shells:  # (the parent's shells: not ours to reap)
+        os.close(fd)
+    _shells.clear()
     # Another thread of the parent may have held it (starting the keeper) at the fork:
     # it would stay held here, and our own first child would wait for it forever.
     _lock = _thread.allocate_lock()

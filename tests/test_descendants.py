@@ -548,3 +548,57 @@ def test_a_fork_while_another_thread_starts_the_keeper_can_start_its_own() -> No
             os._exit(0 if got else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the fork found the lock held"
+
+
+_SLOW_SHELL = textwrap.dedent("""
+    import os
+    import time
+
+    import anyio
+
+    import aiomp
+    from aiomp import _groups
+
+    spawn = os.posix_spawn
+
+    def slow_shell(path, argv, *args, **kwargs):
+        # a shell whose fork of the keeper takes 1 s (bash retrying under a pids limit)
+        return spawn(path, [argv[0], argv[1], "sleep 1; " + argv[2], *argv[3:]], *args, **kwargs)
+
+    os.posix_spawn = slow_shell
+
+    def noop(rank):
+        pass
+
+    async def main():
+        t = time.monotonic()
+        async with aiomp.spawn(noop, 1, start_method="fork"):
+            pass
+        print("first start took %.2f s" % (time.monotonic() - t))
+        print("shells waiting:", len(_groups._shells))
+        await anyio.sleep(1.5)  # (the shell's own sleep, not a child's)
+        async with aiomp.spawn(noop, 1, start_method="fork"):
+            pass
+        print("shells left:", len(_groups._shells))
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+def test_a_slow_shell_starting_the_keeper_does_not_hold_the_loop() -> None:
+    """Review of issue 25 item 5: the parent waited for the shell that starts its keeper
+    with a blocking waitpid on the loop's thread; bash, failing to fork under a pids limit,
+    retries with sleeps of 1, 2, 4 and 8 s, at every child start. Now it waits 50 ms at
+    most, and reaps the shell at a later start."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SLOW_SHELL],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 2,
+    )
+    assert out.returncode == 0, out.stderr
+    took = float(out.stdout.split("first start took ")[1].split()[0])
+    assert took < 0.8, out.stdout
+    assert "shells waiting: 1" in out.stdout and "shells left: 0" in out.stdout, out.stdout
