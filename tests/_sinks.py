@@ -1,8 +1,10 @@
-"""What output and process tests share: a line sink, and a wait for a process to end."""
+"""What output, queue and process tests share: a line sink, a meter of the loop's stalls,
+and a wait for a process to end."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import anyio
 
@@ -18,6 +20,25 @@ class Lines:
 
     def of(self, rank: int, stream: str) -> list[str]:
         return [line for r, s, line in self.got if (r, s) == (rank, stream)]
+
+
+class Stalls:
+    """Run :meth:`watch` as a task beside the code under test: ``worst`` is the longest its
+    short sleeps overran, how long the loop ran nothing else; ``ticks`` how often it ran.
+    (A deliberate sleep: it measures the loop, it waits for nothing.)"""
+
+    TICK = 0.005
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+        self.ticks = 0
+
+    async def watch(self) -> None:
+        while True:
+            start = time.monotonic()
+            await anyio.sleep(self.TICK)  # handshake-free: the meter itself
+            self.worst = max(self.worst, time.monotonic() - start - self.TICK)
+            self.ticks += 1
 
 
 async def wait_gone(pid: int) -> None:

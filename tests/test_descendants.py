@@ -27,7 +27,7 @@ import aiomp
 import aiomp._groups
 from tests import _funcs_groups as funcs
 from tests._gate import Gate
-from tests._run import REPO
+from tests._run import REPO, run_python
 
 TIMEOUT = 30
 GRACE = 0.3
@@ -397,14 +397,7 @@ def test_keepers_leave_no_zombies_in_a_subreaper_parent() -> None:
     ended, stayed a zombie there for good, one per child started (a Pool with
     ``maxtasksperchild`` ran out of pids). The one keeper of the parent lives as long as
     the parent: one, and no zombie, however many workers came and went."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SUBREAPER],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT * 2,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", _SUBREAPER, timeout=TIMEOUT * 2)
     assert "zombie keepers: 0 keepers: 1" in out.stdout, out.stdout
 
 
@@ -448,7 +441,7 @@ _KEEPER_TOOLS = textwrap.dedent("""
                             return int(pid)
                     except (FileNotFoundError, ProcessLookupError, PermissionError):
                         continue
-                await anyio.sleep(0.02)
+                await anyio.sleep(0.02)  # handshake-free: the keeper says nothing when up
 """)
 
 _STOPPED_KEEPER = _KEEPER_TOOLS + textwrap.dedent("""
@@ -477,14 +470,7 @@ def test_a_stopped_keeper_costs_the_parent_no_fd_per_child() -> None:
     keeper read it, also once the child had exited: about one fd per child, for as long
     as the keeper stayed stopped (EMFILE after a thousand or so). A child that exits
     before its ``+pid`` is sent is now taken off the queue, with its fd."""
-    out = subprocess.run(
-        [sys.executable, "-c", _STOPPED_KEEPER],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT * 4,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", _STOPPED_KEEPER, timeout=TIMEOUT * 4)
     gained = int(out.stdout.split("fds gained:")[1])
     assert gained < 30, out.stdout
 
@@ -493,7 +479,7 @@ _KILLED_KEEPER = _KEEPER_TOOLS + textwrap.dedent("""
     import time
 
     def block(rank):
-        time.sleep(1000)
+        time.sleep(1000)  # handshake-free: blocks until the test kills it
 
     async def main():
         n = int(sys.argv[1])
@@ -505,7 +491,7 @@ _KILLED_KEEPER = _KEEPER_TOOLS + textwrap.dedent("""
                 want = {os.getpid(), *ctx.pids(), *one.pids()}
                 with anyio.move_on_after(20):
                     while not want <= watched_by_keeper(new):
-                        await anyio.sleep(0.05)
+                        await anyio.sleep(0.05)  # handshake-free: /proc is polled
                 print("unwatched:", len(want - watched_by_keeper(new)))
                 await one.terminate()
             await ctx.terminate()
@@ -525,14 +511,7 @@ def test_a_new_keeper_learns_every_child_running() -> None:
     """The keeper is killed by hand while 300 children run; the next child's start starts
     another, which must learn all 301 (review of the keeper: it learnt about 280, and
     before that fix the ones past the socket's room were lost for good)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _KILLED_KEEPER, "300"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT * 4,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", _KILLED_KEEPER, "300", timeout=TIMEOUT * 4)
     assert "unwatched: 0" in out.stdout, out.stdout
 
 
@@ -576,7 +555,7 @@ _SLOW_SHELL = textwrap.dedent("""
             pass
         print("first start took %.2f s" % (time.monotonic() - t))
         print("shells waiting:", len(_groups._shells))
-        await anyio.sleep(1.5)  # (the shell's own sleep, not a child's)
+        await anyio.wait_readable(_groups._shells[0])  # the slow shell's exit
         async with aiomp.spawn(noop, 1, start_method="fork"):
             pass
         print("shells left:", len(_groups._shells))
@@ -591,14 +570,7 @@ def test_a_slow_shell_starting_the_keeper_does_not_hold_the_loop() -> None:
     with a blocking waitpid on the loop's thread; bash, failing to fork under a pids limit,
     retries with sleeps of 1, 2, 4 and 8 s, at every child start. Now it waits 50 ms at
     most, and reaps the shell at a later start."""
-    out = subprocess.run(
-        [sys.executable, "-c", _SLOW_SHELL],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT * 2,
-    )
-    assert out.returncode == 0, out.stderr
+    out = run_python("-c", _SLOW_SHELL, timeout=TIMEOUT * 2)
     took = float(out.stdout.split("first start took ")[1].split()[0])
     assert took < 0.8, out.stdout
     assert "shells waiting: 1" in out.stdout and "shells left: 0" in out.stdout, out.stdout

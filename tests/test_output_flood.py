@@ -12,6 +12,7 @@ import pytest
 
 import aiomp
 from tests import _funcs_output as funcs
+from tests._sinks import Stalls
 
 TIMEOUT = 60
 GRACE = 0.5
@@ -33,21 +34,6 @@ class Count:
     def __call__(self, rank: int, stream: str, line: str) -> None:
         self.lines += 1
         self.last = line
-
-
-class Stalls:
-    """The longest this task's short sleeps overran: how long the loop ran nothing else."""
-
-    TICK = 0.005
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-
-    async def watch(self) -> None:
-        while True:
-            start = time.monotonic()
-            await anyio.sleep(self.TICK)
-            self.worst = max(self.worst, time.monotonic() - start - self.TICK)
 
 
 @pytest.mark.anyio

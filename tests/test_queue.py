@@ -29,6 +29,7 @@ import aiomp
 from aiomp import _transport
 from tests import _funcs as funcs
 from tests import _funcs_queue as qfuncs
+from tests._sinks import Stalls
 from tests.conftest import run_plain
 
 #: Bound on every await that depends on a child. Generous: two shared cores, cold starts.
@@ -1658,22 +1659,14 @@ async def test_a_process_stopped_holding_the_overflow_lock_stalls_no_loop(maxsiz
     # Before the fix this loop froze until the child resumed: the watchdog resumes it, so
     # that the test fails on its stalls instead of hanging.
     watchdog = threading.Timer(WATCHDOG, os.kill, (pid, signal.SIGCONT))
-    stalls: list[float] = []
-
-    async def ticker() -> None:
-        last = time.monotonic()
-        while True:
-            await anyio.sleep(0.005)
-            now = time.monotonic()
-            stalls.append(now - last)
-            last = now
+    stalls = Stalls()
 
     try:
         with anyio.fail_after(TIMEOUT):
             await held.wait()
         watchdog.start()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(ticker)
+            tg.start_soon(stalls.watch)
             with pytest.raises(TimeoutError):
                 with anyio.fail_after(0.3):
                     await q.get()
@@ -1681,8 +1674,9 @@ async def test_a_process_stopped_holding_the_overflow_lock_stalls_no_loop(maxsiz
                 with anyio.fail_after(0.3):
                     await q.put("a cancelled put")
             tg.cancel_scope.cancel()
-        assert stalls and max(stalls) < STALL, f"the loop stalled for {max(stalls):.2f} s"
-        assert len(stalls) > 20, "the ticker ran while the queue calls waited"
+        longest = stalls.worst + Stalls.TICK  # the longest time between two ticks
+        assert stalls.ticks and longest < STALL, f"the loop stalled for {longest:.2f} s"
+        assert stalls.ticks > 20, "the ticker ran while the queue calls waited"
         started = time.monotonic()
         with pytest.raises(aiomp.Empty):
             q.get_nowait()  # bounded: it waits no longer than a nowait call may
@@ -1752,7 +1746,7 @@ def test_two_threads_loops_get_from_one_queue(backends: tuple[str, str]) -> None
     for i in range(n):
         q.sync.put(i)
         if i % 1000 == 999:
-            time.sleep(0.001)  # let the consumers catch up and wait
+            time.sleep(0.001)  # handshake-free: pacing, so that the consumers wait again
     q.sync.put(None)
     q.sync.put(None)
     for t in threads:
@@ -1794,7 +1788,8 @@ async def test_a_stopped_holder_killed_while_others_wait_for_the_overflow_lock()
         async with anyio.create_task_group() as tg:
             tg.start_soon(async_get)
             tg.start_soon(sync_get)
-            await anyio.sleep(0.2)  # both are waiting for the lock (nothing to hand-shake)
+            # handshake-free: a thread blocked in a timed lock says nothing; both wait
+            await anyio.sleep(0.2)
             assert got == []
             os.kill(ctx.pids()[0], signal.SIGKILL)
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
