@@ -138,10 +138,9 @@ class Forwarder:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent[i] = ours
                 self._child.append(theirs)
-                # Two syscalls a pair, no more (see
-                # docs/decisions/0020-output-forwarding.md): the child's reads of fd 1 and 2 see
-                # EOF; our
-                # end stays blocking, read with MSG_DONTWAIT.
+                # Two syscalls a pair, no more (see docs/decisions/0020-output-forwarding.md):
+                # the child's reads of fd 1 and 2 see EOF; our end stays blocking, read with
+                # MSG_DONTWAIT.
                 theirs.shutdown(socket.SHUT_RD)
                 # Room for a few thousand small writes (each costs ~1 KiB of kernel
                 # accounting) while the parent is busy or coalescing: the send buffer
