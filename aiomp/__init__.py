@@ -1,7 +1,7 @@
 """aiomp: torch.multiprocessing rebuilt async-first.
 
 Only this module is public. Names resolve lazily (PEP 562): a child process imports this
-package before ``aiomp._child`` and must load neither anyio nor numpy unless it needs them
+package before ``aiomp._child.bootstrap`` and must load neither anyio nor numpy unless it needs them
 (see *Light children* in docs/architecture.md).
 """
 
@@ -73,22 +73,22 @@ _WHERE = {
     "QueueItemError": "_errors",
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
-    "ProcessContext": "_context",
-    "spawn": "_context",
-    "start_processes": "_context",
-    "Queue": "_queue",
-    "Event": "_queue",
-    "Full": "_queue",
-    "Empty": "_queue",
-    "Pool": "_pool",
-    "PoolStatistics": "_pool",
-    "share_memory": "_numpy",
-    "is_shared": "_numpy",
-    "empty": "_numpy",
-    "zeros": "_numpy",
-    "get_all_sharing_strategies": "_shm",
-    "get_sharing_strategy": "_shm",
-    "set_sharing_strategy": "_shm",
+    "ProcessContext": "_spawn.context",
+    "spawn": "_spawn.context",
+    "start_processes": "_spawn.context",
+    "Queue": "_queue.queue",
+    "Event": "_queue.queue",
+    "Full": "_queue.queue",
+    "Empty": "_queue.queue",
+    "Pool": "_pool.pool",
+    "PoolStatistics": "_pool.pool",
+    "share_memory": "_arrays.numpy",
+    "is_shared": "_arrays.numpy",
+    "empty": "_arrays.numpy",
+    "zeros": "_arrays.numpy",
+    "get_all_sharing_strategies": "_memory.shm",
+    "get_sharing_strategy": "_memory.shm",
+    "set_sharing_strategy": "_memory.shm",
     "cuda": "cuda",
 }
 
@@ -97,9 +97,10 @@ if TYPE_CHECKING:
     from queue import Full as Full
 
     from . import cuda as cuda
-    from ._context import ProcessContext as ProcessContext
-    from ._context import spawn as spawn
-    from ._context import start_processes as start_processes
+    from ._arrays.numpy import empty as empty
+    from ._arrays.numpy import is_shared as is_shared
+    from ._arrays.numpy import share_memory as share_memory
+    from ._arrays.numpy import zeros as zeros
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
@@ -109,17 +110,16 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
-    from ._numpy import empty as empty
-    from ._numpy import is_shared as is_shared
-    from ._numpy import share_memory as share_memory
-    from ._numpy import zeros as zeros
-    from ._pool import Pool as Pool
-    from ._pool import PoolStatistics as PoolStatistics
-    from ._queue import Event as Event
-    from ._queue import Queue as Queue
-    from ._shm import get_all_sharing_strategies as get_all_sharing_strategies
-    from ._shm import get_sharing_strategy as get_sharing_strategy
-    from ._shm import set_sharing_strategy as set_sharing_strategy
+    from ._memory.shm import get_all_sharing_strategies as get_all_sharing_strategies
+    from ._memory.shm import get_sharing_strategy as get_sharing_strategy
+    from ._memory.shm import set_sharing_strategy as set_sharing_strategy
+    from ._pool.pool import Pool as Pool
+    from ._pool.pool import PoolStatistics as PoolStatistics
+    from ._queue.queue import Event as Event
+    from ._queue.queue import Queue as Queue
+    from ._spawn.context import ProcessContext as ProcessContext
+    from ._spawn.context import spawn as spawn
+    from ._spawn.context import start_processes as start_processes
 
 
 def __getattr__(name: str) -> object:

@@ -1,7 +1,7 @@
 """A GPU-less model of CuPy and the CUDA driver, and the functions children run, for
 tests/test_cuda.py.
 
-The fake backend (:class:`FakeBackend`) stands in for ``aiomp._cuda._CupyBackend``. It is
+The fake backend (:class:`FakeBackend`) stands in for ``aiomp._cuda.ipc._CupyBackend``. It is
 built on a model of what sits under CuPy, close enough to catch the defects a GPU would
 show (issue 16), after CuPy's ``cupy/cuda/memory.pyx`` and the CUDA programming guide:
 
@@ -328,7 +328,7 @@ class FakeArray:
         )
 
     def _span(self) -> tuple[int, int]:
-        from aiomp._cuda import extent
+        from aiomp._cuda.ipc import extent
 
         return extent(self.shape, self.strides, self.itemsize)
 
@@ -351,7 +351,7 @@ class FakeArray:
 
 
 class FakeBackend:
-    """The interface of ``aiomp._cuda._CupyBackend`` on :class:`FakeGPU`.
+    """The interface of ``aiomp._cuda.ipc._CupyBackend`` on :class:`FakeGPU`.
 
     ``calls`` logs every call that would reach CUDA, in order.
     """
@@ -378,7 +378,7 @@ class FakeBackend:
     # producer side
 
     def describe(self, arr: FakeArray) -> Any:
-        from aiomp._cuda import Described
+        from aiomp._cuda.ipc import Described
 
         return Described(
             arr.device,
@@ -404,7 +404,7 @@ class FakeBackend:
         try:
             return self.gpu.ipc_handle(base)
         except FakeCudaError as exc:
-            from aiomp._cuda import CudaIpcError
+            from aiomp._cuda.ipc import CudaIpcError
 
             raise CudaIpcError(f"cannot export this memory: {exc}") from exc
 
@@ -454,7 +454,7 @@ class FakeBackend:
 
     def local_device(self, bus_id: str, device: int) -> int:
         if bus_id not in self.devices:
-            from aiomp._cuda import CudaIpcError
+            from aiomp._cuda.ipc import CudaIpcError
 
             raise CudaIpcError(f"fake: device {bus_id} is not visible")
         return self.devices.index(bus_id)
@@ -590,7 +590,7 @@ class ModelLibcuda:
 
 def model_cupy(gpu: FakeGPU) -> types.ModuleType:
     """A ``cupy`` module on :class:`FakeGPU` with the names, argument orders and types
-    of the CuPy API that ``aiomp._cuda._CupyBackend`` calls, so that the real backend's
+    of the CuPy API that ``aiomp._cuda.ipc._CupyBackend`` calls, so that the real backend's
     code runs (and its mistakes show) without a GPU. ``calls`` logs the runtime calls."""
     import numpy
 
@@ -749,7 +749,8 @@ def model_cupy(gpu: FakeGPU) -> types.ModuleType:
 
 
 def _recv_obj(sock: socket.socket) -> object:
-    from aiomp import _reduction, _transport
+    from aiomp._wire import pickling as _reduction
+    from aiomp._wire import transport as _transport
 
     got = _transport.recv_sync(sock)
     assert got is not None
@@ -758,7 +759,8 @@ def _recv_obj(sock: socket.socket) -> object:
 
 
 def send_obj(sock: socket.socket, obj: object) -> None:
-    from aiomp import _child, _reduction
+    from aiomp._child import bootstrap as _child
+    from aiomp._wire import pickling as _reduction
 
     _child.send_message(sock, _reduction.dumps(obj))
 
@@ -768,7 +770,7 @@ def cuda_fake_consumer(rank: int, fd: int, messages: int) -> str:
     report; then obey "drop <i>" (drop message i's arrays) / "sums" / "exit"."""
     import gc
 
-    from aiomp import _cuda
+    from aiomp._cuda import ipc as _cuda
 
     sock = socket.socket(fileno=fd)
     received: list[Any] = [_recv_obj(sock) for _ in range(messages)]
@@ -799,7 +801,7 @@ def cuda_fake_queue_consumer(rank: int, q: object, back: object) -> str:
     """Forked child: take fake arrays from an aiomp.Queue; report; drop on request."""
     import gc
 
-    from aiomp import _cuda
+    from aiomp._cuda import ipc as _cuda
 
     view = q.sync.get(timeout=30)  # type: ignore[attr-defined]
     back.sync.put(("got", tuple(_cuda.statistics())))  # type: ignore[attr-defined]
@@ -893,7 +895,8 @@ def gpu_two_chunks_send(rank: int, q: object, back: object) -> object:
     check its checksums."""
     import cupy
 
-    from aiomp import _cuda, cuda
+    from aiomp import cuda
+    from aiomp._cuda import ipc as _cuda
 
     n = 1 << 20  # 4 MiB of float32 each: they travel in place
     whole = cupy.empty(4 * n, dtype=cupy.float32)  # one 16 MiB cudaMalloc...

@@ -45,10 +45,10 @@ def put_then_die(rank: int, q: Any, n: int, array_every: int, ready: Any) -> Non
 
 
 def die_at(rank: int, q: Any, step: str, role: str, item: object, gets: int = 1) -> object:
-    """Kill this process at ``step`` of an overflow operation (``aiomp._overflow.fault``):
+    """Kill this process at ``step`` of an overflow operation (``aiomp._queue.overflow.fault``):
     a producer putting ``item``, or a consumer doing ``gets`` gets. Returns what it got
     if the step never came."""
-    from aiomp import _overflow
+    from aiomp._queue import overflow as _overflow
 
     def fault(name: str) -> None:
         if name == step:
@@ -106,7 +106,7 @@ def event_sync_wait(rank: int, go: Any, timeout: float) -> bool:
 def stop_at(rank: int, q: Any, step: str, item: object, held: Any) -> None:
     """Put ``item`` and stop this process (SIGSTOP) at ``step`` of the overflow put, while
     it holds the overflow's lock, once ``held`` is set: the test resumes it (SIGCONT)."""
-    from aiomp import _overflow
+    from aiomp._queue import overflow as _overflow
 
     def fault(name: str) -> None:
         if name == step:

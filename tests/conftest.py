@@ -160,13 +160,13 @@ def _warm_up() -> None:
 
     resource_tracker.ensure_running()
     forkserver.ensure_running()
-    # aiomp._shm keeps one fd in reserve for its fd-limit error path, for the process's
+    # aiomp._memory.shm keeps one fd in reserve for its fd-limit error path, for the process's
     # life: opened here, before any test counts fds.
-    import aiomp._shm  # noqa: F401
+    import aiomp._memory.shm  # noqa: F401
 
     # aiomp's keeper (one per process, started with its first child) holds a socket of
     # this process for the process's life.
-    from aiomp import _groups
+    from aiomp._process import groups as _groups
 
     _groups.start_keeper()
     _PERSISTENT.update(child_pids())
@@ -182,7 +182,7 @@ def _warm_up() -> None:
 def _settle() -> None:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    shm = sys.modules.get("aiomp._shm")
+    shm = sys.modules.get("aiomp._memory.shm")
     if shm is not None:
         shm.purge_pool()
 

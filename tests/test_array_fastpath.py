@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _numpy, _reduction, _shm
+from aiomp._arrays import numpy as _numpy
+from aiomp._memory import shm as _shm
+from aiomp._wire import pickling as _reduction
 from tests import _funcs_arrays as funcs
 
 TIMEOUT = 20

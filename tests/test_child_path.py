@@ -13,7 +13,8 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp import _queue, _transport
+from aiomp._queue import queue as _queue
+from aiomp._wire import transport as _transport
 from tests import _funcs_child as cfuncs
 
 PAYLOAD = b"x" * 64

@@ -21,7 +21,9 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp import _context, _output, _transport
+from aiomp._output import forwarder as _output
+from aiomp._spawn import context as _context
+from aiomp._wire import transport as _transport
 from tests import _funcs as funcs
 from tests import _funcs_fork2 as funcs_fork2
 from tests._gate import Gate

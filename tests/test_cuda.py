@@ -1,4 +1,4 @@
-"""CUDA IPC for CuPy arrays (aiomp._cuda, aiomp.cuda).
+"""CUDA IPC for CuPy arrays (aiomp._cuda.ipc, aiomp.cuda).
 
 Two kinds of tests:
 
@@ -34,7 +34,11 @@ import numpy
 import pytest
 
 import aiomp
-from aiomp import _context, _cuda, _lease, _reduction, _transport
+from aiomp._cuda import ipc as _cuda
+from aiomp._memory import lease as _lease
+from aiomp._spawn import context as _context
+from aiomp._wire import pickling as _reduction
+from aiomp._wire import transport as _transport
 from tests import _funcs, _funcs_cuda
 from tests._funcs_cuda import FakeArray, FakeBackend, FakeGPU, FakeUnowned
 
@@ -53,7 +57,7 @@ def anyio_backend() -> object:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """Route aiomp._cuda's CUDA calls to a fake backend; FakeArray reduces like cupy.ndarray."""
+    """Route aiomp._cuda.ipc's CUDA calls to a fake backend; FakeArray reduces like cupy.ndarray."""
     backend = FakeBackend()
     _cuda._reset()
     monkeypatch.setattr(_cuda, "_backend", backend)
@@ -817,7 +821,8 @@ def test_importing_aiomp_cuda_loads_no_cupy() -> None:
 def test_producer_exit_warns_while_blocks_are_held() -> None:
     r = _python("""
         import os
-        from aiomp import _cuda, _reduction
+        from aiomp._cuda import ipc as _cuda
+        from aiomp._wire import pickling as _reduction
         from tests import _funcs
         from tests import _funcs_cuda
         _cuda._backend = backend = _funcs_cuda.FakeBackend()

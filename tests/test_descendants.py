@@ -24,7 +24,7 @@ import anyio
 import pytest
 
 import aiomp
-import aiomp._groups
+import aiomp._process.groups
 from tests import _funcs_groups as funcs
 from tests._gate import Gate
 from tests._run import REPO, run_python
@@ -130,7 +130,7 @@ async def test_descendants_go_where_groups_are_signalled_by_number(
     """Kernels before 6.9 cannot signal a group through a pidfd: the parent signals it by
     number while it holds the worker unreaped, on the kill and at the exit before the
     reap. A cancelled task's worker, then a normal close."""
-    monkeypatch.setattr(aiomp._groups, "pidfd_groups", False)
+    monkeypatch.setattr(aiomp._process.groups, "pidfd_groups", False)
     with anyio.fail_after(TIMEOUT), watching_later() as watch:
         async with aiomp.Pool(1, start_method="fork", grace_period=GRACE) as pool:
             with anyio.CancelScope() as scope:
@@ -520,10 +520,10 @@ def test_a_fork_while_another_thread_starts_the_keeper_can_start_its_own() -> No
     first child) when the parent forks: the fork's own first child must start its own
     keeper. Regression (review of the keeper): the lock stayed held in the fork, and
     its first child waited for it forever."""
-    with aiomp._groups._lock:
+    with aiomp._process.groups._lock:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the fork
-            got = aiomp._groups._lock.acquire(timeout=5)
+            got = aiomp._process.groups._lock.acquire(timeout=5)
             os._exit(0 if got else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the fork found the lock held"
@@ -536,8 +536,7 @@ _SLOW_SHELL = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from aiomp import _groups
-
+    from aiomp._process import groups as _groups
     spawn = os.posix_spawn
 
     def slow_shell(path, argv, *args, **kwargs):

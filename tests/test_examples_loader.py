@@ -96,7 +96,8 @@ async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
     import gc
     import weakref
 
-    from aiomp import _numpy, _shm
+    from aiomp._arrays import numpy as _numpy
+    from aiomp._memory import shm as _shm
     from tests._funcs_loader import send_each_twice
 
     count = 6

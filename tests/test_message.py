@@ -1,4 +1,4 @@
-"""The message object (``aiomp._reduction.Message``) and the reducers' scratchpad.
+"""The message object (``aiomp._wire.pickling.Message``) and the reducers' scratchpad.
 
 Pure: everything runs in this process. A message owns what it holds until it has been
 sent: framing, ``sent_again``/``close``/``discard`` accounting, the memfd of a large body.
@@ -12,8 +12,9 @@ import pickle
 
 import pytest
 
-from aiomp import _reduction, _transport
-from aiomp._reduction import Message
+from aiomp._wire import pickling as _reduction
+from aiomp._wire import transport as _transport
+from aiomp._wire.pickling import Message
 from tests._fds import devnulls, is_open
 
 

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp import _output
+from aiomp._output import forwarder as _output
 from tests import _funcs_output as funcs
 from tests._sinks import Lines
 

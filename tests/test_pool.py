@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _calls, _transport
-from aiomp import _protocol as P
+from aiomp._pool import calls as _calls
+from aiomp._pool import protocol as P
+from aiomp._wire import transport as _transport
 from tests import _funcs as funcs
 from tests._gate import Gate
 from tests._run import run_python

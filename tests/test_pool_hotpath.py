@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp import _protocol as P
+from aiomp._pool import protocol as P
 from tests import _funcs_pool2 as f
 
 TIMEOUT = 20
@@ -167,7 +167,7 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
     its Task (and the scheduler's record of it) after, while the worker wakes (see
     docs/decisions/0027-apply-critical-path.md); the first call to a worker, which must send
     the function's DEF first, is submitted as before. Results are unchanged."""
-    from aiomp import _scheduler
+    from aiomp._pool import scheduler as _scheduler
 
     events: list[str] = []
     init = _scheduler.Task.__init__
@@ -239,7 +239,7 @@ async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
     import socket
     import types
 
-    from aiomp import _handle
+    from aiomp._pool import process_handle as _handle
 
     tasks_r, tasks_w = socket.socketpair()
     results_r, results_w = socket.socketpair()

@@ -26,7 +26,7 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp import _transport
+from aiomp._wire import transport as _transport
 from tests import _funcs as funcs
 from tests import _funcs_queue as qfuncs
 from tests._sinks import Stalls
@@ -1270,7 +1270,7 @@ async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept:
 
 
 def _item_parts(obj: object) -> tuple[bytes, list[int]]:
-    from aiomp import _reduction
+    from aiomp._wire import pickling as _reduction
 
     out = _reduction.dumps(obj)
     _PARTS.append(out)  # closed by the test's end: the fds must live until appended

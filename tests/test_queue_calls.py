@@ -19,7 +19,7 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp import _queue
+from aiomp._queue import queue as _queue
 
 PAYLOAD = b"x" * 64
 #: Bound on awaits that depend on this process only.

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _reduction, _shm, _transport
+from aiomp._memory import shm as _shm
+from aiomp._wire import pickling as _reduction
+from aiomp._wire import transport as _transport
 from tests._fds import devnulls, is_open
 
 

@@ -1,4 +1,4 @@
-"""Unit tests of the Pool's scheduler (``aiomp._scheduler``), with fake worker handles.
+"""Unit tests of the Pool's scheduler (``aiomp._pool.scheduler``), with fake worker handles.
 
 No processes, no sockets, no event loop: the scheduler is synchronous and pure, so every
 rule of dispatch and every lifecycle decision is checked here directly, including issue
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import aiomp
-from aiomp._scheduler import (
+from aiomp._pool.scheduler import (
     DONE,
     DROPPED,
     MAX_START_FAILURES,

@@ -6,7 +6,7 @@ process), then a few contract tests with children. Arrays are checked by value, 
 flags (``aiomp.is_shared``, writeable) and by address (``np.shares_memory``). Children
 report through queues; every await on a child is bounded by ``anyio.fail_after``.
 
-Layouts observed (documented in ``aiomp._numpy``): C- and Fortran-contiguous arrays keep
+Layouts observed (documented in ``aiomp._arrays.numpy``): C- and Fortran-contiguous arrays keep
 their layout; a non-contiguous view of a base at most ``VIEW_SLACK`` times its size keeps
 its strides (the whole base travels once); a view of a much larger base is compacted to
 C order.
@@ -30,7 +30,10 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _lease, _lifecycle, _numpy, _shm
+from aiomp._arrays import numpy as _numpy
+from aiomp._memory import lease as _lease
+from aiomp._memory import shm as _shm
+from aiomp._process import hooks as _lifecycle
 from tests import _funcs as funcs
 from tests import _funcs_shm as funcs_shm
 from tests._run import run_python
@@ -379,7 +382,7 @@ def test_every_bufferable_dtype_travels_shared(dtype: Any) -> None:
 
 
 def test_the_inline_threshold() -> None:
-    assert INLINE == 64 * 1024  # documented in aiomp._numpy
+    assert INLINE == 64 * 1024  # documented in aiomp._arrays.numpy
     below = np.zeros(INLINE - 1, np.uint8)
     at = np.zeros(INLINE, np.uint8)
     assert not aiomp.is_shared(roundtrip(below))
@@ -485,7 +488,7 @@ def test_the_same_array_twice_in_one_message_is_one_copy() -> None:
 
 def test_already_shared_array_travels_by_handle() -> None:
     # The message's size does not grow with the array's.
-    from aiomp import _reduction
+    from aiomp._wire import pickling as _reduction
 
     sizes = []
     for n in (10, 1 << 10, 1 << 16, 1 << 22):
@@ -1202,7 +1205,7 @@ def test_discard_undoes_a_named_send(file_system: None) -> None:
     """The API for a message dropped before it was sent (issue 9 item 1b): pickling counts
     a send in the segment's header; ``Outgoing.discard()`` takes it back, so nothing is in
     flight and the name can go. ``close()`` is for a message that was sent."""
-    from aiomp import _reduction
+    from aiomp._wire import pickling as _reduction
 
     arr = aiomp.zeros(100_000)
     ref = _shm.block_of(_numpy._root(arr))

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp import _pool
+from aiomp._pool import pool as _pool
 from tests import _funcs_pool as funcs
 
 pytestmark = pytest.mark.anyio

@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp import _transport as t
-from aiomp._reduction import Message
+from aiomp._wire import transport as t
+from aiomp._wire.pickling import Message
 from tests._fds import devnulls, is_open, same_file
 
 

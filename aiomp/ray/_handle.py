@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._protocol import ErrorPayload
-from ._scheduler import Task
-from ._wakeup import Signal
+from .._loop.wakeup import Signal
+from .._pool.protocol import ErrorPayload
+from .._pool.scheduler import Task
 
 if TYPE_CHECKING:
     import asyncio

@@ -32,9 +32,11 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING
 
-from . import _lease, _lifecycle, _reduction
-from ._errors import SharedMemoryError, TransportError
-from ._lifecycle import pid_alive, start_time
+from .._errors import SharedMemoryError, TransportError
+from .._process import hooks as _lifecycle
+from .._process.hooks import pid_alive, start_time
+from .._wire import pickling as _reduction
+from . import lease as _lease
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -448,7 +450,7 @@ def receive_block(
     size: int, block_size: int, index: int, key: tuple[int, int]
 ) -> ctypes.Array[ctypes.c_char]:
     """The exporter of a block sent by :func:`send_copy` or :func:`send_block`, its
-    description the message's only fd (left for :func:`aiomp._reduction.loads` to close)."""
+    description the message's only fd (left for :func:`aiomp._wire.pickling.loads` to close)."""
     return _rebuild_block(None, 0, size, block_size, index, key)
 
 
@@ -939,7 +941,7 @@ def _start() -> None:
     _started = True
     if _tree[2]:
         janitor()
-        from . import _context  # noqa: F401
+        from .._spawn import context  # noqa: F401
 
 
 def _open_fd(open_: Callable[[], int], what: str) -> int:

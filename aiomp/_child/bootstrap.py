@@ -25,8 +25,9 @@ import signal
 import socket
 import sys
 
-from . import _reduction, _transport
-from ._lifecycle import pid_alive
+from .._process.hooks import pid_alive
+from .._wire import pickling as _reduction
+from .._wire import transport as _transport
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def lead_own_group() -> None:
     ``os.fork``, ``multiprocessing``, a shell's pipeline) joins it, unless it makes a
     session or group of its own (``setsid``, ``start_new_session=True``, a daemon): those
     escape. The parent kills the group with this process and when it sees its exit; its
-    keeper, when the parent dies (see ``aiomp._groups``)."""
+    keeper, when the parent dies (see ``aiomp._process.groups``)."""
     try:
         os.setpgid(0, 0)
     except OSError:  # pragma: no cover - only a session leader cannot: not our child
@@ -162,7 +163,7 @@ def reset_signals() -> None:
 def redirect_output(
     ends: tuple[socket.socket, socket.socket, bool, socket.socket, int],
 ) -> None:
-    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output``).
+    """Make fd 1 and fd 2 the given sockets (see ``aiomp._output.forwarder``).
 
     ``sys.stdout`` is line-buffered when the third item says so (the parent's stdout is
     a terminal), as it would have been on the inherited fd; ``sys.stderr`` always is.
@@ -190,7 +191,7 @@ def redirect_output(
 
 
 def forward_logging(sock: socket.socket, level: int) -> None:
-    """Send this process's logging records to the parent (``aiomp._output``).
+    """Send this process's logging records to the parent (``aiomp._output.forwarder``).
 
     Only when ``logging`` is already imported (by fn's module; a child that never logs
     does not pay for it), and only as ``logging.lastResort``: the handler Python uses

@@ -7,7 +7,7 @@ pool, a fake in the unit tests) and hands back the one decision it cannot carry 
 itself, starting a worker, as a slot in :attr:`Scheduler.to_spawn` plus a call of
 ``on_spawn``; the pool starts the process from a task.
 
-The rules (the why is in ``aiomp._pool``'s docstring):
+The rules (the why is in ``aiomp._pool.pool``'s docstring):
 
 * A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
   worker's outbox), *done* or *dropped* (its caller left before it started: it never
@@ -39,7 +39,7 @@ import copy
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._errors import BrokenPoolError, BrokenWorkerError, exit_description
+from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
 
 if TYPE_CHECKING:
     import asyncio

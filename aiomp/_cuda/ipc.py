@@ -31,8 +31,10 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
-from . import _lease, _lifecycle, _reduction
-from ._errors import CudaIpcError, IpcLimitError
+from .._errors import CudaIpcError, IpcLimitError
+from .._memory import lease as _lease
+from .._process import hooks as _lifecycle
+from .._wire import pickling as _reduction
 
 #: Blocks a process may have sent and not yet seen released, unless changed with
 #: :func:`aiomp.cuda.set_ipc_limit`.
@@ -1275,7 +1277,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def init_reductions() -> None:
     """Register aiomp's reducer for ``cupy.ndarray`` (called by
-    :func:`aiomp._reduction.init_reductions` once cupy has been imported)."""
+    :func:`aiomp._wire.pickling.init_reductions` once cupy has been imported)."""
     cupy: Any = sys.modules["cupy"]
     _reduction.register(cupy.ndarray, reduce_array)
 

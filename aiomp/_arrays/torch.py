@@ -1,6 +1,6 @@
 """torch tensors in aiomp messages, shared as ``torch.multiprocessing`` shares them.
 
-aiomp never imports torch: :func:`aiomp._reduction.init_reductions` calls
+aiomp never imports torch: :func:`aiomp._wire.pickling.init_reductions` calls
 :func:`init_reductions` once torch is in ``sys.modules``, and a receiver imports this
 module (and torch) when a message holding a tensor arrives.
 
@@ -43,8 +43,8 @@ import torch.multiprocessing  # type: ignore[import-not-found,unused-ignore]
 import torch.utils.hooks  # type: ignore[import-not-found,unused-ignore]
 from torch.multiprocessing import reductions  # type: ignore[import-not-found,unused-ignore]
 
-from . import _reduction
-from ._errors import TransportError
+from .._errors import TransportError
+from .._wire import pickling as _reduction
 
 # torch's reducers, strategy and storage internals are untyped: used through Any.
 _torch_reductions: Any = reductions

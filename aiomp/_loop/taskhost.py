@@ -9,8 +9,8 @@ from collections.abc import Callable
 import anyio
 import anyio.abc
 
-from . import _context
-from ._transport import running_asyncio_loop
+from .._spawn import context as _context
+from .._wire.transport import running_asyncio_loop
 
 
 class TaskHost:
@@ -74,7 +74,7 @@ class TaskHost:
         """Close the group, from any task; ``error`` is what the pool's block raised (or
         None): if there is one, the group's tasks are cancelled, else they are awaited.
 
-        Returns or raises as :func:`aiomp._context.exit_task_group` does: an error of the
+        Returns or raises as :func:`aiomp._spawn.context.exit_task_group` does: an error of the
         group's own tasks (a bug) is raised. Shielded: it waits until the group has ended.
         """
         if self._task is None:

@@ -13,7 +13,7 @@ of 1 MiB with no end yet goes as it stands, the rest follows), and with ``"prefi
 carriage return also ends a line, so progress bars show as they redraw. A
 logging record is re-emitted with ``logging.getLogger(record.name).handle(record)``, with
 ``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` set; the child's side is
-:func:`aiomp._child.forward_logging`.
+:func:`aiomp._child.bootstrap.forward_logging`.
 
 Each turn of the loop reads at most :data:`_CHUNK` bytes of a stream and then yields, so a
 child that writes faster than the parent forwards (or for ever) never holds the loop: it
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _transport
+from .._wire import transport as _transport
 
 if TYPE_CHECKING:
     import asyncio
@@ -151,7 +151,7 @@ class Forwarder:
             raise
 
     def child_ends(self) -> tuple[socket.socket, socket.socket, bool, socket.socket, int]:
-        """What the child passes to :func:`aiomp._child.redirect_output`: the stdout and
+        """What the child passes to :func:`aiomp._child.bootstrap.redirect_output`: the stdout and
         stderr write ends; whether to line-buffer its ``sys.stdout`` (as it would be on
         the fd it would otherwise inherit: a terminal yes, a pipe or file no, the fast
         way, flushed at exit); the logging records' end; and the parent's effective

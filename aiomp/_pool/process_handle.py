@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _process, _transport
-from . import _protocol as P
-from ._scheduler import Task
-from ._wakeup import Signal, Wakeup
+from .._loop.wakeup import Signal, Wakeup
+from .._process import child as _process
+from .._wire import transport as _transport
+from . import protocol as P
+from .scheduler import Task
 
 if TYPE_CHECKING:
     import asyncio

@@ -28,18 +28,19 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-from . import _process, _transport
-from . import _protocol as P
-from ._errors import BrokenPoolError
-from ._process import count
-from ._scheduler import DONE, QUEUED, Task, fresh
-from ._wakeup import Signal, Wakeup
+from .._errors import BrokenPoolError
+from .._loop.wakeup import Signal, Wakeup
+from .._process import child as _process
+from .._process.child import count
+from .._wire import transport as _transport
+from . import protocol as P
+from .scheduler import DONE, QUEUED, Task, fresh
 
 if TYPE_CHECKING:
     import asyncio
 
-    from ._handle import WorkerHandle
-    from ._pool import Pool
+    from .pool import Pool
+    from .process_handle import WorkerHandle
 
 T = TypeVar("T")
 

@@ -29,7 +29,7 @@ import pickle
 import types
 from typing import Any
 
-from . import _protocol as P
+from .._pool import protocol as P
 
 #: Flags in a task's blob (the wire format's own, for the same meanings).
 F_ASYNC, F_STAR, F_APPLY = P.F_ASYNC, P.F_STAR, P.F_APPLY

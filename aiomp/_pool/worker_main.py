@@ -5,7 +5,7 @@ A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 1. reads the pool's messages from one stream socket and writes its own to a second one
    (see docs/decisions/0026-two-channels.md), asks the kernel to SIGKILL it when its
    parent dies, ignores SIGINT (a Ctrl-C in the terminal reaches the parent, and the worker
-   through the parent's keeper: see ``aiomp._groups``; the parent decides what happens to
+   through the parent's keeper: see ``aiomp._process.groups``; the parent decides what happens to
    its workers), and clears the ``daemon`` flag ``multiprocessing`` gave it, so that a
    task may start processes of its own (a nested pool, a data loader; they end with the
    worker: it leads their process group);
@@ -46,8 +46,10 @@ import struct
 import sys
 import types
 
-from . import _child, _reduction, _transport
-from . import _protocol as P
+from .._child import bootstrap as _child
+from .._wire import pickling as _reduction
+from .._wire import transport as _transport
+from . import protocol as P
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
 TYPE_CHECKING = False
@@ -404,7 +406,7 @@ def main(
     ``stream`` and ``results`` are stream sockets the pool made
     (``_transport.stream_socketpair``): the pool's messages come on ``stream``, the
     worker's go on ``results``. ``output``: the ends of the parent's output forwarder
-    (``aiomp._output``), unless the pool inherits its fds.
+    (``aiomp._output.forwarder``), unless the pool inherits its fds.
     """
     _child.begin(parent_pid, output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)

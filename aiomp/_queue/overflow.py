@@ -34,8 +34,8 @@ import select
 import socket
 import struct
 
-from . import _transport
-from ._errors import QueueClosed, TransportError
+from .._errors import QueueClosed, TransportError
+from .._wire import transport as _transport
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -31,7 +31,8 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
-from . import _reduction, _shm
+from .._memory import shm as _shm
+from .._wire import pickling as _reduction
 
 #: Arrays with fewer bytes than this travel inside the message.
 INLINE_THRESHOLD = 64 * 1024

@@ -45,14 +45,19 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _calls, _output, _process, _reduction, _transport, _worker
-from . import _protocol as P
-from ._errors import BrokenWorkerError, ProcessRaisedException
-from ._handle import WorkerHandle
-from ._scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
-from ._taskhost import TaskHost
-from ._transport import running_asyncio_loop
-from ._wakeup import Wakeup
+from .._errors import BrokenWorkerError, ProcessRaisedException
+from .._loop.taskhost import TaskHost
+from .._loop.wakeup import Wakeup
+from .._output import forwarder as _output
+from .._process import child as _process
+from .._wire import pickling as _reduction
+from .._wire import transport as _transport
+from .._wire.transport import running_asyncio_loop
+from . import calls as _calls
+from . import protocol as P
+from . import worker_main as _worker
+from .process_handle import WorkerHandle
+from .scheduler import QUEUED, RUNNING, Handle, Scheduler, Task, fresh
 
 if TYPE_CHECKING:
     import asyncio
@@ -95,7 +100,7 @@ class PoolStatistics:
 
 class _Handle(Handle, Protocol):
     """What the pool needs of a worker's handle, beyond what its scheduler needs: a
-    :class:`~aiomp._handle.WorkerHandle`, or ``aiomp.ray``'s ``ActorHandle``."""
+    :class:`~aiomp._pool.process_handle.WorkerHandle`, or ``aiomp.ray``'s ``ActorHandle``."""
 
     #: Set once the worker has exited and its handle is closed.
     dead: anyio.Event

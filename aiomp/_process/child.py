@@ -5,7 +5,7 @@ The process toolkit under :func:`aiomp.spawn` (``_context``) and the Pool (``_ha
 notification and race-free signals); :func:`launch` starts one, handing it the child's
 end of a channel its caller made (spawn's report socket, a Pool worker's stream).
 Exactly one task waits on a child's exit fd at a time; the others wait for it
-(:class:`aiomp._fdwait.FdWaiters`); spawn's children override :meth:`Child.wait_exit` to
+(:class:`aiomp._loop.fdwait.FdWaiters`); spawn's children override :meth:`Child.wait_exit` to
 wait through their spawn's one epoll set (see
 docs/decisions/0018-one-waiter-per-spawn.md). Nothing here polls or uses threads: an exit is the
 pidfd becoming readable on the event loop.
@@ -46,8 +46,12 @@ from typing import Any, SupportsIndex, TypeVar
 
 import anyio
 
-from . import _child, _groups, _lifecycle, _output, _reduction
-from ._fdwait import FdWaiters
+from .._child import bootstrap as _child
+from .._loop.fdwait import FdWaiters
+from .._output import forwarder as _output
+from .._wire import pickling as _reduction
+from . import groups as _groups
+from . import hooks as _lifecycle
 
 log = logging.getLogger("aiomp")
 
@@ -153,7 +157,7 @@ def check_not_bootstrapping() -> None:
     without an ``if __name__ == "__main__":`` guard starts aiomp processes again right
     there. multiprocessing would refuse with a long traceback in every child (and the
     parent would see only "exit code 1"); instead the child reports one line to its
-    parent and exits. See :func:`aiomp._child.refuse_unguarded_main`.
+    parent and exits. See :func:`aiomp._child.bootstrap.refuse_unguarded_main`.
     """
     if getattr(multiprocessing.process.current_process(), "_inheriting", False):
         _child.refuse_unguarded_main()
@@ -279,7 +283,7 @@ class Child:
     def _end_group(self) -> None:
         """The child has exited: SIGKILL whatever is left in the group it led (a function
         that returned, a worker retired or crashed leaves nothing running), and tell
-        the keeper it is done. See ``aiomp._groups``."""
+        the keeper it is done. See ``aiomp._process.groups``."""
         _groups.signal_group(self.pidfd, self.pid, signal.SIGKILL, by_number=True)
         _groups.unregister(self.pid)
 
@@ -314,7 +318,7 @@ class Child:
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the child and to the process group it leads: whatever it
-        started goes with it (see ``aiomp._groups``).
+        started goes with it (see ``aiomp._process.groups``).
 
         The group is signalled once, the child with it; the child alone where its group
         is not made yet (it is still starting). A SIGKILL also goes to the child itself,
@@ -490,7 +494,7 @@ multiprocessing.util  # noqa: B018 - imported above so that its exit hook is reg
 atexit.register(_kill_at_exit)
 
 
-_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "_ctypes", "aiomp._worker")
+_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "_ctypes", "aiomp._pool.worker_main")
 
 
 async def prepare_forkserver() -> None:
@@ -535,7 +539,7 @@ def launch(
     ``channel`` is the child's end of a socket pair the caller made and keeps the other
     end of; it is closed here, started or not. With ``output``, the target also gets
     ``output=(stdout_end, stderr_end, ...)`` as a keyword, to hand to
-    :func:`aiomp._child.begin`; the returned child owns the forwarder from then on (and
+    :func:`aiomp._child.bootstrap.begin`; the returned child owns the forwarder from then on (and
     it is closed here if the start fails). Returns at once (the child boots
     concurrently). Call :func:`prepare_forkserver` first for ``"forkserver"``. Must run
     on the event loop's thread, in a task.

@@ -2,7 +2,7 @@
 
 A :class:`Queue` is one ``SOCK_SEQPACKET`` socket pair shared by every process holding it
 (see docs/decisions/0001-datagram-queue.md), an overflow log in shared memory
-(:mod:`aiomp._overflow`, see docs/decisions/0006-queue-overflow-log.md) and eventfds: wake-up
+(:mod:`aiomp._queue.overflow`, see docs/decisions/0006-queue-overflow-log.md) and eventfds: wake-up
 tokens for the
 consumers of a bounded queue, and a wake-up for producers that wait (see
 docs/decisions/0005-kept-readers.md; an unbounded queue counts its items as in
@@ -45,9 +45,12 @@ import time
 import weakref
 from threading import get_ident as _get_ident
 
-from . import _lifecycle, _overflow, _reduction, _transport
-from ._errors import CudaIpcError, QueueClosed, QueueItemError
-from ._fdwait import FdWaiters
+from .._errors import CudaIpcError, QueueClosed, QueueItemError
+from .._loop.fdwait import FdWaiters
+from .._process import hooks as _lifecycle
+from .._wire import pickling as _reduction
+from .._wire import transport as _transport
+from . import overflow as _overflow
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
@@ -944,7 +947,7 @@ class _Waker:
     Registering sends the waker's eventfd, with the generation seen, into the event's
     registry; a ``set()`` takes each registration made before its own generation and
     writes to the eventfd. Tasks of one thread share the waker: one waits on the eventfd,
-    the others for it (:class:`~aiomp._fdwait.FdWaiters`), all on that thread's loop.
+    the others for it (:class:`~aiomp._loop.fdwait.FdWaiters`), all on that thread's loop.
     """
 
     __slots__ = ("__weakref__", "fd", "id", "parked", "waits")

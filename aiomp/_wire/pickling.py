@@ -34,8 +34,8 @@ import pickle
 import sys
 import threading
 
-from . import _transport
-from ._errors import TransportError
+from .._errors import TransportError
+from . import transport as _transport
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
@@ -48,7 +48,11 @@ _local = threading.local()
 _dispatch: dict[type, object] = dict(copyreg.dispatch_table)
 #: The libraries whose types aiomp reduces -> the aiomp module whose ``init_reductions()``
 #: registers its reducers (imported only once the library itself has been).
-REDUCERS = {"numpy": "aiomp._numpy", "torch": "aiomp._torch", "cupy": "aiomp._cuda"}
+REDUCERS = {
+    "numpy": "aiomp._arrays.numpy",
+    "torch": "aiomp._arrays.torch",
+    "cupy": "aiomp._cuda.ipc",
+}
 _hooked: set[str] = set()
 #: type -> ``fast(obj, prefix)``: the whole message for an object of exactly that type
 #: sent alone, without the pickler, or None to pickle it (see :func:`register_alone`).
@@ -97,7 +101,7 @@ class Message:
     def datagram(self) -> tuple[bytes, list[int]]:
         """``(datagram, fds)`` for a ``SOCK_SEQPACKET`` send; made once.
 
-        A body larger than :data:`~aiomp._transport.MAX_INLINE` is written to a memfd
+        A body larger than :data:`~aiomp._wire.transport.MAX_INLINE` is written to a memfd
         that travels as the last fd (``TransportError`` if memory is short).
         """
         wire = self._wire
@@ -111,7 +115,7 @@ class Message:
         return wire
 
     def framed(self) -> tuple[bytes, list[int]]:
-        """``(frame, fds)`` for a :class:`~aiomp._transport.Stream`: the datagram behind
+        """``(frame, fds)`` for a :class:`~aiomp._wire.transport.Stream`: the datagram behind
         its frame header."""
         datagram, fds = self.datagram()
         return _transport.frame(datagram, len(fds)), fds

@@ -33,7 +33,7 @@ import pickle
 import struct
 import sys
 
-from . import _transport
+from .._wire import transport as _transport
 
 # parent -> worker
 OP_INIT = 1
@@ -133,14 +133,14 @@ class Message:
 
     ``close()`` releases what this process holds for it, whether it was sent or not;
     ``discard()`` also undoes what pickling promised to receivers that will never come
-    (a ``file_system`` send count). Both are those of the :class:`aiomp._reduction.Message`
+    (a ``file_system`` send count). Both are those of the :class:`aiomp._wire.pickling.Message`
     it wraps.
     """
 
     __slots__ = ("_msg", "fds", "frame")
 
     def __init__(self, op: int, tid: int, flags: int, prefix: bytes, obj: object) -> None:
-        from . import _reduction
+        from .._wire import pickling as _reduction
 
         self._msg = _reduction.dumps(obj, header(op, tid, flags) + prefix)
         try:
@@ -198,7 +198,7 @@ class ErrorPayload:
 
     @classmethod
     def of(cls, exc: BaseException, context: str = "") -> ErrorPayload:
-        from . import _child
+        from .._child import bootstrap as _child
 
         text = _child.format_error(exc, context)
         kind = type(exc)
@@ -227,7 +227,7 @@ class ErrorPayload:
         with the worker's traceback as its ``__cause__``, as concurrent.futures does."""
         exc, why = self.rebuild()
         if exc is None:
-            from ._errors import ProcessRaisedException
+            from .._errors import ProcessRaisedException
 
             exc = ProcessRaisedException(
                 f"{name} raised {self.type_name}: {self.message}\n"

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from ._errors import TransportError
+from .._errors import TransportError
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def close_fds(fds: list[int] | tuple[int, ...]) -> None:
 
 def memfd_with(body: bytes | bytearray | memoryview) -> int:
     """A fresh memfd holding ``body``, for a body too large for a datagram (the caller
-    owns it: :class:`aiomp._reduction.Message` closes it once sent)."""
+    owns it: :class:`aiomp._wire.pickling.Message` closes it once sent)."""
     fd = os.memfd_create("aiomp-msg", os.MFD_CLOEXEC)
     try:
         _write_all(fd, body)
@@ -114,8 +114,8 @@ def large_header(size: int) -> bytes:
 
 
 def decode(datagram: bytes, fds: list[int]) -> tuple[int, bytes | memoryview, list[int]]:
-    """A received datagram's ``(kind, body, fds)`` (see :meth:`aiomp._reduction.Message.datagram`);
-    a LARGE body's memfd is consumed."""
+    """A received datagram's ``(kind, body, fds)`` (see
+    :meth:`aiomp._wire.pickling.Message.datagram`); a LARGE body's memfd is consumed."""
     kind = datagram[0]
     if kind == KIND_LARGE:
         size = int.from_bytes(datagram[1:9], "little")

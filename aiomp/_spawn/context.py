@@ -2,14 +2,14 @@
 
 The spawn API over the process toolkit in ``_process`` (which owns each child's pidfd,
 its signals and its termination). Each child is a :class:`_Spawned`: a
-:class:`aiomp._process.Child` plus the parent end of its report socket, on which the
+:class:`aiomp._process.child.Child` plus the parent end of its report socket, on which the
 child sends ``("ok", result)`` or ``("err", text, exc)`` before its interpreter shuts
 down, so a failure reaches the parent within milliseconds. Every wait on a spawn's children
 (the supervisor's, ``join``'s, termination's) goes through one :class:`_Join`, which
 watches all their exit fds and report sockets at once on the event loop.
 
 Termination (on a failure, an exception in the ``async with`` body or cancellation) is
-:func:`aiomp._process.terminate_all`: SIGTERM, ``grace_period`` seconds, SIGKILL, reap;
+:func:`aiomp._process.child.terminate_all`: SIGTERM, ``grace_period`` seconds, SIGKILL, reap;
 once started nothing breaks it, and it is bounded.
 """
 
@@ -27,20 +27,24 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
-from . import _child, _output, _process, _reduction, _transport
-from ._errors import (
+from .._child import bootstrap as _child
+from .._errors import (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
     exit_description,
 )
-from ._process import (
+from .._output import forwarder as _output
+from .._process import child as _process
+from .._process.child import (
     check_fork_safe,
     check_function,
     check_not_bootstrapping,
     check_start_method,
     prepare_forkserver,
 )
+from .._wire import pickling as _reduction
+from .._wire import transport as _transport
 
 if TYPE_CHECKING:
     import asyncio
@@ -710,7 +714,7 @@ def spawn(
 
     ``output``: ``"prefix"`` (the default) forwards each line a child writes to its
     fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
-    read on the event loop (see ``aiomp._output``); ``"inherit"`` leaves the children
+    read on the event loop (see ``aiomp._output.forwarder``); ``"inherit"`` leaves the children
     the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
     """
     return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)

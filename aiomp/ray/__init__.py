@@ -7,7 +7,7 @@
         ys = await pool.map(f, xs)
 
 The calls and the scheduler are the local Pool's; only the worker handle differs (an
-:class:`~aiomp._ray_handle.ActorHandle` drives one ``aiomp._ray_actor.Worker`` actor).
+:class:`~aiomp.ray._handle.ActorHandle` drives one ``aiomp.ray._actor.Worker`` actor).
 Ray places the actors, carries the messages and stores the arrays; how a call travels and
 why nothing polls: docs/decisions/0031-ray-workers.md. What differs from
 :class:`aiomp.Pool`:
@@ -51,11 +51,11 @@ from typing import Any, Self, cast
 
 import anyio
 
-from . import _pool
-from . import _protocol as P
-from ._ray_handle import ActorHandle
-from ._scheduler import fresh
-from ._transport import running_asyncio_loop
+from .._pool import pool as _pool
+from .._pool import protocol as P
+from .._pool.scheduler import fresh
+from .._wire.transport import running_asyncio_loop
+from ._handle import ActorHandle
 
 __all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
 
@@ -294,7 +294,7 @@ _actor_class: Any = None
 def _get_actor_class(ray: Any) -> Any:
     global _actor_class
     if _actor_class is None:
-        from ._ray_actor import Worker
+        from ._actor import Worker
 
         _actor_class = ray.remote(concurrency_groups=_CTL_GROUP)(Worker)
     return _actor_class
