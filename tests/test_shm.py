@@ -919,7 +919,12 @@ _UNPRIVILEGED = textwrap.dedent("""
     import os, resource, sys
     import numpy as np
     import aiomp
-    from aiomp import _numpy, _queue, _reduction, _shm, _transport  # before losing /root
+    # imported before losing /root
+    from aiomp._arrays import numpy as _numpy  # noqa: F401
+    from aiomp._memory import shm as _shm  # noqa: F401
+    from aiomp._queue import queue as _queue  # noqa: F401
+    from aiomp._wire import pickling as _reduction  # noqa: F401
+    from aiomp._wire import transport as _transport  # noqa: F401
     q = aiomp.Queue()
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     if os.getuid() == 0:

@@ -24,7 +24,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch)")
 
 import aiomp  # noqa: E402
-from aiomp import _reduction, _torch  # noqa: E402
+from aiomp._arrays import torch as _torch  # noqa: E402
+from aiomp._wire import pickling as _reduction  # noqa: E402
 from tests import _funcs_torch as funcs  # noqa: E402
 
 TIMEOUT = 60  # children import torch: seconds each on two busy cores
