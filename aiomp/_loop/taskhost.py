@@ -10,7 +10,7 @@ import anyio
 import anyio.abc
 
 from .._spawn import context as _context
-from .._wire.transport import running_asyncio_loop
+from . import running_asyncio_loop
 
 
 class TaskHost:

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from .. import _loop
 from .._wire import transport as _transport
 
 if TYPE_CHECKING:
@@ -168,7 +169,7 @@ class Forwarder:
         for end in self._child:
             end.close()
         self._child = []
-        self._loop = _transport.running_asyncio_loop()
+        self._loop = _loop.running_asyncio_loop()
         for i, ours in enumerate(self._parent):
             assert ours is not None
             if self._loop is not None:
@@ -224,7 +225,7 @@ class Forwarder:
         if done():
             return
         waiter: tuple[Callable[[], bool], Callable[[], object]]
-        loop = _transport.running_asyncio_loop()
+        loop = _loop.running_asyncio_loop()
         if loop is not None:
             woken = loop.create_future()
             waiter = (done, functools.partial(_resolve, woken))

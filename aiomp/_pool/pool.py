@@ -46,13 +46,13 @@ import anyio.abc
 import anyio.lowlevel
 
 from .._errors import BrokenWorkerError, ProcessRaisedException
+from .._loop import running_asyncio_loop
 from .._loop.taskhost import TaskHost
 from .._loop.wakeup import Wakeup
 from .._output import forwarder as _output
 from .._process import child as _process
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
-from .._wire.transport import running_asyncio_loop
 from . import calls as _calls
 from . import protocol as P
 from . import worker_main as _worker

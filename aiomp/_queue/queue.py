@@ -45,6 +45,7 @@ import time
 import weakref
 from threading import get_ident as _get_ident
 
+from .. import _loop
 from .._errors import CudaIpcError, QueueClosed, QueueItemError
 from .._loop.fdwait import FdWaiters
 from .._process import hooks as _lifecycle
@@ -100,25 +101,14 @@ def _loop_running() -> bool:
     Looks only at modules already imported: a sync child that never imported asyncio or
     trio cannot be running their loops, and pays two dict lookups.
     """
-    return _transport.running_asyncio_loop() is not None or _trio_running()
-
-
-def _trio_running() -> bool:
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            trio.lowlevel.current_task()
-        except RuntimeError:
-            return False
-        return True
-    return False
+    return _loop.running_asyncio_loop() is not None or _loop.trio_running()
 
 
 async def _pause(turn: int) -> None:
     """Wait on the running loop (asyncio, uvloop or trio) before trying the overflow's lock
     again: the ``turn``-th pause since it was found held. Cancellation leaves nothing."""
     delay = _PAUSES[min(turn, len(_PAUSES) - 1)]
-    if _transport.running_asyncio_loop() is None:
+    if _loop.running_asyncio_loop() is None:
         await sys.modules["trio"].sleep(delay)
     else:
         await sys.modules["asyncio"].sleep(delay)
@@ -439,7 +429,7 @@ class Queue:
         once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
         aio = sys.modules.get("asyncio")  # _transport.running_asyncio_loop, inlined
-        if (aio is None or aio._get_running_loop() is None) and not _trio_running():
+        if (aio is None or aio._get_running_loop() is None) and not _loop.trio_running():
             raise _no_loop("Queue.put", "q.sync.put(obj)")
         return self._put(obj)
 
@@ -475,7 +465,7 @@ class Queue:
         """
         aio = sys.modules.get("asyncio")  # _transport.running_asyncio_loop, inlined
         loop = None if aio is None else aio._get_running_loop()
-        if loop is None and not _trio_running():
+        if loop is None and not _loop.trio_running():
             raise _no_loop("Queue.get", "q.sync.get()")
         return self._get(loop)
 
@@ -586,7 +576,7 @@ class Queue:
     async def _iterate(self) -> AsyncIterator[Any]:
         while True:
             try:
-                item = await self._get(_transport.running_asyncio_loop())
+                item = await self._get(_loop.running_asyncio_loop())
             except QueueClosed:
                 return
             yield item

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from .. import _loop
 from .._child import bootstrap as _child
 from .._errors import (
     ProcessException,
@@ -117,7 +118,7 @@ class _Join:
         """
         if self._error is None and done():
             return
-        loop = _transport.running_asyncio_loop()
+        loop = _loop.running_asyncio_loop()
         if loop is not None:
             woken: Any = loop.create_future()
         else:
@@ -660,7 +661,7 @@ class SpawnHandle:
 
 def _asyncio_task() -> object:
     """The running asyncio task (uvloop's included), or None on trio."""
-    loop = _transport.running_asyncio_loop()
+    loop = _loop.running_asyncio_loop()
     return None if loop is None else sys.modules["asyncio"].current_task(loop)
 
 

@@ -26,10 +26,10 @@ import os
 import select
 import socket
 import struct
-import sys
 import threading
 import time
 
+from .. import _loop
 from .._errors import TransportError
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
@@ -293,15 +293,6 @@ async def recv_async(sock: socket.socket) -> tuple[bytes, list[int]]:
 # -- waiting on the running event loop -------------------------------------------------
 
 
-def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
-    """The running asyncio loop (uvloop's included), or None: no loop runs in this
-    thread, or another library's does (trio). Looks only at a module already imported:
-    a process that never imported asyncio cannot be running its loop."""
-    aio = sys.modules.get("asyncio")
-    loop: asyncio.AbstractEventLoop | None = None if aio is None else aio._get_running_loop()
-    return loop
-
-
 async def wait_readable(fd: int) -> None:
     """Wait until ``fd`` is readable, on the running loop (asyncio, uvloop or trio).
 
@@ -312,7 +303,7 @@ async def wait_readable(fd: int) -> None:
     :func:`forget` before closing it. Cancellation leaves nothing behind but the idle
     watch. See docs/decisions/0005-kept-readers.md.
     """
-    loop = running_asyncio_loop()
+    loop = _loop.running_asyncio_loop()
     if loop is None:
         import trio
 

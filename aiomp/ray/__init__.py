@@ -51,10 +51,10 @@ from typing import Any, Self, cast
 
 import anyio
 
+from .._loop import running_asyncio_loop
 from .._pool import pool as _pool
 from .._pool import protocol as P
 from .._pool.scheduler import fresh
-from .._wire.transport import running_asyncio_loop
 from ._handle import ActorHandle
 
 __all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
