@@ -1327,7 +1327,7 @@ async def test_a_childs_exit_waits_for_its_non_daemon_threads(tmp_path: Path, me
 async def test_failed_exit_hooks_run_once_per_abnormal_exit() -> None:
     """``_shm`` sweeps a failed child's names through this hook; the process layer runs
     it without knowing ``_shm`` (see docs/decisions/0016-process-hooks.md)."""
-    from aiomp._process import hooks as _lifecycle
+    from aiomp import _lifecycle
 
     calls: list[None] = []
 
@@ -1351,7 +1351,7 @@ async def test_failed_exit_hooks_run_once_per_abnormal_exit() -> None:
 def test_pid_alive_counts_a_zombie_and_a_reaped_pid_as_dead() -> None:
     """The one "is this pid alive" of children (their parent check) and of ``_shm``'s
     janitor (a segment's creator)."""
-    from aiomp._process.hooks import pid_alive, start_time
+    from aiomp._lifecycle import pid_alive, start_time
 
     me = os.getpid()
     assert pid_alive(me) and pid_alive(me, start_time(me) or 0)

@@ -30,10 +30,10 @@ import numpy as np
 import pytest
 
 import aiomp
+from aiomp import _lifecycle
 from aiomp._arrays import numpy as _numpy
 from aiomp._memory import lease as _lease
 from aiomp._memory import shm as _shm
-from aiomp._process import hooks as _lifecycle
 from tests import _funcs as funcs
 from tests import _funcs_shm as funcs_shm
 from tests._run import run_python

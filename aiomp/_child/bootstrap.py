@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 
-from .._process.hooks import pid_alive
+from .._lifecycle import pid_alive
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 

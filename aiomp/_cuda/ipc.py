@@ -31,9 +31,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
+from .. import _lifecycle
 from .._errors import CudaIpcError, IpcLimitError
 from .._memory import lease as _lease
-from .._process import hooks as _lifecycle
 from .._wire import pickling as _reduction
 
 #: Blocks a process may have sent and not yet seen released, unless changed with

@@ -4,12 +4,11 @@ that entered it (see *Hosted task group* in docs/architecture.md)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 import anyio
 import anyio.abc
 
-from .._spawn import context as _context
 from . import running_asyncio_loop
 
 
@@ -74,12 +73,12 @@ class TaskHost:
         """Close the group, from any task; ``error`` is what the pool's block raised (or
         None): if there is one, the group's tasks are cancelled, else they are awaited.
 
-        Returns or raises as :func:`aiomp._spawn.context.exit_task_group` does: an error of the
+        Returns or raises as :func:`exit_task_group` does: an error of the
         group's own tasks (a bug) is raised. Shielded: it waits until the group has ended.
         """
         if self._task is None:
             assert self.tg is not None
-            return await _context.exit_task_group(self.tg, error)
+            return await exit_task_group(self.tg, error)
         assert self._stop is not None
         if not self._stop.done():
             self._stop.set_result(error is not None)
@@ -88,3 +87,30 @@ class TaskHost:
         if not self._task.cancelled() and (failed := self._task.exception()) is not None:
             raise failed
         return False
+
+
+async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:
+    """Leave ``tg`` with ``exc``, what the body of an ``async with`` raised (or None).
+
+    trio's nursery wraps what the body raised in a group of its own (another layer when
+    the body raised a group itself, e.g. a KeyboardInterrupt in the user's nursery): when
+    it holds nothing else, the body's exception leaves the block as it was raised, and
+    this returns False. A group that adds other errors (our own tasks': bugs) is raised.
+    """
+    try:
+        return bool(
+            await tg.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        )
+    except BaseExceptionGroup as group:
+        if exc is None or list(_leaves(group)) != list(_leaves(exc)):
+            raise
+        return False
+
+
+def _leaves(exc: BaseException) -> Generator[BaseException, None, None]:
+    """The exceptions inside ``exc``, however deeply grouped; ``exc`` itself if not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        for e in exc.exceptions:
+            yield from _leaves(e)
+    else:
+        yield exc

@@ -32,9 +32,9 @@ from collections import deque
 from functools import partial
 from typing import TYPE_CHECKING
 
+from .. import _lifecycle
 from .._errors import SharedMemoryError, TransportError
-from .._process import hooks as _lifecycle
-from .._process.hooks import pid_alive, start_time
+from .._lifecycle import pid_alive, start_time
 from .._wire import pickling as _reduction
 from . import lease as _lease
 

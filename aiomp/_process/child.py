@@ -46,12 +46,12 @@ from typing import Any, SupportsIndex, TypeVar
 
 import anyio
 
+from .. import _lifecycle
 from .._child import bootstrap as _child
 from .._loop.fdwait import FdWaiters
 from .._output import forwarder as _output
 from .._wire import pickling as _reduction
 from . import groups as _groups
-from . import hooks as _lifecycle
 
 log = logging.getLogger("aiomp")
 

@@ -45,10 +45,9 @@ import time
 import weakref
 from threading import get_ident as _get_ident
 
-from .. import _loop
+from .. import _lifecycle, _loop
 from .._errors import CudaIpcError, QueueClosed, QueueItemError
 from .._loop.fdwait import FdWaiters
-from .._process import hooks as _lifecycle
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 from . import overflow as _overflow

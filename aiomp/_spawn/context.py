@@ -35,6 +35,7 @@ from .._errors import (
     ProcessRaisedException,
     exit_description,
 )
+from .._loop.taskhost import exit_task_group
 from .._output import forwarder as _output
 from .._process import child as _process
 from .._process.child import (
@@ -663,33 +664,6 @@ def _asyncio_task() -> object:
     """The running asyncio task (uvloop's included), or None on trio."""
     loop = _loop.running_asyncio_loop()
     return None if loop is None else sys.modules["asyncio"].current_task(loop)
-
-
-async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:
-    """Leave ``tg`` with ``exc``, what the body of an ``async with`` raised (or None).
-
-    trio's nursery wraps what the body raised in a group of its own (another layer when
-    the body raised a group itself, e.g. a KeyboardInterrupt in the user's nursery): when
-    it holds nothing else, the body's exception leaves the block as it was raised, and
-    this returns False. A group that adds other errors (our own tasks': bugs) is raised.
-    """
-    try:
-        return bool(
-            await tg.__aexit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
-        )
-    except BaseExceptionGroup as group:
-        if exc is None or list(_leaves(group)) != list(_leaves(exc)):
-            raise
-        return False
-
-
-def _leaves(exc: BaseException) -> Generator[BaseException, None, None]:
-    """The exceptions inside ``exc``, however deeply grouped; ``exc`` itself if not a group."""
-    if isinstance(exc, BaseExceptionGroup):
-        for e in exc.exceptions:
-            yield from _leaves(e)
-    else:
-        yield exc
 
 
 def spawn(

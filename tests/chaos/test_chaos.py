@@ -33,8 +33,8 @@ import numpy as np
 import pytest
 
 import aiomp
+from aiomp import _lifecycle
 from aiomp._memory import shm as _shm
-from aiomp._process import hooks as _lifecycle
 from tests._run import run_python
 from tests.chaos import _chaos
 
