@@ -33,6 +33,7 @@ import pickle
 import struct
 import sys
 
+from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 
 # parent -> worker
@@ -67,8 +68,8 @@ FID = struct.Struct("<I")
 #: Below this a received payload is copied out of its datagram (cheaper than a view).
 COPY_BELOW = 2048
 
-#: Values of these types cannot hold an fd or an array: plain pickle, a third of the cost.
-PLAIN = frozenset((type(None), bool, int, float, complex, str, bytes))
+#: The plain types (one set, shared with the queue's pickling).
+PLAIN = _reduction.PLAIN
 
 
 def header(op: int, tid: int = 0, flags: int = 0) -> bytes:
