@@ -82,13 +82,13 @@ _WHERE = {
     "Empty": "_queue.queue",
     "Pool": "_pool.pool",
     "PoolStatistics": "_pool.pool",
-    "share_memory": "_arrays.numpy",
-    "is_shared": "_arrays.numpy",
-    "empty": "_arrays.numpy",
-    "zeros": "_arrays.numpy",
-    "get_all_sharing_strategies": "_memory.shm",
-    "get_sharing_strategy": "_memory.shm",
-    "set_sharing_strategy": "_memory.shm",
+    "share_memory": "_arrays.shared",
+    "is_shared": "_arrays.shared",
+    "empty": "_arrays.shared",
+    "zeros": "_arrays.shared",
+    "get_all_sharing_strategies": "_memory.strategy",
+    "get_sharing_strategy": "_memory.strategy",
+    "set_sharing_strategy": "_memory.strategy",
     "cuda": "cuda",
 }
 
@@ -97,10 +97,10 @@ if TYPE_CHECKING:
     from queue import Full as Full
 
     from . import cuda as cuda
-    from ._arrays.numpy import empty as empty
-    from ._arrays.numpy import is_shared as is_shared
-    from ._arrays.numpy import share_memory as share_memory
-    from ._arrays.numpy import zeros as zeros
+    from ._arrays.shared import empty as empty
+    from ._arrays.shared import is_shared as is_shared
+    from ._arrays.shared import share_memory as share_memory
+    from ._arrays.shared import zeros as zeros
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
@@ -110,9 +110,9 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
-    from ._memory.shm import get_all_sharing_strategies as get_all_sharing_strategies
-    from ._memory.shm import get_sharing_strategy as get_sharing_strategy
-    from ._memory.shm import set_sharing_strategy as set_sharing_strategy
+    from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
+    from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
+    from ._memory.strategy import set_sharing_strategy as set_sharing_strategy
     from ._pool.pool import Pool as Pool
     from ._pool.pool import PoolStatistics as PoolStatistics
     from ._queue.queue import Event as Event

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 _fork_checks: list[Callable[[], None]] = []
 #: Run after a child aiomp started was seen to exit abnormally (a non-zero exit code).
 _failed_exits: list[Callable[[], None]] = []
+#: Run once, in the root of a process tree, when it makes its first shared segment.
+_first_segments: list[Callable[[], None]] = []
 
 
 def finalizer(fn: F) -> F:
@@ -47,6 +49,17 @@ def on_failed_exit(fn: Callable[[], None]) -> Callable[[], None]:
     """Run ``fn()`` once a child has been reaped after it exited abnormally."""
     if fn not in _failed_exits:
         _failed_exits.append(fn)
+    return fn
+
+
+def on_first_segment(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` when the root of a process tree makes its first shared segment.
+
+    From then on messages in flight may take every fd the process can open, and an
+    import needs one: a layer that starts consumers imports up front what that needs.
+    """
+    if fn not in _first_segments:
+        _first_segments.append(fn)
     return fn
 
 
@@ -96,4 +109,10 @@ def fork_checks() -> list[Callable[[], None]]:
 def failed_exit() -> None:
     """Run the hooks for a child that was reaped after it exited abnormally."""
     for fn in _failed_exits:
+        fn()
+
+
+def first_segment() -> None:
+    """Run the hooks for the first shared segment of a process tree's root."""
+    for fn in _first_segments:
         fn()

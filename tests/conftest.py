@@ -121,7 +121,7 @@ def open_fds() -> dict[str, str]:
 
 def _tree_root(name: str) -> int:
     """The pid of the process tree that made ``/dev/shm/<name>`` (0: unknown), from the
-    header page aiomp writes (``_shm._H_CREATOR``: creator pid and start, then the tree's)."""
+    header page aiomp writes (``segment.H_CREATOR``: creator pid and start, then the tree's)."""
     try:
         with open(f"/dev/shm/{name}", "rb") as f:
             header = f.read(64)
@@ -160,9 +160,9 @@ def _warm_up() -> None:
 
     resource_tracker.ensure_running()
     forkserver.ensure_running()
-    # aiomp._memory.shm keeps one fd in reserve for its fd-limit error path, for the process's
+    # aiomp._memory.fdlimit keeps one fd in reserve for its fd-limit error path, for the process's
     # life: opened here, before any test counts fds.
-    import aiomp._memory.shm  # noqa: F401
+    import aiomp._memory.blocks  # noqa: F401
 
     # aiomp's keeper (one per process, started with its first child) holds a socket of
     # this process for the process's life.
@@ -182,7 +182,7 @@ def _warm_up() -> None:
 def _settle() -> None:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    shm = sys.modules.get("aiomp._memory.shm")
+    shm = sys.modules.get("aiomp._memory.blocks")
     if shm is not None:
         shm.purge_pool()
 

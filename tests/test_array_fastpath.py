@@ -23,7 +23,7 @@ import pytest
 
 import aiomp
 from aiomp._arrays import numpy as _numpy
-from aiomp._memory import shm as _shm
+from aiomp._memory import blocks as _blocks
 from aiomp._wire import pickling as _reduction
 from tests import _funcs_arrays as funcs
 
@@ -125,7 +125,7 @@ def test_other_arrays_fall_back_to_the_pickler(make: Callable[[], Any]) -> None:
 
 def test_the_file_system_strategy_falls_back(file_system: None) -> None:
     assert _numpy._send_alone(np.zeros(INLINE, np.uint8), b"") is None
-    assert _shm.send_copy(memoryview(bytes(INLINE))) is None
+    assert _blocks.send_copy(memoryview(bytes(INLINE))) is None
 
 
 def test_a_prefix_goes_before_the_body() -> None:

@@ -96,13 +96,13 @@ async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
     import gc
     import weakref
 
-    from aiomp._arrays import numpy as _numpy
-    from aiomp._memory import shm as _shm
+    from aiomp._arrays import shared as _shared
+    from aiomp._memory.segment import Segment
     from tests._funcs_loader import send_each_twice
 
     count = 6
     q, acks = aiomp.Queue(), aiomp.Queue()
-    seen: list[weakref.ref[_shm.Segment]] = []
+    seen: list[weakref.ref[Segment]] = []
     with anyio.fail_after(60):
         async with aiomp.spawn(
             send_each_twice,
@@ -113,7 +113,7 @@ async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
         ):
             for i in range(2 * count):
                 arr = await q.get()
-                shared = _numpy._shared_block(arr)
+                shared = _shared.shared_block(arr)
                 assert shared is not None
                 segment = shared[0].segment
                 if i < count:

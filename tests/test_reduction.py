@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp._memory import shm as _shm
+from aiomp._memory import blocks as _blocks
 from aiomp._wire import pickling as _reduction
 from aiomp._wire import transport as _transport
 from tests._fds import devnulls, is_open
@@ -180,13 +180,13 @@ def test_unpicklable_object_after_a_shared_array_leaks_nothing() -> None:
     arr = np.arange(100_000, dtype=np.float64)
     shared = aiomp.share_memory(np.ones(50_000))
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     before = open_fds()
     for _ in range(3):
         with pytest.raises(TypeError, match="refuses"):
             _reduction.dumps([arr, shared, Unpicklable()])
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     assert open_fds() == before
 
 
@@ -347,7 +347,7 @@ def test_numpy_copies_keep_alignment_and_the_first_pass_leaks_nothing() -> None:
     raw = np.zeros(1 << 20, dtype=np.uint8)
     x = raw[8:].view(np.float64)[: 1 << 16]  # 8 bytes past a 16-byte boundary
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     before = open_fds()
     for _ in range(3):
         got = pickled_back([x[3:9], x])  # the small view first: a second pass
@@ -358,5 +358,5 @@ def test_numpy_copies_keep_alignment_and_the_first_pass_leaks_nothing() -> None:
         ]
         del got
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     assert open_fds() == before

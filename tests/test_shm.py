@@ -32,8 +32,13 @@ import pytest
 import aiomp
 from aiomp import _lifecycle
 from aiomp._arrays import numpy as _numpy
+from aiomp._arrays import shared as _shared
+from aiomp._memory import allocator as _allocator
+from aiomp._memory import blocks as _blocks
+from aiomp._memory import janitor as _janitor
 from aiomp._memory import lease as _lease
-from aiomp._memory import shm as _shm
+from aiomp._memory import registry as _registry
+from aiomp._memory.segment import Segment
 from tests import _funcs as funcs
 from tests import _funcs_shm as funcs_shm
 from tests._run import run_python
@@ -51,7 +56,7 @@ BOTH_STRATEGIES = pytest.mark.parametrize(
 
 
 def shm_names() -> set[str]:
-    return {n for n in os.listdir(_shm.SHM_DIR) if n.startswith("aiomp")}
+    return {n for n in os.listdir(_janitor.SHM_DIR) if n.startswith("aiomp")}
 
 
 def fd_count() -> int:
@@ -66,11 +71,11 @@ def roundtrip(obj: object) -> Any:
 
 
 def segment_count() -> int:
-    return sum(len(segs) for segs in _shm._pool.segments.values())
+    return sum(len(segs) for segs in _registry.REGISTRY.pool.segments.values())
 
 
-def segment_of(arr: np.ndarray[Any, Any]) -> _shm.Segment:
-    ref = _shm.block_of(_numpy._root(arr))
+def segment_of(arr: np.ndarray[Any, Any]) -> Segment:
+    ref = _blocks.block_of(_shared.root(arr))
     assert ref is not None
     return ref.segment
 
@@ -550,15 +555,15 @@ def _segments_after_loopback_sends() -> int:
         q.sync.put(np.full(3 << 20, i, np.uint8))
         q.sync.get(timeout=5)
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     return segment_count() - before
 
 
 def test_pool_reuses_blocks_in_one_process_file_system(file_system: None) -> None:
     leftover = _segments_after_loopback_sends()
-    _shm._pool.trim(0)
-    for seg in [s for segs in _shm._pool.segments.values() for s in segs]:
-        _shm._pool._forget(seg)  # let the leak check see a clean /dev/shm either way
+    _registry.REGISTRY.pool.trim(0)
+    for seg in [s for segs in _registry.REGISTRY.pool.segments.values() for s in segs]:
+        _registry.REGISTRY.pool.forget(seg)  # let the leak check see a clean /dev/shm either way
     assert leftover == 0
 
 
@@ -584,10 +589,10 @@ async def _segments_left_by_unsent_messages() -> int:
     assert full.qsize() == 1
     del shared, plain
     gc.collect()
-    _shm.purge_pool()
-    leftover = [seg for segs in _shm._pool.segments.values() for seg in segs]
+    _blocks.purge_pool()
+    leftover = [seg for segs in _registry.REGISTRY.pool.segments.values() for seg in segs]
     for seg in leftover:
-        _shm._pool._forget(seg)  # leave /dev/shm clean for the leak check either way
+        _registry.REGISTRY.pool.forget(seg)  # leave /dev/shm clean for the leak check either way
     return len(leftover)
 
 
@@ -603,7 +608,7 @@ async def test_unsent_messages_pin_no_blocks(strategy: str) -> None:
 
 def too_big() -> int:
     """More bytes than /dev/shm has free and than memory has available."""
-    st = os.statvfs(_shm.SHM_DIR)
+    st = os.statvfs(_janitor.SHM_DIR)
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     return max(st.f_bavail * st.f_frsize, avail) + (1 << 30)
@@ -855,10 +860,10 @@ async def test_file_system_sender_exits_before_the_receiver_reads() -> None:
     assert (first == np.arange(n)).all() and (second == 7).all()
     assert (third == np.arange(2 * n, dtype=np.int16)[::2]).all() and tail == "tail"
     pid = ctx.pids()[0]
-    assert {x for x in shm_names() if x.startswith(f"{_shm.PREFIX}{pid}-")}
+    assert {x for x in shm_names() if x.startswith(f"{_janitor.PREFIX}{pid}-")}
     del first, second, third
     gc.collect()
-    assert not {x for x in shm_names() if x.startswith(f"{_shm.PREFIX}{pid}-")}
+    assert not {x for x in shm_names() if x.startswith(f"{_janitor.PREFIX}{pid}-")}
     assert q.qsize() == 0
 
 
@@ -921,7 +926,7 @@ _UNPRIVILEGED = textwrap.dedent("""
     import aiomp
     # imported before losing /root
     from aiomp._arrays import numpy as _numpy  # noqa: F401
-    from aiomp._memory import shm as _shm  # noqa: F401
+    from aiomp._memory import blocks as _blocks  # noqa: F401
     from aiomp._queue import queue as _queue  # noqa: F401
     from aiomp._wire import pickling as _reduction  # noqa: F401
     from aiomp._wire import transport as _transport  # noqa: F401
@@ -973,7 +978,7 @@ async def test_janitor_removes_names_of_a_sigkilled_child() -> None:
             await ctx.join()
     # R5: reaping a child that died abnormally sweeps the names it left (the janitor)
     assert not set(names) & shm_names()
-    assert not set(names) & set(_shm.janitor())
+    assert not set(names) & set(_janitor.janitor())
 
 
 def test_janitor_spares_live_creators_and_held_names(file_system: None) -> None:
@@ -981,30 +986,30 @@ def test_janitor_spares_live_creators_and_held_names(file_system: None) -> None:
     my_name = segment_of(mine).name
     # A name whose creator is dead but which a live process still holds: fake one.
     dead_pid = _dead_pid()
-    held_name = f"{_shm.PREFIX}{dead_pid}-{'0' * 16}"
-    orphan_name = f"{_shm.PREFIX}{dead_pid}-{'1' * 16}"
-    held_fd = os.open(os.path.join(_shm.SHM_DIR, held_name), os.O_RDWR | os.O_CREAT, 0o600)
-    orphan_fd = os.open(os.path.join(_shm.SHM_DIR, orphan_name), os.O_RDWR | os.O_CREAT, 0o600)
+    held_name = f"{_janitor.PREFIX}{dead_pid}-{'0' * 16}"
+    orphan_name = f"{_janitor.PREFIX}{dead_pid}-{'1' * 16}"
+    held_fd = os.open(os.path.join(_janitor.SHM_DIR, held_name), os.O_RDWR | os.O_CREAT, 0o600)
+    orphan_fd = os.open(os.path.join(_janitor.SHM_DIR, orphan_name), os.O_RDWR | os.O_CREAT, 0o600)
     os.close(orphan_fd)
     try:
         os.ftruncate(held_fd, 4096)
         _lease.hold(held_fd, 0, 4096)
-        removed = _shm.janitor()
+        removed = _janitor.janitor()
         assert orphan_name in removed
         assert held_name not in removed and my_name not in removed
         assert {held_name, my_name} <= shm_names()
         assert orphan_name not in shm_names()
     finally:
         os.close(held_fd)
-    assert held_name in _shm.janitor(), "removed once nobody holds it"
+    assert held_name in _janitor.janitor(), "removed once nobody holds it"
     assert my_name in shm_names()
 
 
 def test_janitor_tolerates_foreign_and_vanishing_names() -> None:
-    foreign = os.path.join(_shm.SHM_DIR, f"{_shm.PREFIX}not-a-pid")
+    foreign = os.path.join(_janitor.SHM_DIR, f"{_janitor.PREFIX}not-a-pid")
     open(foreign, "wb").close()
     try:
-        assert _shm.janitor() == []
+        assert _janitor.janitor() == []
         assert os.path.exists(foreign)
     finally:
         os.unlink(foreign)
@@ -1044,8 +1049,8 @@ async def _names_left_by_a_child(start_method: str) -> tuple[int, set[str]]:
 
 def _left_by(pid: int) -> set[str]:
     """Names created by ``pid``; removed before returning so that no test leaks them."""
-    left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
-    _shm.janitor()
+    left = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{pid}-")}
+    _janitor.janitor()
     return left
 
 
@@ -1058,7 +1063,7 @@ async def _names_left_after_receiving_from_a_child() -> tuple[set[str], set[str]
             arr = await q.get()
             received.set()
     pid = ctx.pids()[0]
-    held = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    held = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{pid}-")}
     assert (arr == np.arange(100_000)).all()
     del arr
     gc.collect()
@@ -1115,7 +1120,7 @@ async def _segments_after_double_receive() -> int:
             await reply.get()
     del a, b, x
     gc.collect()
-    _shm.purge_pool()
+    _blocks.purge_pool()
     return before - segment_count()
 
 
@@ -1123,9 +1128,9 @@ async def _segments_after_double_receive() -> int:
 @ONE_LOOP
 async def test_blocks_sent_twice_are_released(file_system: None) -> None:
     released = await _segments_after_double_receive()
-    leftover = [s for segs in _shm._pool.segments.values() for s in segs]
+    leftover = [s for segs in _registry.REGISTRY.pool.segments.values() for s in segs]
     for seg in leftover:
-        _shm._pool._forget(seg)  # leave /dev/shm clean for the leak check either way
+        _registry.REGISTRY.pool.forget(seg)  # leave /dev/shm clean for the leak check either way
     assert released >= 2 and not leftover  # a large segment and one 1 MiB slab
 
 
@@ -1152,13 +1157,13 @@ def test_janitor_removes_a_dead_creators_name_whose_message_was_never_read(
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    names = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    names = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{pid}-")}
     assert names, "the child's segment should outlive it while a message names it"
-    assert not set(_shm.janitor()) & names  # in flight, and recent: kept
+    assert not set(_janitor.janitor()) & names  # in flight, and recent: kept
     for name in names:
-        old = time.time() - _shm.STALE_IN_FLIGHT - 1
-        os.utime(os.path.join(_shm.SHM_DIR, name), (old, old))
-    assert set(_shm.janitor()) >= names
+        old = time.time() - _janitor.STALE_IN_FLIGHT - 1
+        os.utime(os.path.join(_janitor.SHM_DIR, name), (old, old))
+    assert set(_janitor.janitor()) >= names
 
 
 # -- issue 9 item 1: file_system names outlive no one; issue 9 item 3 and issue 18 item 4:
@@ -1181,7 +1186,7 @@ def test_creator_exit_cleanup_then_last_release_removes_the_name(file_system: No
             os.close(done_r)
             q.sync.put(np.arange(100_000, dtype=np.float64))
             os.read(go_r, 1)  # the consumer holds the array
-            _shm.at_exit()  # the exit clean-up runs while the lease is held
+            _registry.REGISTRY.at_exit()  # the exit clean-up runs while the lease is held
             os.write(done_w, b"x")
             os.read(go_r, 1)  # the consumer has released it: exit
         finally:
@@ -1190,7 +1195,7 @@ def test_creator_exit_cleanup_then_last_release_removes_the_name(file_system: No
     os.close(done_w)
     try:
         arr = q.sync.get(timeout=TIMEOUT)
-        names = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+        names = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{pid}-")}
         assert names, "the producer's segment"
         os.write(go_w, b"x")
         assert os.read(done_r, 1) == b"x"
@@ -1202,7 +1207,7 @@ def test_creator_exit_cleanup_then_last_release_removes_the_name(file_system: No
         os.close(done_r)
         os.waitpid(pid, 0)
     left = names & shm_names()
-    _shm.janitor()  # (the leak check must see a clean /dev/shm either way)
+    _janitor.janitor()  # (the leak check must see a clean /dev/shm either way)
     assert not left
 
 
@@ -1213,7 +1218,7 @@ def test_discard_undoes_a_named_send(file_system: None) -> None:
     from aiomp._wire import pickling as _reduction
 
     arr = aiomp.zeros(100_000)
-    ref = _shm.block_of(_numpy._root(arr))
+    ref = _blocks.block_of(_shared.root(arr))
     assert ref is not None
     out = _reduction.dumps({"task": (arr, arr[10:])})
     assert ref.segment.in_flight(ref.index), "pickled: counted as sent"
@@ -1237,14 +1242,14 @@ async def test_pool_task_dropped_before_it_was_sent_leaves_no_name(file_system: 
                     await pool.apply(funcs_shm.nbytes, (np.ones(1 << 17),))
                 go.set()
         gc.collect()
-        _shm.purge_pool()
-        left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{os.getpid()}-")}
+        _blocks.purge_pool()
+        left = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{os.getpid()}-")}
     finally:
-        for seg in [s for segs in _shm._pool.segments.values() for s in segs]:
-            _shm._pool._forget(seg)
+        for seg in [s for segs in _registry.REGISTRY.pool.segments.values() for s in segs]:
+            _registry.REGISTRY.pool.forget(seg)
         for name in shm_names():
-            if name.startswith(f"{_shm.PREFIX}{os.getpid()}-"):
-                _shm._unlink(name)  # pinned by the dropped task: the leak check must pass
+            if name.startswith(f"{_janitor.PREFIX}{os.getpid()}-"):
+                _janitor.unlink(name)  # pinned by the dropped task: the leak check must pass
     assert not left
 
 
@@ -1288,7 +1293,7 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
         names = {
             n
             for n in shm_names()
-            if n.startswith((f"{_shm.PREFIX}{parent}-", f"{_shm.PREFIX}{child}-"))
+            if n.startswith((f"{_janitor.PREFIX}{parent}-", f"{_janitor.PREFIX}{child}-"))
         }
         assert {n.split("-")[1] for n in names} == {str(parent), str(child)}
         os.kill(parent, signal.SIGKILL)
@@ -1311,7 +1316,7 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
         timeout=60,
     )
     left = names & shm_names()
-    _shm.janitor()
+    _janitor.janitor()
     assert not left, "the next start's first segment swept the dead tree's names"
 
 
@@ -1363,7 +1368,7 @@ def _fd_limit_run(strategy: str, keep: str) -> tuple[int, int, str, str]:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pid, sent, fds, kind, message = proc.stdout.strip().split(" ", 4)
-    left = {n for n in os.listdir(_shm.SHM_DIR) if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    left = {n for n in os.listdir(_janitor.SHM_DIR) if n.startswith(f"{_janitor.PREFIX}{pid}-")}
     assert not left, "the names the process made went with it"
     return int(sent), int(fds), kind, message
 
@@ -1376,7 +1381,7 @@ def test_many_arrays_in_flight_under_a_low_fd_limit(strategy: str) -> None:
     (past IDLE_SEGMENTS they are given away): all 1000 go, and a consumer drains them."""
     sent, fds, kind, _ = _fd_limit_run(strategy, "drop")
     assert (sent, kind) == (1000, "NoneType")
-    assert fds < 64 + _shm.IDLE_SEGMENTS
+    assert fds < 64 + _allocator.IDLE_SEGMENTS
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -1386,7 +1391,7 @@ def test_the_fd_limit_is_a_clear_error_and_the_queue_drains_after(strategy: str)
     saying how many fds are open, the limit and what to do; nothing half-sent, and a
     consumer started after the error (the arrays dropped) drains the queue exactly once."""
     sent, fds, kind, message = _fd_limit_run(strategy, "keep")
-    assert fds < 64 + _shm.IDLE_SEGMENTS, "the arrays dropped: their fds went too"
+    assert fds < 64 + _allocator.IDLE_SEGMENTS, "the arrays dropped: their fds went too"
     assert kind == "TransportError", message
     assert 100 < sent < 256
     assert "file descriptors open" in message and "RLIMIT_NOFILE) is 256" in message
@@ -1404,7 +1409,7 @@ def test_large_arrays_hold_bounded_fds(strategy: str) -> None:
     assert fd_count() - before <= 200 + 2, "one fd per segment: the mapping holds none"
     del arrays
     gc.collect()
-    assert fd_count() - before <= _shm.IDLE_SEGMENTS + 2
+    assert fd_count() - before <= _allocator.IDLE_SEGMENTS + 2
     q = aiomp.Queue()
     for i in range(1000):  # 1000 sent and dropped, up to 100 in flight at a time
         q.put_nowait(aiomp.zeros(n))
@@ -1415,8 +1420,8 @@ def test_large_arrays_hold_bounded_fds(strategy: str) -> None:
     del q
     gc.collect()
     # (arrays that came back after their segment was given away were received as
-    # another process's: a few such segments stay mapped a while, see _shm._recent)
-    assert fd_count() - before <= _shm.IDLE_SEGMENTS + _shm.RECENT_SEGMENTS + 2
+    # another process's: a few such segments stay mapped a while, see Registry.recent)
+    assert fd_count() - before <= _allocator.IDLE_SEGMENTS + _registry.RECENT_SEGMENTS + 2
 
 
 def test_names_of_unread_messages_go_with_the_root() -> None:
@@ -1437,9 +1442,9 @@ def test_names_of_unread_messages_go_with_the_root() -> None:
     proc = run_python("-c", script)
     pid, made = map(int, proc.stdout.split())
     assert made >= 6, "the unread messages held names while the process ran"
-    left = {n for n in shm_names() if n.startswith(f"{_shm.PREFIX}{pid}-")}
+    left = {n for n in shm_names() if n.startswith(f"{_janitor.PREFIX}{pid}-")}
     for name in left:
-        _shm._unlink(name)  # (the leak check must see a clean /dev/shm either way)
+        _janitor.unlink(name)  # (the leak check must see a clean /dev/shm either way)
     assert not left
 
 
@@ -1456,7 +1461,7 @@ def test_empty_and_zeros_refuse_bad_shapes(shape: Any) -> None:
 
 def test_a_ctrl_c_is_not_lost_in_a_finalizer_under_trio(monkeypatch: pytest.MonkeyPatch) -> None:
     """Regression: chaos's ``test_sigint_to_the_parent[trio]`` timed out once. trio raised
-    the KeyboardInterrupt inside ``_shm._drop_block``, a weak reference's callback, where
+    the KeyboardInterrupt inside ``Registry.drop_block``, a weak reference's callback, where
     Python reports it ("Exception ignored in") and drops it: the parent never saw its
     Ctrl-C. Finalizers are now protected (see docs/decisions/0022-finalizers-and-ctrl-c.md): trio
     delivers the
@@ -1464,13 +1469,13 @@ def test_a_ctrl_c_is_not_lost_in_a_finalizer_under_trio(monkeypatch: pytest.Monk
     import trio
 
     protected: list[bool] = []
-    retire = _shm._pool.retire
+    retire = _registry.REGISTRY.pool.retire
 
     def spy(*args: Any) -> None:
         protected.append(trio.lowlevel.currently_ki_protected())
         retire(*args)
 
-    monkeypatch.setattr(_shm._pool, "retire", spy)
+    monkeypatch.setattr(_registry.REGISTRY.pool, "retire", spy)
 
     async def main() -> None:
         a = aiomp.empty(1 << 20, np.uint8)
@@ -1480,4 +1485,6 @@ def test_a_ctrl_c_is_not_lost_in_a_finalizer_under_trio(monkeypatch: pytest.Monk
 
     trio.run(main)
     assert protected == [True]
-    assert _shm._drop_block.__qualname__ == "_drop_block"  # tracebacks still name it
+    assert (
+        _registry.Registry.drop_block.__qualname__ == "Registry.drop_block"
+    )  # tracebacks still name it

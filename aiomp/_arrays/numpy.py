@@ -1,4 +1,4 @@
-"""numpy arrays in aiomp messages, and the shared-array constructors.
+"""numpy arrays in aiomp messages: the ndarray reducer and one-array messages.
 
 An array inside a message (a Queue item, ``spawn`` args, a Pool task or result):
 
@@ -15,102 +15,33 @@ An array inside a message (a Queue item, ``spawn`` args, a Pool task or result):
   x[:, 1]]``) are rebuilt as views of one shared copy of the bytes they span together,
   whatever their own sizes. Arrays whose memory does not overlap travel independently.
 
-Why 64 KiB: docs/decisions/0011-inline-threshold.md.
+Why 64 KiB: docs/decisions/0011-inline-threshold.md. Owns no OS resource: the blocks
+and the descriptions a message carries are the memory layer's (:mod:`aiomp._memory.blocks`).
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
-import math
-import operator
 import os
 import pickle
 import struct
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import numpy as np
 
-from .._memory import shm as _shm
+from .._memory import blocks as _blocks
+from .._memory.segment import Segment
 from .._wire import pickling as _reduction
+from .shared import address as _address
+from .shared import root as _root
+from .shared import share_memory
+from .shared import shared_block as _shared_block
 
 #: Arrays with fewer bytes than this travel inside the message.
 INLINE_THRESHOLD = 64 * 1024
 #: A view is sent together with its whole base when the base is at most this much larger.
 VIEW_SLACK = 4
-
-__all__ = ("empty", "is_shared", "share_memory", "zeros")
-
-
-def _root(arr: np.ndarray[Any, Any]) -> object:
-    base: object = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
-
-
-def _address(arr: np.ndarray[Any, Any]) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
-def _shared_block(arr: np.ndarray[Any, Any]) -> tuple[_shm.BlockRef, object] | None:
-    exporter = _root(arr)
-    if exporter is None:
-        return None
-    ref = _shm.block_of(exporter)
-    return None if ref is None else (ref, exporter)
-
-
-def is_shared(arr: np.ndarray[Any, Any]) -> bool:
-    """True if ``arr`` lives in aiomp shared memory (sending it sends only a handle)."""
-    return isinstance(arr, np.ndarray) and _shared_block(arr) is not None
-
-
-def _new_like(
-    shape: tuple[int, ...], dtype: np.dtype[Any], order: Literal["C", "F"], zero: bool
-) -> np.ndarray[Any, Any]:
-    dtype = np.dtype(dtype)
-    if dtype.hasobject:
-        raise TypeError(f"arrays of dtype {dtype} hold Python objects and cannot be shared")
-    # math.prod, not np.prod: exact Python ints, and about 0.1 µs against 3 to 12 µs
-    # (np.prod builds an array first), per aiomp.empty of every batch a worker fills.
-    dims = [operator.index(n) for n in shape]  # TypeError for 2.5, as numpy's
-    if min(dims, default=0) < 0:  # numpy would infer a -1 from the buffer's size instead
-        raise ValueError(f"negative dimensions are not allowed: {shape}")
-    nbytes = math.prod(dims) * dtype.itemsize
-    exporter = _shm.allocate(nbytes, zero=zero)
-    # A ctypes array is a buffer, but numpy's stubs do not accept ctypes types as one.
-    return np.ndarray(shape, dtype, buffer=exporter, order=order)  # type: ignore[arg-type]
-
-
-def empty(shape: int | tuple[int, ...], dtype: Any = float) -> np.ndarray[Any, Any]:
-    """A new uninitialised array in shared memory. Raises SharedMemoryError when full."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    return _new_like(shape, np.dtype(dtype), "C", zero=False)
-
-
-def zeros(shape: int | tuple[int, ...], dtype: Any = float) -> np.ndarray[Any, Any]:
-    """A new zero-filled array in shared memory. Raises SharedMemoryError when full."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    return _new_like(shape, np.dtype(dtype), "C", zero=True)
-
-
-def _layout(arr: np.ndarray[Any, Any]) -> Literal["C", "F"]:
-    return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
-
-
-def share_memory(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """An array with ``arr``'s contents in shared memory; ``arr`` itself if it already is.
-
-    The copy keeps a C or Fortran layout; other strides are compacted to C order.
-    """
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"share_memory() needs a numpy.ndarray, not {type(arr).__name__}")
-    if _shared_block(arr) is not None:
-        return arr
-    out = _new_like(arr.shape, arr.dtype, _layout(arr), zero=False)
-    np.copyto(out, arr, casting="no")
-    return out
 
 
 def _rebuild(
@@ -123,7 +54,7 @@ def _rebuild(
     return np.ndarray(
         shape,
         dtype,
-        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see _new_like)
+        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see aiomp._arrays.shared)
         offset=offset,
         strides=strides,
     )
@@ -190,11 +121,11 @@ def _send_alone(arr: np.ndarray[Any, Any], prefix: bytes) -> _reduction.Message 
         return None
     exporter = _root(arr)
     if exporter is not None:
-        sent = _shm.send_block(exporter)
+        sent = _blocks.send_block(exporter)
         if sent is not None:
             offset = _address(arr) - ctypes.addressof(exporter)  # type: ignore[arg-type]
             return _message(prefix, sent, offset, arr, token)
-        if _shm.block_of(exporter) is not None:
+        if _blocks.block_of(exporter) is not None:
             return None  # shared, in a named segment: the pickler counts its sends
     if arr.nbytes < INLINE_THRESHOLD:
         # what the pickler does for it too: numpy's own reduction, inline
@@ -206,7 +137,7 @@ def _send_alone(arr: np.ndarray[Any, Any], prefix: bytes) -> _reduction.Message 
         data = arr.data.cast("B")
     except (ValueError, TypeError, BufferError):  # a dtype numpy does not export
         return None
-    sent = _shm.send_copy(data)
+    sent = _blocks.send_copy(data)
     if sent is None:
         return None
     return _message(prefix, sent, 0, arr, token)
@@ -214,7 +145,7 @@ def _send_alone(arr: np.ndarray[Any, Any], prefix: bytes) -> _reduction.Message 
 
 def _message(
     prefix: bytes,
-    sent: tuple[int, _shm.Segment, int],
+    sent: tuple[int, Segment, int],
     offset: int,
     arr: np.ndarray[Any, Any],
     token: str,
@@ -240,11 +171,11 @@ def _receive(head: bytes) -> np.ndarray[Any, Any]:
     """Rebuild an array sent by :func:`_send_alone` (unpickling its message)."""
     size, block_size, index, dev, ino, offset, ndim = _HEAD.unpack_from(head)
     dims = _dims(ndim).unpack_from(head, _HEAD.size)
-    exporter = _shm.receive_block(size, block_size, index, (dev, ino))
+    exporter = _blocks.receive_block(size, block_size, index, (dev, ino))
     return np.ndarray(
         dims[:ndim],
         head[_HEAD.size + 16 * ndim :].decode(),
-        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see _new_like)
+        buffer=exporter,  # type: ignore[arg-type]  # a ctypes array (see aiomp._arrays.shared)
         offset=offset,
         strides=dims[ndim:],
     )
@@ -257,10 +188,12 @@ def _reduce(arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
     if arr.dtype.hasobject or arr.nbytes == 0:
         return cast("tuple[Any, ...]", arr.__reduce_ex__(5))
     pad = _reduction.current()
-    return pad.once(_Message, lambda: _Message(pad.first)).reduce(arr, pad)
+    return pad.once(_MessageArrays, lambda: _MessageArrays(pad.first)).reduce(arr, pad)
 
 
-def _by_handle(arr: np.ndarray[Any, Any], ref: _shm.BlockRef, exporter: object) -> tuple[Any, ...]:
+def _by_handle(
+    arr: np.ndarray[Any, Any], ref: _blocks.BlockRef, exporter: object
+) -> tuple[Any, ...]:
     offset = _address(arr) - ctypes.addressof(exporter)  # type: ignore[arg-type]
     return _rebuild, (ref, offset, arr.shape, _dtype_token(arr.dtype), arr.strides)
 
@@ -294,20 +227,20 @@ class _Group:
     def __init__(self, lo: int, hi: int, exporter: ctypes.Array[ctypes.c_char] | None) -> None:
         self.lo, self.hi, self.shift = lo, hi, lo % _ALIGN
         self.exporter = exporter
-        self.ref = None if exporter is None else _shm.block_of(exporter)
+        self.ref = None if exporter is None else _blocks.block_of(exporter)
         if exporter is not None:
             ctypes.memmove(ctypes.addressof(exporter) + self.shift, lo, hi - lo)
 
     @classmethod
     def copy(cls, lo: int, hi: int) -> _Group:
-        return cls(lo, hi, _shm.allocate(lo % _ALIGN + hi - lo))
+        return cls(lo, hi, _blocks.allocate(lo % _ALIGN + hi - lo))
 
     def view(self, arr: np.ndarray[Any, Any]) -> tuple[Any, ...]:
         offset = self.shift + _address(arr) - self.lo
         return _rebuild, (self.ref, offset, arr.shape, _dtype_token(arr.dtype), arr.strides)
 
 
-class _Message:
+class _MessageArrays:
     """The non-shared arrays of one message, placed by the memory they view.
 
     Views stay views: arrays of one message whose bytes overlap travel as views of one
@@ -327,7 +260,9 @@ class _Message:
         self.seen: list[tuple[int, int]] = []
         self.conflict = False
         self.clusters: dict[int, _Cluster] | None = None
-        previous = None if first is None else cast("_Message | None", first.get(_Message))
+        previous = (
+            None if first is None else cast("_MessageArrays | None", first.get(_MessageArrays))
+        )
         if previous is not None:
             self.clusters = _clusters(previous.seen)
 

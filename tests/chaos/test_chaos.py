@@ -34,7 +34,7 @@ import pytest
 
 import aiomp
 from aiomp import _lifecycle
-from aiomp._memory import shm as _shm
+from aiomp._memory.registry import REGISTRY
 from tests._run import run_python
 from tests.chaos import _chaos
 
@@ -296,7 +296,7 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
             with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
                 await ctx.join()
         gc.collect()
-        marks.append((fds(), rss(), sum(len(s) for s in _shm._pool.segments.values())))
+        marks.append((fds(), rss(), sum(len(s) for s in REGISTRY.pool.segments.values())))
     lost, duplicated = exactly_once(put, taken)
     # flat: the second half of the rounds needs no more than the first half did
     half = ROUNDS // 2
