@@ -55,7 +55,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._cuda.ipc import (
-    DEFAULT_IPC_LIMIT,
     IPC_BLOCK,
     MAX_IPC_EVENTS,
     IpcStatistics,
@@ -65,6 +64,7 @@ from ._cuda.ipc import get_ipc_limit as _get_ipc_limit
 from ._cuda.ipc import ipc_collect as _ipc_collect
 from ._cuda.ipc import set_ipc_limit as _set_ipc_limit
 from ._cuda.ipc import statistics as _statistics
+from ._cuda.slots import DEFAULT_IPC_LIMIT
 from ._errors import CudaIpcError, IpcLimitError
 
 if TYPE_CHECKING:

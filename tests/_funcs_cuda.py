@@ -1,7 +1,7 @@
 """A GPU-less model of CuPy and the CUDA driver, and the functions children run, for
 tests/test_cuda.py.
 
-The fake backend (:class:`FakeBackend`) stands in for ``aiomp._cuda.ipc._CupyBackend``. It is
+The fake backend (:class:`FakeBackend`) stands in for ``aiomp._cuda.driver.CupyBackend``. It is
 built on a model of what sits under CuPy, close enough to catch the defects a GPU would
 show (issue 16), after CuPy's ``cupy/cuda/memory.pyx`` and the CUDA programming guide:
 
@@ -328,7 +328,7 @@ class FakeArray:
         )
 
     def _span(self) -> tuple[int, int]:
-        from aiomp._cuda.ipc import extent
+        from aiomp._cuda.meta import extent
 
         return extent(self.shape, self.strides, self.itemsize)
 
@@ -351,7 +351,7 @@ class FakeArray:
 
 
 class FakeBackend:
-    """The interface of ``aiomp._cuda.ipc._CupyBackend`` on :class:`FakeGPU`.
+    """The interface of ``aiomp._cuda.driver.CupyBackend`` on :class:`FakeGPU`.
 
     ``calls`` logs every call that would reach CUDA, in order.
     """
@@ -378,7 +378,7 @@ class FakeBackend:
     # producer side
 
     def describe(self, arr: FakeArray) -> Any:
-        from aiomp._cuda.ipc import Described
+        from aiomp._cuda.driver import Described
 
         return Described(
             arr.device,
@@ -404,7 +404,7 @@ class FakeBackend:
         try:
             return self.gpu.ipc_handle(base)
         except FakeCudaError as exc:
-            from aiomp._cuda.ipc import CudaIpcError
+            from aiomp._errors import CudaIpcError
 
             raise CudaIpcError(f"cannot export this memory: {exc}") from exc
 
@@ -454,7 +454,7 @@ class FakeBackend:
 
     def local_device(self, bus_id: str, device: int) -> int:
         if bus_id not in self.devices:
-            from aiomp._cuda.ipc import CudaIpcError
+            from aiomp._errors import CudaIpcError
 
             raise CudaIpcError(f"fake: device {bus_id} is not visible")
         return self.devices.index(bus_id)
@@ -590,7 +590,7 @@ class ModelLibcuda:
 
 def model_cupy(gpu: FakeGPU) -> types.ModuleType:
     """A ``cupy`` module on :class:`FakeGPU` with the names, argument orders and types
-    of the CuPy API that ``aiomp._cuda.ipc._CupyBackend`` calls, so that the real backend's
+    of the CuPy API that ``aiomp._cuda.driver.CupyBackend`` calls, so that the real backend's
     code runs (and its mistakes show) without a GPU. ``calls`` logs the runtime calls."""
     import numpy
 
@@ -896,7 +896,7 @@ def gpu_two_chunks_send(rank: int, q: object, back: object) -> object:
     import cupy
 
     from aiomp import cuda
-    from aiomp._cuda import ipc as _cuda
+    from aiomp._cuda import driver as _driver
 
     n = 1 << 20  # 4 MiB of float32 each: they travel in place
     whole = cupy.empty(4 * n, dtype=cupy.float32)  # one 16 MiB cudaMalloc...
@@ -905,8 +905,8 @@ def gpu_two_chunks_send(rank: int, q: object, back: object) -> object:
     y = cupy.full(n, 2.0, dtype=cupy.float32)
     rt = cupy.cuda.runtime
     one_allocation = (
-        _cuda.address_range(x.data.ptr, rt.memGetInfo)[0]
-        == _cuda.address_range(y.data.ptr, rt.memGetInfo)[0]
+        _driver.address_range(x.data.ptr, rt.memGetInfo)[0]
+        == _driver.address_range(y.data.ptr, rt.memGetInfo)[0]
     )
     q.sync.put((x, y))  # type: ignore[attr-defined]
     del x, y

@@ -34,7 +34,10 @@ import numpy
 import pytest
 
 import aiomp
+from aiomp._cuda import driver as _driver
 from aiomp._cuda import ipc as _cuda
+from aiomp._cuda.meta import IpcArrayMeta
+from aiomp._cuda.slots import DEFAULT_IPC_LIMIT
 from aiomp._memory import lease as _lease
 from aiomp._spawn import context as _context
 from aiomp._wire import pickling as _reduction
@@ -60,12 +63,12 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Route aiomp._cuda.ipc's CUDA calls to a fake backend; FakeArray reduces like cupy.ndarray."""
     backend = FakeBackend()
     _cuda._reset()
-    monkeypatch.setattr(_cuda, "_backend", backend)
+    monkeypatch.setattr(_driver, "backend", backend)
     _reduction.register(FakeArray, _cuda.reduce_array)
     yield backend
     gc.collect()
     _cuda._reset()
-    _cuda.set_ipc_limit(_cuda.DEFAULT_IPC_LIMIT)
+    _cuda.set_ipc_limit(DEFAULT_IPC_LIMIT)
 
 
 def roundtrip(obj: object) -> Any:
@@ -218,7 +221,7 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     getDeviceCount, and the bus-id path blamed CUDA_VISIBLE_DEVICES."""
     cupy = _funcs_cuda.no_gpu_cupy()
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(_cuda, "_backend", None)
+    monkeypatch.setattr(_driver, "backend", None)
     _reduction.register(cupy.ndarray, _cuda.reduce_array)
     try:
         with pytest.raises(
@@ -226,9 +229,7 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         ) as sent:
             _reduction.dumps(cupy.ndarray())
         assert "nvidia-smi" in str(sent.value)
-        empty = _cuda.IpcArrayMeta(
-            None, 0, 0, (0,), (4,), "<f4", 0, "0000:01:00.0", None, 1, -1, -1
-        )
+        empty = IpcArrayMeta(None, 0, 0, (0,), (4,), "<f4", 0, "0000:01:00.0", None, 1, -1, -1)
         with pytest.raises(
             aiomp.cuda.CudaIpcError, match=r"arrived, but process \d+ has no usable CUDA device"
         ):
@@ -251,7 +252,7 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
     reclaimed (torch frees such blocks from its allocator's out-of-memory callback)."""
     backend = FakeBackend(FakeGPU(capacity=8 * MiB))  # four 2 MiB granules
     _cuda._reset()
-    monkeypatch.setattr(_cuda, "_backend", backend)
+    monkeypatch.setattr(_driver, "backend", backend)
     _reduction.register(FakeArray, _cuda.reduce_array)
     gpu = backend.gpu
     try:
@@ -289,7 +290,7 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
     finally:
         gc.collect()
         _cuda._reset()
-        _cuda.set_ipc_limit(_cuda.DEFAULT_IPC_LIMIT)
+        _cuda.set_ipc_limit(DEFAULT_IPC_LIMIT)
 
 
 def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -299,8 +300,8 @@ def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> Non
     gpu = FakeGPU()
     cupy = _funcs_cuda.model_cupy(gpu)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(_cuda, "_backend", None)
-    monkeypatch.setattr(_cuda, "_libcuda_lib", _funcs_cuda.ModelLibcuda(gpu))
+    monkeypatch.setattr(_driver, "backend", None)
+    monkeypatch.setattr(_driver, "_lib", _funcs_cuda.ModelLibcuda(gpu))
     _cuda._reset()
     _reduction.register(cupy.ndarray, _cuda.reduce_array)
     try:
@@ -338,7 +339,7 @@ def test_cupy_backend_out_of_memory_on_a_modelled_cupy(monkeypatch: pytest.Monke
     gpu = FakeGPU(capacity=4 * MiB)
     cupy = _funcs_cuda.model_cupy(gpu)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
-    monkeypatch.setattr(_cuda, "_backend", None)
+    monkeypatch.setattr(_driver, "backend", None)
     _cuda._reset()
     try:
         held = aiomp.cuda.empty(16)
@@ -778,7 +779,7 @@ def test_cuda_initialized_asks_a_loaded_driver(
         calls.append(noload)
         return lib
 
-    monkeypatch.setattr(_cuda, "_libcuda", fake_libcuda)
+    monkeypatch.setattr(_cuda, "libcuda", fake_libcuda)
     assert _cuda.cuda_initialized() is expected
     assert calls == [True]  # never loads the driver itself
 
@@ -821,11 +822,12 @@ def test_importing_aiomp_cuda_loads_no_cupy() -> None:
 def test_producer_exit_warns_while_blocks_are_held() -> None:
     r = _python("""
         import os
+        from aiomp._cuda import driver as _driver
         from aiomp._cuda import ipc as _cuda
         from aiomp._wire import pickling as _reduction
         from tests import _funcs
         from tests import _funcs_cuda
-        _cuda._backend = backend = _funcs_cuda.FakeBackend()
+        _driver.backend = backend = _funcs_cuda.FakeBackend()
         _reduction.register(_funcs_cuda.FakeArray, _cuda.reduce_array)
         out = _reduction.dumps([backend.array((1 << 20,))])
         consumer = os.dup(out.fds[0])  # still holding it at exit

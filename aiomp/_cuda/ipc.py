@@ -21,29 +21,35 @@ imports neither cupy nor ctypes.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import heapq
 import os
 import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
 
 from .. import _lifecycle
-from .._errors import CudaIpcError, IpcLimitError
+from .._errors import CudaIpcError
 from .._memory import lease as _lease
 from .._wire import pickling as _reduction
+from . import driver as _driver
+from .driver import (
+    CUDA_ERROR_NO_DEVICE,
+    CUDA_ERROR_NOT_INITIALIZED,
+    Backend,
+    Described,
+    get_backend,
+    libcuda,
+)
+from .meta import IpcArrayMeta, check_extent, extent, locate
+from .slots import DEFAULT_IPC_LIMIT, SlotTable
 
-#: Blocks a process may have sent and not yet seen released, unless changed with
-#: :func:`aiomp.cuda.set_ipc_limit`.
-DEFAULT_IPC_LIMIT = 1000
+T = TypeVar("T")
+
 #: Live interprocess events per process (torch's CUDA_IPC_MAXIMUM_EVENTS_TO_USE). Past
 #: it, a send synchronises the producer's stream and carries no event.
 MAX_IPC_EVENTS = 1000
-#: Idle interprocess events kept per device for reuse.
-EVENT_POOL_SIZE = 64
 
 #: The CUDA programming guide: IPC shares the whole underlying memory block, and the
 #: driver sub-allocates smaller cudaMallocs from shared blocks, so only allocations of
@@ -51,561 +57,6 @@ EVENT_POOL_SIZE = 64
 #: of this size.
 IPC_BLOCK = 2 << 20
 _STAGE_ALIGN = 512  # cudaMalloc's alignment, for arrays packed into one staging block
-
-_CUDA_ERROR_MEMORY_ALLOCATION = 2
-_CUDA_ERROR_NOT_INITIALIZED = 3
-_CUDA_ERROR_NO_DEVICE = 100
-_CUDA_ERROR_INVALID_CONTEXT = 201
-
-
-# -- pure parts: what is pickled, where an array sits in its allocation ---------------------
-
-
-class IpcArrayMeta(NamedTuple):
-    """What a CuPy array becomes in an aiomp message."""
-
-    handle: bytes | None  #: cudaIpcMemHandle of the base allocation; None: empty array
-    alloc_size: int  #: bytes in the base allocation
-    offset: int  #: byte offset of element 0 from the base
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  #: in bytes, as cupy reports them
-    dtype: str  #: numpy dtype string, e.g. ``"<f4"``
-    device: int  #: device index in the sender
-    bus_id: str  #: PCI bus id of the device ("" if unknown): indices differ between processes
-    event: bytes | None  #: cudaIpcEventHandle to wait on; None: the sender synchronised
-    pid: int  #: the sender's pid
-    slot: int  #: lease slot in the sender's lease file; -1 for empty arrays
-    fd_index: int  #: index of the lease handoff fd among the message's fds; -1 if none
-
-
-def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
-    """Byte range ``[lo, hi)`` an array touches, relative to its element 0.
-
-    ``lo`` is negative when some stride is; ``(0, 0)`` for an empty array.
-    """
-    if len(shape) != len(strides):
-        raise ValueError(f"shape {shape} and strides {strides} differ in length")
-    if any(n == 0 for n in shape):
-        return 0, 0
-    lo = hi = 0
-    for n, s in zip(shape, strides, strict=True):
-        if n < 0:
-            raise ValueError(f"negative dimension in shape {shape}")
-        if s < 0:
-            lo += (n - 1) * s
-        else:
-            hi += (n - 1) * s
-    return lo, hi + itemsize
-
-
-def locate(
-    ptr: int,
-    base: int,
-    size: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    itemsize: int,
-) -> int:
-    """The offset of an array's element 0 (at ``ptr``) in the allocation ``[base, base+size)``.
-
-    Raises ValueError if any byte the array touches falls outside the allocation.
-    """
-    offset = ptr - base
-    check_extent(offset, size, shape, strides, itemsize)
-    return offset
-
-
-def check_extent(
-    offset: int, size: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
-) -> None:
-    """Raise ValueError unless the array at ``offset`` lies inside ``size`` bytes."""
-    lo, hi = extent(shape, strides, itemsize)
-    if hi == lo:
-        return
-    if offset + lo < 0 or offset + hi > size:
-        raise ValueError(
-            f"array bytes [{offset + lo}, {offset + hi}) fall outside its allocation "
-            f"of {size} bytes (shape {shape}, strides {strides}, itemsize {itemsize})"
-        )
-
-
-# -- lease bookkeeping (producer side) ------------------------------------------------------
-
-
-def held_ranges(fd: int, start: int, stop: int) -> list[tuple[int, int]]:
-    """The parts of ``[start, stop)`` that some other description holds a lease on.
-
-    ``F_OFD_GETLK`` names one conflicting lock per call, not necessarily the lowest, so
-    this splits around each answer: about two calls per held range, one if none is held.
-    Returns sorted, possibly adjacent, ``(start, stop)`` pairs.
-    """
-    out: list[tuple[int, int]] = []
-    todo = [(start, stop)]
-    while todo:
-        a, b = todo.pop()
-        if a >= b:
-            continue
-        holder = _lease.a_holder(fd, a, b - a)
-        if holder is None:
-            continue
-        lstart, length = holder
-        lstop = b if length == 0 else lstart + length
-        lo, hi = max(a, lstart), min(b, lstop)
-        if lo >= hi:  # defensive: the kernel only reports overlapping locks
-            continue
-        out.append((lo, hi))
-        todo.append((a, lo))
-        todo.append((hi, b))
-    out.sort()
-    return out
-
-
-R = TypeVar("R")
-T = TypeVar("T")
-
-
-class SlotTable(Generic[R]):
-    """Slots of one producer lease file and the record kept alive for each sent slot.
-
-    No CUDA here: a record is whatever the caller keeps alive. Not thread-safe (the
-    producer serialises calls).
-    """
-
-    def __init__(self, limit: int = DEFAULT_IPC_LIMIT) -> None:
-        self.fd = os.memfd_create("aiomp-cuda-lease", os.MFD_CLOEXEC)
-        self.ident = _lease.identity(self.fd)
-        self.limit = limit
-        self.records: dict[int, R] = {}
-        self._free: list[int] = []  # a heap: the lowest free slot first keeps ranges short
-        self._next = 0
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def allocate(self, record: R) -> int:
-        """A free slot for ``record``; IpcLimitError when ``limit`` slots are outstanding.
-
-        The caller must hold the slot's lease (through a handoff description) before
-        the next :meth:`collect`, which otherwise frees it at once.
-        """
-        self.check_room()
-        slot = heapq.heappop(self._free) if self._free else self._next
-        if slot == self._next:
-            self._next += 1
-        self.records[slot] = record
-        return slot
-
-    def check_room(self) -> None:
-        """Raise IpcLimitError if no slot may be allocated."""
-        if len(self.records) >= self.limit:
-            raise IpcLimitError(
-                f"{len(self.records)} CUDA blocks sent by this process are still held by "
-                f"their consumers (the limit is {self.limit}): consumers must drop the "
-                "arrays they received (or copy them) before more can be sent. Wait for "
-                "them (for example for a reply), then retry; or raise the limit with "
-                "aiomp.cuda.set_ipc_limit()"
-            )
-
-    def discard(self, slot: int) -> R:
-        """Forget ``slot`` now (a send that failed before its lease was taken)."""
-        record = self.records.pop(slot)
-        heapq.heappush(self._free, slot)
-        return record
-
-    def collect(self) -> list[R]:
-        """Free every slot that no description holds; returns their records."""
-        if not self.records:
-            return []
-        held = held_ranges(self.fd, 0, self._next)
-        released: list[R] = []
-        i = 0
-        for slot in sorted(self.records):
-            while i < len(held) and held[i][1] <= slot:
-                i += 1
-            if i < len(held) and held[i][0] <= slot:
-                continue
-            released.append(self.records.pop(slot))
-            heapq.heappush(self._free, slot)
-        if not self.records:  # all free: start again from slot 0
-            self._free.clear()
-            self._next = 0
-        return released
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-# -- the CUDA backend -----------------------------------------------------------------------
-
-
-class Described(NamedTuple):
-    """What the backend reads from an array being sent, without calling CUDA."""
-
-    device: int
-    ptr: int  #: address of element 0
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    dtype: str
-    itemsize: int
-    keep: object  #: the array's own memory (CuPy: ``arr.data.mem``, a pool chunk)
-    owner: object  #: the owner of unowned memory (``UnownedMemory._owner``), else None
-
-
-_libcuda_lib: Any = None
-
-
-def _libcuda(noload: bool = False) -> Any:
-    """``libcuda.so.1`` through ctypes, or None. ``noload``: only if already loaded."""
-    global _libcuda_lib
-    if _libcuda_lib is not None:
-        return _libcuda_lib
-    import ctypes
-
-    mode = os.RTLD_LAZY | os.RTLD_LOCAL | (os.RTLD_NOLOAD if noload else 0)
-    try:
-        lib = ctypes.CDLL("libcuda.so.1", mode=mode)
-    except OSError:
-        return None
-    lib.cuDeviceGetCount.argtypes = [ctypes.POINTER(ctypes.c_int)]
-    lib.cuDeviceGetCount.restype = ctypes.c_int
-    lib.cuMemGetAddressRange_v2.argtypes = [
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.POINTER(ctypes.c_size_t),
-        ctypes.c_uint64,
-    ]
-    lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
-    lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    lib.cuGetErrorName.restype = ctypes.c_int
-    _libcuda_lib = lib
-    return lib
-
-
-def _driver_error_name(lib: Any, rc: int) -> str:
-    import ctypes
-
-    name = ctypes.c_char_p()
-    if lib.cuGetErrorName(rc, ctypes.byref(name)) == 0 and name.value:
-        return str(name.value.decode())
-    return f"CUresult {rc}"
-
-
-def address_range(ptr: int, establish_context: Any = None) -> tuple[int, int]:
-    """``cuMemGetAddressRange``: the base and size of the allocation holding ``ptr``.
-
-    CuPy does not expose it, so this calls the driver through ctypes. The calling thread
-    needs a current context; on CUDA_ERROR_INVALID_CONTEXT ``establish_context()`` is
-    called once and the query retried.
-    """
-    import ctypes
-
-    lib = _libcuda()
-    if lib is None:
-        raise CudaIpcError("cannot load libcuda.so.1 to find the allocation of a CuPy array")
-    base = ctypes.c_uint64()
-    size = ctypes.c_size_t()
-    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
-    if rc == _CUDA_ERROR_INVALID_CONTEXT and establish_context is not None:
-        establish_context()
-        rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr)
-    if rc != 0:
-        raise CudaIpcError(
-            f"cuMemGetAddressRange failed for device pointer {ptr:#x}: "
-            f"{_driver_error_name(lib, rc)}"
-        )
-    return int(base.value), int(size.value)
-
-
-def _no_gpu(exc: BaseException, doing: str) -> str:
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (
-        f"{doing}, but process {os.getpid()} has no usable CUDA device: {exc}. Check that "
-        "the NVIDIA driver works here (nvidia-smi) and that CUDA_VISIBLE_DEVICES "
-        f"(now {visible!r}) shows this process the GPUs it sends or receives arrays on"
-    )
-
-
-class Backend(Protocol):
-    """The CUDA calls the bookkeeping makes: :class:`_CupyBackend`, or the tests' fake.
-
-    ``dev`` is a device index; pointers are ints; events are the backend's own objects.
-    Arrays are ``Any``: a ``cupy.ndarray`` (cupy ships no type information).
-    """
-
-    def describe(self, arr: Any) -> Described: ...
-    def address_range(self, dev: int, ptr: int) -> tuple[int, int]: ...
-    def ipc_handle(self, dev: int, base: int) -> bytes: ...
-    def bus_id(self, dev: int) -> str: ...
-    def current_device(self) -> int: ...
-    def malloc(self, dev: int, size: int) -> tuple[int, object]: ...
-    def is_oom(self, exc: BaseException) -> bool: ...
-    def free_cached(self, dev: int) -> None: ...
-    def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None: ...
-    def memset(self, dev: int, ptr: int, nbytes: int) -> None: ...
-    def record_event(self, dev: int) -> tuple[object, bytes]: ...
-    def record(self, event: Any, dev: int) -> None: ...
-    def recycle_event(self, dev: int, event: Any, handle: bytes) -> None: ...
-    def sync(self, dev: int) -> None: ...
-    def local_device(self, bus_id: str, device: int) -> int: ...
-    def wait(self, event_handle: bytes, dev: int) -> None: ...
-    def wait_local(self, event: Any, dev: int) -> None: ...
-    def open(self, handle: bytes, dev: int) -> int: ...
-    def close(self, ptr: int, dev: int) -> None: ...
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any: ...
-    def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any: ...
-    def error_type(self) -> type[BaseException]: ...
-
-
-class _CupyBackend:
-    """The CUDA calls, through CuPy's documented API (and the driver for the base address).
-
-    Every call that selects a device goes through :meth:`_on`, so that a process without
-    a usable GPU gets a :class:`CudaIpcError` naming the cause, not a raw runtime error.
-    """
-
-    def __init__(self) -> None:
-        import importlib
-
-        cupy = importlib.import_module("cupy")  # untyped: Any
-        self.cp = cupy
-        self.rt = cupy.cuda.runtime
-        self._bus: dict[int, str] = {}
-        self._local: dict[str, int] = {}
-        self._events: dict[int, list[tuple[Any, bytes]]] = {}
-
-    @contextlib.contextmanager
-    def _on(self, dev: int, doing: str = "CUDA is needed") -> Iterator[None]:
-        device = self.cp.cuda.Device(dev)
-        try:
-            device.__enter__()
-        except self.rt.CUDARuntimeError as exc:
-            raise CudaIpcError(_no_gpu(exc, f"{doing} on device {dev}")) from exc
-        try:
-            yield
-        finally:
-            device.__exit__(None, None, None)
-
-    # producer side
-
-    def describe(self, arr: Any) -> Described:
-        memptr = arr.data  # attributes only: no CUDA call
-        dtype = arr.dtype
-        mem = memptr.mem
-        return Described(
-            int(memptr.device_id),
-            int(memptr.ptr),
-            tuple(int(n) for n in arr.shape),
-            tuple(int(s) for s in arr.strides),
-            dtype.str,
-            int(dtype.itemsize),
-            mem,
-            getattr(mem, "_owner", None),
-        )
-
-    def address_range(self, dev: int, ptr: int) -> tuple[int, int]:
-        with self._on(dev, "a CuPy array is being sent"):
-            return address_range(ptr, self.rt.memGetInfo)
-
-    def ipc_handle(self, dev: int, base: int) -> bytes:
-        rt = self.rt
-        with self._on(dev, "a CuPy array is being sent"):
-            try:
-                return bytes(rt.ipcGetMemHandle(base))
-            except rt.CUDARuntimeError as exc:
-                raise CudaIpcError(
-                    f"cannot export the CuPy allocation at {base:#x} (device {dev}) as a "
-                    f"CUDA IPC handle: {exc}. Only memory from cudaMalloc (CuPy's default "
-                    "MemoryPool, aiomp.cuda.empty) can be shared; memory from "
-                    "cudaMallocAsync pools (MemoryAsyncPool), managed memory and "
-                    "virtual-memory allocators cannot: copy the array into such memory first"
-                ) from exc
-
-    def bus_id(self, dev: int) -> str:
-        bus = self._bus.get(dev)
-        if bus is None:
-            try:
-                bus = str(self.rt.deviceGetPCIBusId(dev))
-            except (AttributeError, self.rt.CUDARuntimeError):
-                bus = ""
-            self._bus[dev] = bus
-        return bus
-
-    def current_device(self) -> int:
-        try:
-            return int(self.rt.getDevice())
-        except self.rt.CUDARuntimeError as exc:
-            raise CudaIpcError(_no_gpu(exc, "an IPC-safe block was asked for")) from exc
-
-    def malloc(self, dev: int, size: int) -> tuple[int, Any]:
-        """A whole cudaMalloc of ``size`` bytes, outside CuPy's pool: freed when the
-        returned ``cupy.cuda.Memory`` is collected."""
-        rt = self.rt
-        with self._on(dev, "an IPC-safe block was asked for"):
-            try:
-                mem = self.cp.cuda.Memory(size)
-            except rt.CUDARuntimeError as exc:
-                if getattr(exc, "status", None) != _CUDA_ERROR_MEMORY_ALLOCATION:
-                    raise
-                # CuPy's own error for it, as its pool raises (a MemoryError)
-                raise self.cp.cuda.memory.OutOfMemoryError(size, -1) from exc
-        return int(mem.ptr), mem
-
-    def is_oom(self, exc: BaseException) -> bool:
-        if isinstance(exc, self.cp.cuda.memory.OutOfMemoryError):
-            return True  # CuPy's pool, or malloc above
-        return (
-            isinstance(exc, self.rt.CUDARuntimeError)  # cudaEventCreate, ...
-            and getattr(exc, "status", None) == _CUDA_ERROR_MEMORY_ALLOCATION
-        )
-
-    def free_cached(self, dev: int) -> None:
-        with self._on(dev):
-            self.cp.get_default_memory_pool().free_all_blocks()
-
-    def copy(self, dev: int, dst: int, src: int, nbytes: int) -> None:
-        cp = self.cp
-        with self._on(dev, "a CuPy array is being sent"):
-            self.rt.memcpyAsync(
-                dst, src, nbytes, self.rt.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr
-            )
-
-    def memset(self, dev: int, ptr: int, nbytes: int) -> None:
-        cp = self.cp
-        with self._on(dev):
-            self.rt.memsetAsync(ptr, 0, nbytes, cp.cuda.get_current_stream().ptr)
-
-    def record_event(self, dev: int) -> tuple[Any, bytes]:
-        cp = self.cp
-        with self._on(dev, "a CuPy array is being sent"):
-            idle = self._events.get(dev)
-            if idle:
-                event, handle = idle.pop()
-            else:
-                event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-                handle = bytes(self.rt.ipcGetEventHandle(event.ptr))
-            event.record(cp.cuda.get_current_stream())
-        return event, handle
-
-    def record(self, event: Any, dev: int) -> None:
-        with self._on(dev, "a CuPy array is being sent"):
-            event.record(self.cp.cuda.get_current_stream())
-
-    def recycle_event(self, dev: int, event: Any, handle: bytes) -> None:
-        idle = self._events.setdefault(dev, [])
-        if len(idle) < EVENT_POOL_SIZE:
-            idle.append((event, handle))
-
-    def sync(self, dev: int) -> None:
-        with self._on(dev):
-            self.cp.cuda.get_current_stream().synchronize()
-
-    # consumer side
-
-    def local_device(self, bus_id: str, device: int) -> int:
-        rt = self.rt
-        what = (
-            f"the GPU at PCI bus id {bus_id} (device {device} in the sending process)"
-            if bus_id
-            else f"device {device}"
-        )
-        try:
-            count = int(rt.getDeviceCount())
-        except rt.CUDARuntimeError as exc:
-            raise CudaIpcError(_no_gpu(exc, f"a CuPy array on {what} arrived")) from exc
-        if not bus_id:
-            if not 0 <= device < count:
-                raise CudaIpcError(self._invisible(what, count))
-            return device
-        dev = self._local.get(bus_id)
-        if dev is None:
-            try:
-                dev = int(rt.deviceGetByPCIBusId(bus_id))
-            except rt.CUDARuntimeError as exc:
-                raise CudaIpcError(f"{self._invisible(what, count)} ({exc})") from exc
-            self._local[bus_id] = dev
-        return dev
-
-    @staticmethod
-    def _invisible(what: str, count: int) -> str:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        return (
-            f"a CuPy array on {what} arrived, but this process cannot access that "
-            f"device ({count} device(s) visible); CUDA_VISIBLE_DEVICES={visible!r}. Make "
-            "the device visible to every process that receives arrays on it"
-        )
-
-    def wait(self, event_handle: bytes, dev: int) -> None:
-        cp, rt = self.cp, self.rt
-        with self._on(dev):
-            event = rt.ipcOpenEventHandle(event_handle)
-            try:
-                rt.streamWaitEvent(cp.cuda.get_current_stream().ptr, event)
-            finally:
-                # The wait is enqueued already; destroying our handle does not undo it.
-                rt.eventDestroy(event)
-
-    def wait_local(self, event: Any, dev: int) -> None:
-        with self._on(dev):
-            self.cp.cuda.get_current_stream().wait_event(event)
-
-    def open(self, handle: bytes, dev: int) -> int:
-        with self._on(dev):
-            return int(self.rt.ipcOpenMemHandle(handle))
-
-    def close(self, ptr: int, dev: int) -> None:
-        with self._on(dev):
-            self.rt.ipcCloseMemHandle(ptr)
-
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any:
-        cp = self.cp
-        mem = cp.cuda.UnownedMemory(ptr, size, owner, dev)
-        with self._on(dev):
-            return cp.ndarray(
-                shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset), strides=strides
-            )
-
-    def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any:
-        with self._on(dev):
-            return self.cp.empty(shape, dtype=dtype)
-
-    def error_type(self) -> type[BaseException]:
-        return cast("type[BaseException]", self.rt.CUDARuntimeError)
-
-
-_backend: Backend | None = None
-
-
-def get_backend() -> Backend:
-    global _backend
-    if _backend is None:
-        try:
-            _backend = _CupyBackend()
-        except ImportError as exc:
-            raise CudaIpcError(
-                f"a CuPy array arrived but cupy cannot be imported here: {exc}"
-            ) from exc
-    return _backend
 
 
 # -- IPC-safe blocks ------------------------------------------------------------------------
@@ -1170,7 +621,7 @@ def _release(
     """Finalizer of a received slot: its last view died."""
     if cons is not _consumer_state or sys.is_finalizing():
         return  # a forked copy, state reset, or shutdown: leases die with the process
-    backend = _backend
+    backend = _driver.backend
     if backend is None:
         return
     with _lock:
@@ -1293,14 +744,14 @@ def cuda_initialized() -> bool:
         return False
     if _producer_state is not None or _consumer_state is not None:
         return True
-    lib = _libcuda(noload=True)
+    lib = libcuda(noload=True)
     if lib is None:
         return False
     import ctypes
 
     count = ctypes.c_int()
     rc = lib.cuDeviceGetCount(ctypes.byref(count))
-    return rc not in (_CUDA_ERROR_NOT_INITIALIZED, _CUDA_ERROR_NO_DEVICE)
+    return rc not in (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_NO_DEVICE)
 
 
 @_lifecycle.on_fork_check
