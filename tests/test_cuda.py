@@ -36,8 +36,10 @@ import pytest
 import aiomp
 from aiomp._cuda import driver as _driver
 from aiomp._cuda import ipc as _cuda
+from aiomp._cuda import producer as _producer
 from aiomp._cuda.meta import IpcArrayMeta
 from aiomp._cuda.slots import DEFAULT_IPC_LIMIT
+from aiomp._cuda.state import state as _state
 from aiomp._memory import lease as _lease
 from aiomp._spawn import context as _context
 from aiomp._wire import pickling as _reduction
@@ -62,12 +64,12 @@ def anyio_backend() -> object:
 def fake(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Route aiomp._cuda.ipc's CUDA calls to a fake backend; FakeArray reduces like cupy.ndarray."""
     backend = FakeBackend()
-    _cuda._reset()
+    _state.reset()
     monkeypatch.setattr(_driver, "backend", backend)
     _reduction.register(FakeArray, _cuda.reduce_array)
     yield backend
     gc.collect()
-    _cuda._reset()
+    _state.reset()
     _cuda.set_ipc_limit(DEFAULT_IPC_LIMIT)
 
 
@@ -87,12 +89,12 @@ def received(obj: object) -> Any:
     out = _reduction.dumps(obj)
     try:
         fds = [os.dup(fd) for fd in out.fds]
-        prod = _cuda._producer_state
-        _cuda._producer_state = None
+        prod = _state.producer
+        _state.producer = None
         try:
             return _reduction.loads(out.body, fds)
         finally:
-            _cuda._producer_state = prod
+            _state.producer = prod
     finally:
         out.close()
 
@@ -233,7 +235,7 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(
             aiomp.cuda.CudaIpcError, match=r"arrived, but process \d+ has no usable CUDA device"
         ):
-            _cuda._rebuild(empty)
+            _cuda.rebuild(empty)
         with pytest.raises(
             aiomp.cuda.CudaIpcError, match="no usable CUDA device: cudaErrorNoDevice"
         ) as got:
@@ -243,7 +245,7 @@ def test_no_gpu_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(aiomp.cuda.CudaIpcError, match="no usable CUDA device"):
             aiomp.cuda.empty(16)
     finally:
-        _cuda._reset()
+        _state.reset()
 
 
 def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,7 +253,7 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
     at the next send or ipc_collect(), so an allocation failed while it could have been
     reclaimed (torch frees such blocks from its allocator's out-of-memory callback)."""
     backend = FakeBackend(FakeGPU(capacity=8 * MiB))  # four 2 MiB granules
-    _cuda._reset()
+    _state.reset()
     monkeypatch.setattr(_driver, "backend", backend)
     _reduction.register(FakeArray, _cuda.reduce_array)
     gpu = backend.gpu
@@ -289,7 +291,7 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
         assert _cuda.ipc_collect() == 0
     finally:
         gc.collect()
-        _cuda._reset()
+        _state.reset()
         _cuda.set_ipc_limit(DEFAULT_IPC_LIMIT)
 
 
@@ -302,7 +304,7 @@ def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(_driver, "backend", None)
     monkeypatch.setattr(_driver, "_lib", _funcs_cuda.ModelLibcuda(gpu))
-    _cuda._reset()
+    _state.reset()
     _reduction.register(cupy.ndarray, _cuda.reduce_array)
     try:
         big = cupy.ndarray((MiB,), "<f4")
@@ -330,7 +332,7 @@ def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> Non
         del big, small, safe
     finally:
         gc.collect()
-        _cuda._reset()
+        _state.reset()
 
 
 def test_cupy_backend_out_of_memory_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -340,7 +342,7 @@ def test_cupy_backend_out_of_memory_on_a_modelled_cupy(monkeypatch: pytest.Monke
     cupy = _funcs_cuda.model_cupy(gpu)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(_driver, "backend", None)
-    _cuda._reset()
+    _state.reset()
     try:
         held = aiomp.cuda.empty(16)
         cached = cupy.ndarray((MiB // 2,), "<f4")  # CuPy's pool keeps the last granule
@@ -353,7 +355,7 @@ def test_cupy_backend_out_of_memory_on_a_modelled_cupy(monkeypatch: pytest.Monke
         del held, again
     finally:
         gc.collect()
-        _cuda._reset()
+        _state.reset()
 
 
 # -- IPC-safe blocks --------------------------------------------------------------------------
@@ -507,7 +509,7 @@ def test_outstanding_limit_raises_at_put(fake: FakeBackend) -> None:
 def test_event_cap_falls_back_to_synchronising(
     fake: FakeBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_cuda, "MAX_IPC_EVENTS", 1)
+    monkeypatch.setattr(_producer, "MAX_IPC_EVENTS", 1)
     first = _reduction.dumps(fake.array((MiB,)))
     fake.calls.clear()
     second = _reduction.dumps(fake.array((MiB,)))
@@ -771,8 +773,8 @@ def test_cuda_initialized_asks_a_loaded_driver(
     monkeypatch: pytest.MonkeyPatch, lib: object, expected: bool
 ) -> None:
     monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    monkeypatch.setattr(_cuda, "_producer_state", None)
-    monkeypatch.setattr(_cuda, "_consumer_state", None)
+    monkeypatch.setattr(_state, "producer", None)
+    monkeypatch.setattr(_state, "consumer", None)
     calls = []
 
     def fake_libcuda(noload: bool = False) -> object:
