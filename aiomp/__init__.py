@@ -10,6 +10,8 @@ from __future__ import annotations
 import os as _os
 import sys as _sys
 
+from . import _lifecycle  # the standard library only, as a child needs
+
 # Not `from typing import TYPE_CHECKING`: children must not pay for importing typing.
 TYPE_CHECKING = False
 
@@ -120,6 +122,16 @@ if TYPE_CHECKING:
     from ._spawn.context import ProcessContext as ProcessContext
     from ._spawn.context import spawn as spawn
     from ._spawn.context import start_processes as start_processes
+
+
+def _import_spawn() -> None:
+    """At the first shared segment of a tree's root: import the spawn API now. Messages in
+    flight may then take every fd the process can open, and an import needs one, so that
+    a consumer can still be started to drain them."""
+    import aiomp._spawn.context  # noqa: F401
+
+
+_lifecycle.on_first_segment(_import_spawn)
 
 
 def __getattr__(name: str) -> object:

@@ -558,7 +558,7 @@ def no_gpu_cupy() -> types.ModuleType:
     return mod
 
 
-# -- a cupy module on the model, for the real backend (_CupyBackend) ---------------------
+# -- a cupy module on the model, for the real backend (CupyBackend) ----------------------
 
 
 class ModelRuntimeError(RuntimeError):

@@ -296,7 +296,7 @@ def test_out_of_memory_collects_and_retries_once(monkeypatch: pytest.MonkeyPatch
 
 
 def test_cupy_backend_on_a_modelled_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real backend (_CupyBackend: CuPy's names and argument orders, the driver's
+    """The real backend (CupyBackend: CuPy's names and argument orders, the driver's
     address-range query through ctypes), run on a model of CuPy since no GPU runs these
     tests: in place, staged and IPC-safe arrays, forwarding refused, release."""
     gpu = FakeGPU()

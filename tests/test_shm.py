@@ -1398,6 +1398,52 @@ def test_the_fd_limit_is_a_clear_error_and_the_queue_drains_after(strategy: str)
     assert "raise the limit" in message
 
 
+_SPAWN_AT_THE_LIMIT = textwrap.dedent("""
+    import os, resource, sys
+    import anyio, numpy as np
+    import aiomp
+    from tests import _funcs_shm
+
+    async def main():
+        q = aiomp.Queue()
+        q.put_nowait(np.full(1 << 20, 7, np.uint8))  # the tree's first segment
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        held = []
+        try:
+            while True:
+                held.append(os.dup(0))
+        except OSError:
+            pass
+        try:
+            spawn = aiomp.spawn  # with every fd in use: nothing left to import it with
+        finally:
+            for fd in held:
+                os.close(fd)
+        with anyio.fail_after(60):
+            async with spawn(_funcs_shm.drain, 1, args=(q, 1, "file_descriptor")) as ctx:
+                pass
+        print(ctx.results[0])
+
+    anyio.run(main)
+""")
+
+
+def test_the_spawn_api_is_reachable_with_every_fd_in_use() -> None:
+    """The root of a tree imports the spawn API at its first shared segment: once
+    messages in flight may take every fd, starting a consumer to drain them must not
+    need one for an import."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPAWN_AT_THE_LIMIT],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "[7]"
+
+
 def test_large_arrays_hold_bounded_fds(strategy: str) -> None:
     """Regression (issue 18 item 4): each array over 1 MiB had a segment of its own at two
     fds (the memfd and the mmap's dup), and idle segments were trimmed only past 1 GiB:

@@ -18,8 +18,8 @@ other, and an fd passed with ``SCM_RIGHTS`` shares its sender's description. So:
   then closes the message's description.
 
 Used for shared-memory blocks (the segment itself is the file) and for CUDA IPC blocks
-(a small lease file per producer): see *Kernel leases* in docs/architecture.md. A *child*
-module (see *Light children*).
+(a small lease file per producer): the owner reuses a block only when no lease is found
+(docs/decisions/0010-kernel-leases.md). A *child* module: the standard library only.
 """
 
 from __future__ import annotations
