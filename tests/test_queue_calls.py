@@ -22,21 +22,24 @@ import aiomp
 from aiomp._queue import queue as _queue
 
 PAYLOAD = b"x" * 64
+#: Functions defined under this folder count as aiomp's own, whichever module holds them.
+_PACKAGE = os.path.dirname(aiomp.__file__) + os.sep
 #: Bound on awaits that depend on this process only.
 QUICK = 5
 
 
 @contextmanager
 def calls() -> Iterator[list[str]]:
-    """Record the Python functions (``folder/name``) and C functions (``C:qualname``)
+    """Record the Python functions (``aiomp/name`` for aiomp's own, ``other/name`` else)
+    and C functions (``C:qualname``)
     called in this thread meanwhile."""
     seen: list[str] = []
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
-            folder = os.path.basename(os.path.dirname(code.co_filename))
-            seen.append(f"{folder}/{code.co_name}")
+            root = "aiomp" if code.co_filename.startswith(_PACKAGE) else "other"
+            seen.append(f"{root}/{code.co_name}")
         elif event == "c_call":
             seen.append(f"C:{getattr(arg, '__qualname__', arg)}")
 
