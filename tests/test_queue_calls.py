@@ -109,21 +109,25 @@ def test_a_plain_item_through_the_overflow_log_costs_few_calls() -> None:
     its get committed, unlocked and counted through helpers (10). Now: 3 and 4."""
     q = aiomp.Queue()
     try:
-        while not q._hint[_queue.HINT]:  # fill the socket: the next put is the log's
+        while not _queue.overflow_of(q).header[
+            _queue.HINT
+        ]:  # fill the socket: the next put is the log's
             q.put_nowait(PAYLOAD)
         q.put_nowait(PAYLOAD)
         with calls() as seen:
             q.put_nowait(PAYLOAD)
         own = [c for c in seen if c.startswith("aiomp/")]
         assert own == ["aiomp/put_nowait", "aiomp/_put_plain", "aiomp/append"], own
-        while not q._ovf._header[10]:  # take the socket's items: then gets read the log
+        while not _queue.overflow_of(
+            q
+        ).drained():  # take the socket's items: then gets read the log
             assert q.get_nowait() == PAYLOAD
-        assert q._ovf.count() == 2
+        assert _queue.overflow_of(q).count() == 2
         with calls() as seen:
             assert q.get_nowait() == PAYLOAD
         own = [c for c in seen if c.startswith("aiomp/")]
-        assert own == ["aiomp/get_nowait", "aiomp/_try_get", "aiomp/pop", "aiomp/_load"], own
-        assert q._ovf.count() == 1
+        assert own == ["aiomp/get_nowait", "aiomp/_try_get", "aiomp/pop", "aiomp/load"], own
+        assert _queue.overflow_of(q).count() == 1
     finally:
         assert drain(q) == [PAYLOAD]
 
