@@ -150,8 +150,7 @@ class Stream:
         if self._pos == len(self._buf):
             # Nothing buffered: read once. The common case, one whole frame without fds,
             # is returned as it came, past the buffer (msg_flags echoes MSG_CMSG_CLOEXEC
-            # on Linux: only truncation matters). Written out here and in recv_sync, not
-            # in a helper: a frame less per message on the Pool's round trip.
+            # on Linux: only truncation matters). hot path: tests/budgets
             try:
                 data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, RECV_FLAGS)
             except BlockingIOError:
@@ -176,7 +175,7 @@ class Stream:
         unless an event loop made the socket non-blocking: then it polls.
         """
         if deadline is None and self._pos == len(self._buf):
-            # One blocking read, and its fast path as in try_recv.
+            # One blocking read, and its fast path as in try_recv. hot path: tests/budgets
             try:
                 data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, RECV_BLOCKING)
             except BlockingIOError:
