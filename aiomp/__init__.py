@@ -79,7 +79,7 @@ _WHERE = {
     "spawn": "_spawn.context",
     "start_processes": "_spawn.context",
     "Queue": "_queue.queue",
-    "Event": "_queue.queue",
+    "Event": "_queue.event",
     "Full": "_queue.queue",
     "Empty": "_queue.queue",
     "Pool": "_pool.pool",
@@ -117,7 +117,7 @@ if TYPE_CHECKING:
     from ._memory.strategy import set_sharing_strategy as set_sharing_strategy
     from ._pool.pool import Pool as Pool
     from ._pool.pool import PoolStatistics as PoolStatistics
-    from ._queue.queue import Event as Event
+    from ._queue.event import Event as Event
     from ._queue.queue import Queue as Queue
     from ._spawn.context import ProcessContext as ProcessContext
     from ._spawn.context import spawn as spawn

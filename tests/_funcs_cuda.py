@@ -749,8 +749,8 @@ def model_cupy(gpu: FakeGPU) -> types.ModuleType:
 
 
 def _recv_obj(sock: socket.socket) -> object:
+    from aiomp._wire import datagram as _transport
     from aiomp._wire import pickling as _reduction
-    from aiomp._wire import transport as _transport
 
     got = _transport.recv_sync(sock)
     assert got is not None

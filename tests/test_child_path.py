@@ -14,7 +14,7 @@ import pytest
 
 import aiomp
 from aiomp._queue import queue as _queue
-from aiomp._wire import transport as _transport
+from aiomp._wire import datagram as _transport
 from tests import _funcs_child as cfuncs
 
 PAYLOAD = b"x" * 64

@@ -23,7 +23,7 @@ import pytest
 import aiomp
 from aiomp._output import forwarder as _output
 from aiomp._spawn import context as _context
-from aiomp._wire import transport as _transport
+from aiomp._wire import datagram as _transport
 from tests import _funcs as funcs
 from tests import _funcs_fork2 as funcs_fork2
 from tests._gate import Gate

@@ -42,8 +42,8 @@ from aiomp._cuda.slots import DEFAULT_IPC_LIMIT
 from aiomp._cuda.state import state as _state
 from aiomp._memory import lease as _lease
 from aiomp._spawn import context as _context
+from aiomp._wire import datagram as _transport
 from aiomp._wire import pickling as _reduction
-from aiomp._wire import transport as _transport
 from tests import _funcs, _funcs_cuda
 from tests._funcs_cuda import FakeArray, FakeBackend, FakeGPU, FakeUnowned
 
@@ -585,7 +585,8 @@ def test_reducer_only_works_inside_a_message(fake: FakeBackend) -> None:
 
 
 async def _recv(sock: Any) -> object:
-    got = await _transport.recv_async(sock)
+    while (got := _transport.try_recv(sock)) is None:
+        await anyio.wait_readable(sock)
     _kind, body, fds = _transport.decode(*got)
     return _reduction.loads(body, fds)
 

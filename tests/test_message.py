@@ -12,8 +12,9 @@ import pickle
 
 import pytest
 
+from aiomp._wire import datagram as _transport
 from aiomp._wire import pickling as _reduction
-from aiomp._wire import transport as _transport
+from aiomp._wire import stream as _stream
 from aiomp._wire.pickling import Message
 from tests._fds import devnulls, is_open
 
@@ -28,8 +29,8 @@ def test_small_body_frames_inline_with_its_fds() -> None:
     assert msg.datagram() == (b"\x00abc", [7, 8])
     frame, fds = msg.framed()
     assert fds == [7, 8]
-    assert frame == _transport.FRAME.pack(4, 2) + b"\x00abc"
-    kind, body, rest = _transport.decode(frame[_transport.FRAME_SIZE :], [7, 8])
+    assert frame == _stream.FRAME.pack(4, 2) + b"\x00abc"
+    kind, body, rest = _transport.decode(frame[_stream.FRAME_SIZE :], [7, 8])
     assert (kind, bytes(body), rest) == (_transport.KIND_DATA, b"abc", [7, 8])
     msg.close()
 

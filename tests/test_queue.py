@@ -26,7 +26,8 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp._wire import transport as _transport
+from aiomp._queue import queue as _queue
+from aiomp._wire import datagram as _transport
 from tests import _funcs as funcs
 from tests import _funcs_queue as qfuncs
 from tests._sinks import Stalls
@@ -146,7 +147,7 @@ def fill_until_overflow(q: aiomp.Queue) -> int:
     """Put large-ish items until the socket buffer is full and the overflow is in use."""
     item = bytes(_transport.MAX_INLINE - 100)
     n = 0
-    while q._ovf.count() == 0:
+    while _queue.overflow_of(q).count() == 0:
         q.put_nowait(item)
         n += 1
         assert n < 10_000, "the socket never filled"
@@ -1056,7 +1057,7 @@ def strategy(request: pytest.FixtureRequest) -> Any:
 
 
 def _log_bytes(q: aiomp.Queue) -> int:
-    return os.fstat(q._ovf.fd).st_size
+    return os.fstat(_queue.overflow_of(q).fd).st_size
 
 
 def _put_and_drain_200k(strategy: str) -> dict[str, object]:
@@ -1071,7 +1072,7 @@ def _put_and_drain_200k(strategy: str) -> dict[str, object]:
         if i % 100 == 0:
             q.put_nowait(np.full(16_384, i, dtype=np.int32))  # 64 KiB: a shared array
             expected.append(("array", i))
-    observed: dict[str, object] = {"qsize": q.qsize(), "in_overflow": q._ovf.count()}
+    observed: dict[str, object] = {"qsize": q.qsize(), "in_overflow": _queue.overflow_of(q).count()}
     got: list[object] = []
     while True:
         try:
@@ -1087,7 +1088,7 @@ def _put_and_drain_200k(strategy: str) -> dict[str, object]:
     observed["in_order"] = got == expected
     observed["empty"] = q.empty() and q.qsize() == 0
     observed["log_after_drain"] = _log_bytes(q) == fresh_log
-    observed["vault_empty"] = q._ovf.socket_empty()
+    observed["vault_empty"] = _queue.overflow_of(q).socket_empty()
     return observed
 
 
@@ -1136,7 +1137,7 @@ def test_bounded_queue_keeps_its_bound_beyond_the_socket_buffer() -> None:
     q = aiomp.Queue(maxsize=20_000)
     for i in range(20_000):
         q.put_nowait(i)
-    assert q._ovf.count() > 0 and q.full()
+    assert _queue.overflow_of(q).count() > 0 and q.full()
     with pytest.raises(aiomp.Full):
         q.put_nowait("one too many")
     assert q.get_nowait() == 0
@@ -1244,7 +1245,7 @@ async def test_a_producer_killed_at_any_step_of_an_overflow_put(step: str, kept:
     assert middle == ([item] if kept else [])
     if kept:
         assert middle[0][1] is item[1], "the Event's fd came through the vault"
-    assert q.empty() and q._ovf.socket_empty()
+    assert q.empty() and _queue.overflow_of(q).socket_empty()
 
 
 @pytest.mark.anyio
@@ -1255,7 +1256,7 @@ async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept:
     q = aiomp.Queue()
     events = [aiomp.Event() for _ in range(3)]
     for i, e in enumerate(events):  # straight into the overflow, as if the socket were full
-        assert q._ovf.append(*_item_parts((i, e)), lambda: False)
+        assert _queue.overflow_of(q).append(*_item_parts((i, e)), lambda: False)
     with anyio.fail_after(TIMEOUT):
         ctx = await aiomp.spawn(
             qfuncs.die_at, 1, args=(q, step, "consumer", None), grace_period=GRACE
@@ -1266,7 +1267,9 @@ async def test_a_consumer_killed_at_any_step_of_an_overflow_get(step: str, kept:
     expected = [(i, e) for i, e in enumerate(events)]
     assert got == (expected if kept else expected[1:])
     assert all(a[1] is b[1] for a, b in zip(got, expected[-len(got) :], strict=True))
-    assert q.empty() and q._ovf.socket_empty(), "the stale vault datagram was dropped"
+    assert q.empty() and _queue.overflow_of(q).socket_empty(), (
+        "the stale vault datagram was dropped"
+    )
 
 
 def _item_parts(obj: object) -> tuple[bytes, list[int]]:
@@ -1497,7 +1500,7 @@ def test_threads_put_and_get_across_the_socket_overflow_boundary() -> None:
                 return
             got[k].append(item)
 
-    while q._ovf.count() == 0:  # start with the socket full and the overflow in use
+    while _queue.overflow_of(q).count() == 0:  # start with the socket full and the overflow in use
         q.put_nowait((-1, 0))
     threads = [threading.Thread(target=produce, args=(r,)) for r in range(producers)]
     threads += [threading.Thread(target=consume, args=(k,)) for k in range(2)]

@@ -22,21 +22,24 @@ import aiomp
 from aiomp._queue import queue as _queue
 
 PAYLOAD = b"x" * 64
+#: Functions defined under this folder count as aiomp's own, whichever module holds them.
+_PACKAGE = os.path.dirname(aiomp.__file__) + os.sep
 #: Bound on awaits that depend on this process only.
 QUICK = 5
 
 
 @contextmanager
 def calls() -> Iterator[list[str]]:
-    """Record the Python functions (``folder/name``) and C functions (``C:qualname``)
+    """Record the Python functions (``aiomp/name`` for aiomp's own, ``other/name`` else)
+    and C functions (``C:qualname``)
     called in this thread meanwhile."""
     seen: list[str] = []
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
-            folder = os.path.basename(os.path.dirname(code.co_filename))
-            seen.append(f"{folder}/{code.co_name}")
+            root = "aiomp" if code.co_filename.startswith(_PACKAGE) else "other"
+            seen.append(f"{root}/{code.co_name}")
         elif event == "c_call":
             seen.append(f"C:{getattr(arg, '__qualname__', arg)}")
 
@@ -106,21 +109,25 @@ def test_a_plain_item_through_the_overflow_log_costs_few_calls() -> None:
     its get committed, unlocked and counted through helpers (10). Now: 3 and 4."""
     q = aiomp.Queue()
     try:
-        while not q._hint[_queue.HINT]:  # fill the socket: the next put is the log's
+        while not _queue.overflow_of(q).header[
+            _queue.HINT
+        ]:  # fill the socket: the next put is the log's
             q.put_nowait(PAYLOAD)
         q.put_nowait(PAYLOAD)
         with calls() as seen:
             q.put_nowait(PAYLOAD)
         own = [c for c in seen if c.startswith("aiomp/")]
         assert own == ["aiomp/put_nowait", "aiomp/_put_plain", "aiomp/append"], own
-        while not q._ovf._header[10]:  # take the socket's items: then gets read the log
+        while not _queue.overflow_of(
+            q
+        ).drained():  # take the socket's items: then gets read the log
             assert q.get_nowait() == PAYLOAD
-        assert q._ovf.count() == 2
+        assert _queue.overflow_of(q).count() == 2
         with calls() as seen:
             assert q.get_nowait() == PAYLOAD
         own = [c for c in seen if c.startswith("aiomp/")]
-        assert own == ["aiomp/get_nowait", "aiomp/_try_get", "aiomp/pop", "aiomp/_load"], own
-        assert q._ovf.count() == 1
+        assert own == ["aiomp/get_nowait", "aiomp/_try_get", "aiomp/pop", "aiomp/load"], own
+        assert _queue.overflow_of(q).count() == 1
     finally:
         assert drain(q) == [PAYLOAD]
 

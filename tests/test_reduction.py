@@ -17,8 +17,8 @@ import pytest
 
 import aiomp
 from aiomp._memory import blocks as _blocks
+from aiomp._wire import datagram as _transport
 from aiomp._wire import pickling as _reduction
-from aiomp._wire import transport as _transport
 from tests._fds import devnulls, is_open
 
 

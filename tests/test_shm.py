@@ -929,7 +929,7 @@ _UNPRIVILEGED = textwrap.dedent("""
     from aiomp._memory import blocks as _blocks  # noqa: F401
     from aiomp._queue import queue as _queue  # noqa: F401
     from aiomp._wire import pickling as _reduction  # noqa: F401
-    from aiomp._wire import transport as _transport  # noqa: F401
+    from aiomp._wire import datagram as _transport  # noqa: F401
     q = aiomp.Queue()
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     if os.getuid() == 0:

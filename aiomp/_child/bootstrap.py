@@ -26,8 +26,8 @@ import socket
 import sys
 
 from .._lifecycle import pid_alive
+from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
-from .._wire import transport as _transport
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:

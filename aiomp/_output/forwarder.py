@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .. import _loop
-from .._wire import transport as _transport
+from .._wire import datagram as _transport
 
 if TYPE_CHECKING:
     import asyncio

@@ -32,7 +32,7 @@ from .._errors import BrokenPoolError
 from .._loop.wakeup import Signal, Wakeup
 from .._process import child as _process
 from .._process.child import count
-from .._wire import transport as _transport
+from .._wire import datagram as _transport
 from . import protocol as P
 from .scheduler import DONE, QUEUED, Task, fresh
 

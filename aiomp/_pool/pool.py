@@ -19,7 +19,7 @@ The parts, and who owns what
        |             |  send / send_exit / kill          ^ ready / complete / exited
        |             v                                   |
        +-- spawns - WorkerHandle (_handle: process, channel, outbox, watcher task)
-                     |  _protocol frames over a _transport.Stream
+                     |  _protocol frames over a _stream.Stream
                      v
                    worker process (_worker.main)
 
@@ -51,8 +51,9 @@ from .._loop.taskhost import TaskHost
 from .._loop.wakeup import Wakeup
 from .._output import forwarder as _output
 from .._process import child as _process
+from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
-from .._wire import transport as _transport
+from .._wire import stream as _stream
 from . import calls as _calls
 from . import protocol as P
 from . import worker_main as _worker
@@ -460,13 +461,13 @@ class Pool:
         # docs/decisions/0026-two-channels.md). A start that fails (EMFILE here, EAGAIN in
         # launch) is tried again: whatever it made is closed.
         try:
-            sock, theirs = _transport.stream_socketpair()
+            sock, theirs = _stream.stream_socketpair()
         except BaseException:
             if fw is not None:
                 fw.close()
             raise
         try:
-            results, their_results = _transport.stream_socketpair()
+            results, their_results = _stream.stream_socketpair()
         except BaseException:
             sock.close()
             theirs.close()

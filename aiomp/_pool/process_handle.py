@@ -34,7 +34,8 @@ import anyio
 
 from .._loop.wakeup import Signal, Wakeup
 from .._process import child as _process
-from .._wire import transport as _transport
+from .._wire import datagram as _transport
+from .._wire import stream as _stream
 from . import protocol as P
 from .scheduler import Task
 
@@ -67,11 +68,11 @@ class WorkerHandle:
     ) -> None:
         self.slot = slot
         self.child = child
-        self.chan = _transport.Stream(sock)  # tasks and control frames, to the worker
+        self.chan = _stream.Stream(sock)  # tasks and control frames, to the worker
         self._sock_send = sock.send  # (send_first's, a bound method made once)
         # Its results, from the worker: a second pair, so that reading a result wakes
         # nobody (see docs/decisions/0026-two-channels.md).
-        self.results = _transport.Stream(results)
+        self.results = _stream.Stream(results)
         self._loop = loop
         self._grace = grace
         self._on_message = on_message

@@ -1,6 +1,6 @@
 """The wire format between :class:`aiomp.Pool` and its workers, used by both sides.
 
-Every message is one ``_transport`` datagram framed on a :class:`_transport.Stream` (a
+Every message is one ``_transport`` datagram framed on a :class:`_stream.Stream` (a
 stream socket: see docs/decisions/0002-stream-channels.md for why), one per direction
 (see docs/decisions/0026-two-channels.md). Its body is a 10-byte header
 followed by a pickle made with ``_reduction`` (so fds of shared arrays ride in the same
@@ -33,8 +33,8 @@ import pickle
 import struct
 import sys
 
+from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
-from .._wire import transport as _transport
 
 # parent -> worker
 OP_INIT = 1

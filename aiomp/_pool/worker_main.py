@@ -47,8 +47,9 @@ import sys
 import types
 
 from .._child import bootstrap as _child
+from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
-from .._wire import transport as _transport
+from .._wire import stream as _stream
 from . import protocol as P
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
@@ -69,7 +70,7 @@ _OK_NONE_HEAD = P.framed(P.OP_OK, 0, 0, _NONE)[:7]  # frame header, kind, op
 _TID = struct.Struct("<QB")  # task id, flags
 
 
-def send(chan: _transport.Stream, op: int, tid: int, payload: object) -> None:
+def send(chan: _stream.Stream, op: int, tid: int, payload: object) -> None:
     """Pickle ``payload`` behind a header and send it, blocking while the buffer is full.
 
     Raises whatever pickling raises (nothing has been sent then) and
@@ -103,7 +104,7 @@ class _BadDef:
 class Worker:
     """The state of one worker process."""
 
-    def __init__(self, tasks: _transport.Stream, chan: _transport.Stream) -> None:
+    def __init__(self, tasks: _stream.Stream, chan: _stream.Stream) -> None:
         self.tasks = tasks  # read: the pool's messages
         self.chan = chan  # written: the replies (see docs/decisions/0026-two-channels.md)
         self.runner: Any = None  # asyncio.Runner, made on first need
@@ -404,7 +405,7 @@ def main(
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` and ``results`` are stream sockets the pool made
-    (``_transport.stream_socketpair``): the pool's messages come on ``stream``, the
+    (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
     worker's go on ``results``. ``output``: the ends of the parent's output forwarder
     (``aiomp._output.forwarder``), unless the pool inherits its fds.
     """
@@ -416,7 +417,7 @@ def main(
         multiprocessing.current_process().daemon = False
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
-    worker = Worker(_transport.Stream(stream), _transport.Stream(results))
+    worker = Worker(_stream.Stream(stream), _stream.Stream(results))
     if output is not None:
         worker.records = (output[3], output[4])
     try:

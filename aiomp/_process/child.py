@@ -48,7 +48,7 @@ import anyio
 
 from .. import _lifecycle
 from .._child import bootstrap as _child
-from .._loop.fdwait import FdWaiters
+from .._loop.waiters import FdWaiters
 from .._output import forwarder as _output
 from .._wire import pickling as _reduction
 from . import groups as _groups

@@ -26,7 +26,6 @@ ctypes for the mutex on first use.
 from __future__ import annotations
 
 import array
-import errno
 import fcntl
 import mmap
 import os
@@ -35,12 +34,12 @@ import socket
 import struct
 
 from .._errors import QueueClosed, TransportError
-from .._wire import transport as _transport
+from .._wire import datagram as _transport
+from .mutex import Mutex, check
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
 
     #: What a pop returns: ``(pickle, fds, from_socket)``.
     Popped = tuple[bytes | memoryview, list[int], bool]
@@ -52,7 +51,7 @@ _DRAINED = 10  # 1: the socket was found empty, and no producer has used it sinc
 _SELECT = 16  # which state copy is committed: storing this byte is the commit
 _SIZE = 24  # bytes of data area allocated; never more than the file has (see _mapped)
 _COPIES = (64, 96)
-_MUTEX = 128  # a pthread_mutex_t (40 bytes on x86_64, 48 on aarch64)
+# bytes 128-175: the mutex (aiomp._queue.mutex)
 _STATE = struct.Struct("<QQQ")  # head, tail, count; offsets into the data area
 _RECORD = struct.Struct("<QI4x8s")  # pickle length, number of fds, nonce
 _RECORD_SIZE = _RECORD.size
@@ -79,17 +78,8 @@ SENT, RECEIVED = 8, 16  # a count's offset in its slot
 fault: Callable[[str], None] | None = None
 
 
-class Busy(Exception):
-    """The overflow's mutex is held by another thread or process: nothing was done. The
-    caller waits for it (:meth:`Overflow.wait_unlocked`, or on its loop) and tries again."""
-
-
-#: How long one timed wait for the mutex lasts: a blocking wait is a series of these, so
-#: that this thread's signal handlers (Ctrl-C) run between them.
-_WAIT_SLICE = 0.05
-
-
-def _take(fd: int) -> bool:
+def take_token(fd: int) -> bool:
+    """Take one from eventfd ``fd``: False if it was 0 (non-blocking)."""
     try:
         os.eventfd_read(fd)
     except BlockingIOError:
@@ -103,110 +93,13 @@ def create() -> int:
     try:
         os.ftruncate(fd, PAGE)
         with mmap.mmap(fd, PAGE) as header:
-            mutex = _Mutex(header)
+            mutex = Mutex(header)
             mutex.init()
             mutex.detach()
     except BaseException:
         os.close(fd)
         raise
     return fd
-
-
-class _Mutex:
-    """The header's process-shared robust mutex, called through ctypes (loaded on first
-    use: a child that never overflows a queue never imports ctypes)."""
-
-    __slots__ = ("_anchor", "_trylock", "_unlock", "addr")
-
-    _libc: Any = None
-    _timespec: Any = None  # a struct timespec type, for pthread_mutex_clocklock
-
-    def __init__(self, header: mmap.mmap) -> None:
-        import ctypes
-
-        if _Mutex._libc is None:
-            _Mutex._libc = ctypes.CDLL(None, use_errno=True)
-            fields = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-            _Mutex._timespec = type("timespec", (ctypes.Structure,), {"_fields_": fields})
-        libc: Any = _Mutex._libc
-        self._anchor = (ctypes.c_char * PAGE).from_buffer(header)  # pins the mapping
-        # A ready-made argument: ctypes converts nothing per call.
-        self.addr = ctypes.c_void_p(ctypes.addressof(self._anchor) + _MUTEX)
-        self._trylock = libc.pthread_mutex_trylock
-        self._unlock = libc.pthread_mutex_unlock
-
-    def init(self) -> None:
-        import ctypes
-
-        libc: Any = _Mutex._libc
-        attr = ctypes.create_string_buffer(64)  # a pthread_mutexattr_t is 4 bytes
-        _check(libc.pthread_mutexattr_init(attr))
-        _check(libc.pthread_mutexattr_setpshared(attr, 1))  # PTHREAD_PROCESS_SHARED
-        _check(libc.pthread_mutexattr_setrobust(attr, 1))  # PTHREAD_MUTEX_ROBUST
-        _check(libc.pthread_mutex_init(self.addr, attr))
-
-    def acquire(self) -> None:
-        """Take the mutex, blocking this thread while another holds it (in short waits:
-        signal handlers run in between, so Ctrl-C interrupts it)."""
-        while True:
-            try:
-                if rc := self._trylock(self.addr):
-                    self.recover(rc)
-                return
-            except Busy:
-                self.wait(None)
-
-    def wait(self, deadline: float | None) -> bool:
-        """Block this thread until the mutex is free (taken and given back at once), or
-        until ``deadline`` (a ``time.monotonic()``) passes: False then. Waits in slices of
-        _WAIT_SLICE, so that signal handlers run in between."""
-        import ctypes
-        import time
-
-        clocklock: Any = _Mutex._libc.pthread_mutex_clocklock
-        when: Any = _Mutex._timespec()
-        while True:
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return False
-            end = now + _WAIT_SLICE if deadline is None else min(deadline, now + _WAIT_SLICE)
-            when.tv_sec, when.tv_nsec = int(end), int(end % 1 * 1e9)
-            rc = clocklock(self.addr, time.CLOCK_MONOTONIC, ctypes.byref(when))
-            if rc == errno.ETIMEDOUT:
-                continue
-            if rc not in (0, errno.EOWNERDEAD):
-                _check(rc)
-            try:  # held now: give it straight back, marked consistent if its holder died
-                if rc:
-                    self.recover(rc)
-            finally:
-                self.release()
-            return True
-
-    def recover(self, rc: int) -> None:
-        """After a lock call returned ``rc`` (not 0): raise :class:`Busy` if the mutex is
-        held, take over the mutex of a holder that died, or raise OSError."""
-        if rc == errno.EBUSY:
-            raise Busy
-        if rc == errno.EOWNERDEAD:
-            # Its holder died. The log is consistent at every instruction (see *Queue
-            # overflow* in docs/reliability.md): only the mutex needs marking so.
-            libc: Any = _Mutex._libc
-            rc = libc.pthread_mutex_consistent(self.addr)
-        _check(rc)
-
-    def release(self) -> None:
-        if rc := self._unlock(self.addr):
-            _check(rc)
-
-    def detach(self) -> None:
-        # Typed for the live object; None only after detach, when nothing reads it again.
-        self._anchor = None  # type: ignore[assignment]
-
-
-def _check(rc: int) -> None:
-    if rc:
-        raise OSError(rc, f"the queue overflow's mutex: {os.strerror(rc)}")
 
 
 class Overflow:
@@ -222,7 +115,7 @@ class Overflow:
         self._fd = fd
         self._header = mmap.mmap(fd, PAGE)
         self._data: mmap.mmap | None = None
-        self._mutex: _Mutex | None = None  # made on first use
+        self._mutex: Mutex | None = None  # made on first use
         self._vault_in = vault_in  # parked fds are sent on this end...
         self._vault_out = vault_out  # ...and received on this one
         self._poll = select.poll()  # is the socket empty? (no exception, unlike recvmsg)
@@ -247,16 +140,22 @@ class Overflow:
         self._header.close()
         os.close(self._fd)
 
-    def maybe_nonempty(self) -> bool:
-        """False only if the log holds no committed item (no lock, no syscall)."""
-        return self._header[HINT] != 0
+    @property
+    def header(self) -> mmap.mmap:
+        """The log's header page, for the queue's hot path: byte :data:`HINT` is 0 only
+        while the log is empty; the slots of socket counts start at offset 256."""
+        return self._header
+
+    def drained(self) -> bool:
+        """Whether the socket was found empty and no producer has used it since."""
+        return self._header[_DRAINED] != 0
 
     def count(self) -> int:
         """Items in the log (committed state; no lock)."""
         return self._state()[2]
 
     # -- the mutex and the committed state --------------------------------------------
-    def _lock(self) -> _Mutex:
+    def _lock(self) -> Mutex:
         mutex = self._mutex or self._make_mutex()
         mutex.acquire()
         return mutex
@@ -267,8 +166,8 @@ class Overflow:
         only (never an event loop's thread); Ctrl-C interrupts it, leaving it unheld."""
         return (self._mutex or self._make_mutex()).wait(deadline)
 
-    def _make_mutex(self) -> _Mutex:
-        mutex = self._mutex = _Mutex(self._header)
+    def _make_mutex(self) -> Mutex:
+        mutex = self._mutex = Mutex(self._header)
         return mutex
 
     def _state(self) -> tuple[int, int, int]:
@@ -424,10 +323,8 @@ class Overflow:
         TransportError (no memory, or fd limits), or :class:`Busy` (the mutex is held
         elsewhere): nothing was put.
         """
-        # The lock and unlock calls inlined (not _lock()/release()): this runs per item
-        # once the socket is full (see docs/decisions/0006-queue-overflow-log.md).
-        mutex = self._mutex or self._make_mutex()
-        if rc := mutex._trylock(mutex.addr):
+        mutex = self._mutex or self._make_mutex()  # hot path: tests/budgets
+        if rc := mutex.trylock(mutex.addr):
             mutex.recover(rc)  # Busy: nothing was done
         try:
             header = self._header
@@ -466,8 +363,8 @@ class Overflow:
                 fault("producer: committed")
             return True
         finally:
-            if rc := mutex._unlock(mutex.addr):
-                _check(rc)
+            if rc := mutex.unlock(mutex.addr):
+                check(rc)
 
     def pop(
         self, try_socket: Callable[[], Popped | None] | None, token_fd: int = -1, room_fd: int = -1
@@ -480,8 +377,8 @@ class Overflow:
         be received here (this process is at its fd limit): the item stays in the log; or
         :class:`Busy` (the mutex is held elsewhere): nothing was taken.
         """
-        mutex = self._mutex or self._make_mutex()  # inlined, as in append
-        if rc := mutex._trylock(mutex.addr):
+        mutex = self._mutex or self._make_mutex()  # hot path: tests/budgets
+        if rc := mutex.trylock(mutex.addr):
             mutex.recover(rc)
         try:
             header = self._header
@@ -493,7 +390,7 @@ class Overflow:
             head, tail, count = _STATE.unpack_from(header, _COPIES[header[_SELECT]])
             if count == 0:
                 if token_fd >= 0 and not header[_CLOSED]:
-                    while _take(token_fd):  # every token left is a spurious wake-up
+                    while take_token(token_fd):  # every token left is a spurious wake-up
                         pass
                 self._emptied(token_fd >= 0)
                 return None
@@ -520,15 +417,15 @@ class Overflow:
             if nfds:
                 self._drop_vault_head()
             if token_fd >= 0:
-                _take(token_fd)  # after the commit: never fewer tokens than items
+                take_token(token_fd)  # after the commit: never fewer tokens than items
             if count == 1:
                 self._emptied(token_fd >= 0)
             elif head >= GROW:
                 self._compact()
             return body, fds, False
         finally:
-            if rc := mutex._unlock(mutex.addr):
-                _check(rc)
+            if rc := mutex.unlock(mutex.addr):
+                check(rc)
 
     def _emptied(self, bounded: bool) -> None:
         """The log is empty (under the lock): clear the hint, free memory and the vault.

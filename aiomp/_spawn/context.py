@@ -45,8 +45,8 @@ from .._process.child import (
     check_start_method,
     prepare_forkserver,
 )
+from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
-from .._wire import transport as _transport
 
 if TYPE_CHECKING:
     import asyncio

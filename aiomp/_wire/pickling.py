@@ -35,7 +35,8 @@ import sys
 import threading
 
 from .._errors import TransportError
-from . import transport as _transport
+from . import datagram as _datagram
+from . import stream as _stream
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
@@ -101,24 +102,24 @@ class Message:
     def datagram(self) -> tuple[bytes, list[int]]:
         """``(datagram, fds)`` for a ``SOCK_SEQPACKET`` send; made once.
 
-        A body larger than :data:`~aiomp._wire.transport.MAX_INLINE` is written to a memfd
+        A body larger than :data:`~aiomp._wire.datagram.MAX_INLINE` is written to a memfd
         that travels as the last fd (``TransportError`` if memory is short).
         """
         wire = self._wire
         if wire is None:
             body = self.body
-            if len(body) <= _transport.MAX_INLINE:
+            if len(body) <= _datagram.MAX_INLINE:
                 wire = self._wire = (b"\x00" + body, self.fds)  # KIND_DATA
             else:
-                self._memfd = _transport.memfd_with(body)
-                wire = self._wire = (_transport.large_header(len(body)), [*self.fds, self._memfd])
+                self._memfd = _datagram.memfd_with(body)
+                wire = self._wire = (_datagram.large_header(len(body)), [*self.fds, self._memfd])
         return wire
 
     def framed(self) -> tuple[bytes, list[int]]:
-        """``(frame, fds)`` for a :class:`~aiomp._wire.transport.Stream`: the datagram behind
+        """``(frame, fds)`` for a :class:`~aiomp._wire.stream.Stream`: the datagram behind
         its frame header."""
         datagram, fds = self.datagram()
-        return _transport.frame(datagram, len(fds)), fds
+        return _stream.frame(datagram, len(fds)), fds
 
     def sent_again(self) -> None:
         """The message goes to one more receiver than it was pickled for: objects that
@@ -131,7 +132,7 @@ class Message:
         """Sent (or given up after sending): release what this process held for it."""
         memfd, self._memfd = self._memfd, -1
         if memfd >= 0:
-            _transport.close_fds((memfd,))
+            _datagram.close_fds((memfd,))
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             for fn in reversed(hooks[0]):
@@ -345,11 +346,11 @@ def add_fd(fd: int) -> int:
     pad = current()
     index = pad.fd_index.get(fd)
     if index is None:
-        if len(pad.fds) >= _transport.MAX_FDS - 1:
+        if len(pad.fds) >= _datagram.MAX_FDS - 1:
             # R1: a typed error at the call. EINVAL: what sendmsg says past SCM_MAX_FD.
             raise TransportError(
                 22,
-                f"a message can carry at most {_transport.MAX_FDS - 1} file descriptors "
+                f"a message can carry at most {_datagram.MAX_FDS - 1} file descriptors "
                 "(queues, events and shared segments); send fewer objects per message",
             )
         index = pad.fd_index[fd] = len(pad.fds)
@@ -396,7 +397,7 @@ def loads(body: bytes | memoryview, fds: list[int]) -> object:
         return pickle.loads(body)
     finally:
         _local.inc = prev
-        _transport.close_fds([fd for i, fd in enumerate(fds) if i not in state.taken])
+        _datagram.close_fds([fd for i, fd in enumerate(fds) if i not in state.taken])
 
 
 def take_fd(index: int) -> int:
