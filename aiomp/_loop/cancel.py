@@ -131,8 +131,4 @@ class CancelProbe:
         """Whether a cancellation may be pending for the current task (or there is no
         task): then a call must yield before it sends anything."""
         current = self.current_task(loop)
-        return (
-            current is None
-            or bool(current.cancelling())
-            or self.scope_cancelled(current, loop)
-        )
+        return current is None or bool(current.cancelling()) or self.scope_cancelled(current, loop)

@@ -330,5 +330,3 @@ class _Gather:
         self.remaining -= 1
         if not self.remaining:
             self.signal.set()
-
-

@@ -252,6 +252,13 @@ class Engine:
         if broken is not None:
             raise fresh(broken)
 
+    def live_handles(self) -> list[Handle]:
+        return [w.handle for w in self.sched.live_workers()]
+
+    @property
+    def broken(self) -> BaseException | None:
+        return self.sched.broken
+
     def break_pool(self, error: BaseException) -> None:
         """Queued and later tasks fail with BrokenPoolError from ``error``."""
         self.sched.break_pool(error)

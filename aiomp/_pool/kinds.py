@@ -86,10 +86,11 @@ class Handle(abc.ABC):
 class Events(Protocol):
     """What a handle reports to its engine (from tasks and loop callbacks; never awaits)."""
 
-    #: ``on_result(handle, tid, ok, value)``: task ``tid``'s outcome, a value or (not
-    #: ``ok``) the exception to raise in its caller. An attribute: the scheduler's own
-    #: ``complete``, with no frame between the handle and it.
-    on_result: Callable[[Handle, int, bool, Any], object]
+    @property
+    def on_result(self) -> Callable[[Handle, int, bool, Any], object]:
+        """``on_result(handle, tid, ok, value)``: task ``tid``'s outcome, a value or (not
+        ``ok``) the exception to raise in its caller. The scheduler's own ``complete``,
+        with no frame between the handle and it."""
 
     def on_ready(self, handle: Handle) -> None:
         """The worker has run the initializer and takes tasks."""
@@ -107,6 +108,16 @@ class Events(Protocol):
 
     def kill(self, handle: Handle, reason: str) -> None:
         """Terminate the worker and replace it; its tasks fail saying ``reason``."""
+
+    def live_handles(self) -> list[Handle]:
+        """The workers that take tasks (neither retiring, killed nor gone)."""
+
+    @property
+    def broken(self) -> BaseException | None:
+        """Why the pool is broken (calls fail with it), or None."""
+
+    def break_pool(self, error: BaseException) -> None:
+        """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``."""
 
     def task_name(self, handle: Handle, tid: int) -> str | None:
         """The function name of task ``tid``, or None: ``handle`` holds no such task."""

@@ -49,6 +49,7 @@ __all__ = ("Pool", "PoolStatistics")
 S = TypeVar("S")
 T = TypeVar("T")
 
+
 @dataclasses.dataclass(frozen=True)
 class PoolStatistics:
     """A snapshot of a :class:`Pool`, from :meth:`Pool.statistics`.
@@ -185,8 +186,7 @@ class Pool:
 
     def pids(self) -> list[int]:
         """Process ids of the live workers that take tasks (known once they are ready)."""
-        sched = self._engine.sched
-        return [pid for w in sched.live_workers() if (pid := w.handle.pid) is not None]
+        return [pid for h in self._engine.live_handles() if (pid := h.pid) is not None]
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""

@@ -107,9 +107,7 @@ class ProcessKind(WorkerKind):
             raise
         finally:
             their_results.close()
-        h = ProcessHandle(
-            slot, child, sock, results, running_asyncio_loop(), options.grace, events
-        )
+        h = ProcessHandle(slot, child, sock, results, running_asyncio_loop(), options.grace, events)
         if self._init_sends:
             self._init.sent_again()
         self._init_sends += 1

@@ -234,7 +234,9 @@ class Scheduler:
         self._dispatch()
         self._check_drained()
 
-    def _not_started(self, w: WorkerSlot, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+    def _not_started(
+        self, w: WorkerSlot, tasks: dict[int, Task], unsent: Iterable[int]
+    ) -> list[int]:
         """Ids of the tasks that dead worker ``w`` held and never started, in the order sent.
 
         ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An

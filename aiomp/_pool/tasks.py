@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .scheduler import WorkerSlot
 
 QUEUED, RUNNING, DONE, DROPPED = range(4)
+
+
 def fresh(exc: BaseException) -> BaseException:
     """A copy of ``exc`` to raise in one more place (raising one object again and again
     would grow its traceback)."""
@@ -122,7 +124,6 @@ class Task:
         if type(message) is not bytes:
             message.discard()
         self.state = DROPPED
-
 
 
 class FnInfo:
@@ -224,5 +225,3 @@ def new_task(
         size,
         on_done,
     )
-
-
