@@ -31,8 +31,8 @@ import pytest
 
 import aiomp
 from aiomp._pool import calls as _calls
-from aiomp._pool import tasks as _tasks
 from aiomp._pool import protocol as P
+from aiomp._pool import tasks as _tasks
 from aiomp._wire import transport as _transport
 from tests import _funcs as funcs
 from tests._gate import Gate

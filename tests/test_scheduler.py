@@ -298,7 +298,6 @@ def test_an_initializer_that_raises_breaks_the_pool() -> None:
 
 def test_broken_pool_fails_queued_tasks_with_fresh_errors() -> None:
     r = Rig(1)
-    (w,) = r.handles
     busy, q1, q2 = r.task(), r.task(), r.task()
     r.submit(busy, q1, q2)
     r.sched.break_pool(RuntimeError("x"))

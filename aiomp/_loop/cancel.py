@@ -61,7 +61,7 @@ def private_scope_cancelled() -> ScopeCancelled:
         from anyio._backends._asyncio import CancelScope, TaskState, _task_states
     except ImportError as exc:
         raise LookupError(f"anyio's asyncio backend has moved: {exc}") from exc
-    if not SCOPE_FIELDS <= set(getattr(CancelScope, "__slots__", ())):
+    if not set(getattr(CancelScope, "__slots__", ())) >= SCOPE_FIELDS:
         raise LookupError("anyio's CancelScope no longer has the fields read here")
     if "cancel_scope" not in getattr(TaskState, "__slots__", ()):
         raise LookupError("anyio's TaskState no longer has cancel_scope")

@@ -284,8 +284,8 @@ class _Gather:
     __slots__ = (
         "chunksize",
         "done",
-        "error",
         "engine",
+        "error",
         "n",
         "progress",
         "remaining",

@@ -257,7 +257,7 @@ class Pool:
         ) -> Any: ...
     else:
 
-        async def apply(self, *args: Any, **kwargs: Any) -> Any:  # noqa: D102
+        async def apply(self, *args: Any, **kwargs: Any) -> Any:
             # Shadowed in each pool by calls.apply bound to its engine (see _attach).
             return await _calls.apply(self._engine, *args, **kwargs)
 

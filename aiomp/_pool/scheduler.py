@@ -2,10 +2,9 @@
 
 Synchronous and pure: no sockets, no processes, no anyio, no awaits. Every method runs to
 completion and may be called from a task or from an event loop's reader callback. It
-talks to workers through the few methods of :class:`Handle` (a worker process in the
-pool, a fake in the unit tests) and hands back the one decision it cannot carry out
-itself, starting a worker, as a slot in :attr:`Scheduler.to_spawn` plus a call of
-``on_spawn``; the pool starts the process from a task.
+talks to workers through :class:`~aiomp._pool.kinds.Handle` (a fake in the unit tests)
+and hands back the one decision it cannot carry out itself, starting a worker, as a slot
+in :attr:`Scheduler.to_spawn` plus a call of ``on_spawn``; the engine starts it.
 
 The rules (the why is in ``aiomp.Pool``'s docstring):
 
@@ -39,19 +38,7 @@ from collections.abc import Callable, Iterable
 
 from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
 from .kinds import Handle
-from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh
-
-__all__ = (
-    "CHUNKS_AHEAD",
-    "DONE",
-    "DROPPED",
-    "MAX_START_FAILURES",
-    "QUEUED",
-    "RUNNING",
-    "START_RETRY_DELAYS",
-    "Scheduler",
-    "WorkerSlot",
-)
+from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
 
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
@@ -59,8 +46,7 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Sync chunks of one map that may wait in a worker behind the one it runs (see
-#: docs/decisions/0029-map-chunks.md).
+#: Sync chunks of one map that may wait in a worker behind the one it runs.
 CHUNKS_AHEAD = 2
 
 
@@ -122,11 +108,9 @@ class Scheduler:
         self.to_spawn: collections.deque[int] = collections.deque()
         self.workers: dict[Handle, WorkerSlot] = {}
         self.idle: dict[WorkerSlot, None] = {}  # insertion order: popitem() is LIFO
-        #: ``take_idle()``: the worker :meth:`submit` would pick next while no task is
-        #: queued (the most recently idle; KeyError if none), taken out of :attr:`idle`
-        #: for a send made before the task is submitted (``apply``'s hot path): record
-        #: it with :meth:`started`, or hand it back with :meth:`untake`. A bound C
-        #: method: no frame between the call and its send.
+        #: ``take_idle()``: the worker :meth:`submit` would pick while no task is queued
+        #: (the most recently idle), for a send made before its task is submitted; then
+        #: :meth:`started` or :meth:`untake`. A C method: hot path: tests/budgets.
         self.take_idle = self.idle.popitem
         self.queue: collections.deque[Task] = collections.deque()
         self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
@@ -274,14 +258,12 @@ class Scheduler:
         self.queued += 1
 
     def untake(self, w: WorkerSlot) -> None:
-        """``w``, taken with :attr:`take_idle`, was not sent anything: idle again, the
-        next one picked."""
+        """``w``, taken with :attr:`take_idle`, was sent nothing: the next one picked."""
         self.idle[w] = None
 
     def started(self, w: WorkerSlot, task: Task) -> None:
-        """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
-        it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
-        first and makes the Task after: see docs/decisions/0028-apply-sends-first.md)."""
+        """``task`` was sent to ``w``, taken with :attr:`take_idle` before the task was
+        submitted: recorded as :meth:`submit` would have (``apply``'s hot path)."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -338,7 +320,7 @@ class Scheduler:
             or self._state == _CLOSED
         ):
             self._make_available(w)
-        else:  # idle again, nothing waits: _make_available's common case, a frame less
+        else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
         if not self.unfinished and self.on_drained is not None:
             self.on_drained()
@@ -390,8 +372,7 @@ class Scheduler:
         return None
 
     def respawn(self, slot: int) -> None:
-        """Ask again for the worker of ``slot`` whose start failed, if the pool still wants
-        one (as when a worker is replaced)."""
+        """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
         if self.broken is not None or self._state == _CLOSED:
             return
         if self._state == _CLOSING and not self.queued:
@@ -485,9 +466,8 @@ class Scheduler:
     def _start(self, w: WorkerSlot, task: Task) -> bool:
         """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
 
-        The send comes first and the bookkeeping after it: the worker wakes while this
-        runs (see docs/decisions/0027-apply-critical-path.md). Nothing can complete the
-        task in between: a result is read by a later loop callback.
+        The send comes first and the bookkeeping after it, while the worker wakes; nothing
+        can complete the task in between: a result is read by a later loop callback.
         """
         try:
             sent = w.handle.send(task)

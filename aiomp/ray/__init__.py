@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._pool import pool as _pool
-from ._kind import ARRAY_THRESHOLD, PROBE_TIMEOUT, SESSION_CHECK, RayKind
+from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
+from ._session import PROBE_TIMEOUT
 
 __all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
 

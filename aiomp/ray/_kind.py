@@ -15,7 +15,6 @@ import io
 import logging
 import pickle
 import sys
-import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -26,6 +25,7 @@ from .._loop import running_asyncio_loop
 from .._pool import protocol as P
 from .._pool.kinds import Events, Options, WorkerKind
 from .._pool.tasks import FnInfo, fresh
+from . import _session
 from ._handle import ActorHandle
 
 log = logging.getLogger("aiomp")
@@ -34,17 +34,9 @@ log = logging.getLogger("aiomp")
 #: smaller ones inside the task's pickle. Ray's own limit for inlining an argument.
 ARRAY_THRESHOLD = 100 * 1024
 
-#: Seconds a TCP connection to the cluster's address may take before the pool raises
-#: ``ConnectionError``: ``ray.init`` itself retries an address where nothing answers for
-#: minutes, in a thread that cannot be interrupted.
-PROBE_TIMEOUT = 5.0
 #: How often (seconds) an open pool checks that the Ray session it uses still runs: Ray
 #: has no shutdown hook, and after ``ray.shutdown()`` no ref's callback runs any more.
 SESSION_CHECK = 1.0
-
-# Held (in worker threads only) around a pool's ray.init and ray.shutdown: one at a time,
-# one whose caller was cancelled and has left included.
-_connect_lock = threading.Lock()
 
 _CTL_GROUP = {"ctl": 8}  # cancel and alive: never behind a task that blocks the actor's loop
 
@@ -101,107 +93,10 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError('aiomp.ray.Pool needs Ray: pip install "aiomp[ray]"') from exc
-    return ray
-
-
 def _cloudpickle(obj: object) -> bytes:
     """Pickle ``obj`` with Ray's cloudpickle: by value what a remote node could not import."""
     dumps: Callable[..., bytes] = importlib.import_module("ray.cloudpickle").dumps
     return dumps(obj, protocol=5)
-
-
-def _bootstrap_address(address: str | None) -> tuple[str, int] | None:
-    """Where ``ray.init(address)`` will connect: the cluster's GCS (a ``ray://`` address:
-    its Ray Client server), or None where it starts a local instance (or where the address
-    says no port: ``ray.init`` says what is wrong with it). Blocks (it may scan processes).
-    """
-    target: str | None
-    if address is not None and address.startswith("ray://"):
-        target = address.removeprefix("ray://")
-    else:
-        try:
-            from ray._private.services import canonicalize_bootstrap_address
-        except ImportError:  # Ray moved it: the address as given
-            target = None if address in (None, "auto", "local") else address
-        else:
-            # As ray.init resolves it: RAY_ADDRESS, the latest local instance, localhost
-            # as the node's IP. (Typed as taking a str, it takes None too: its docstring.)
-            try:
-                target = canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - nothing to probe: ray.init says what is wrong
-                return None
-    if not target:
-        return None
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-async def _probe(host: str, port: int, address: str | None) -> None:
-    """Raise ``ConnectionError`` unless something accepts a TCP connection at ``host:port``
-    within :data:`PROBE_TIMEOUT` seconds (cancellable: it runs on the loop)."""
-    try:
-        with anyio.fail_after(PROBE_TIMEOUT):
-            stream = await anyio.connect_tcp(host, port)
-    except OSError as exc:  # TimeoutError included
-        raise ConnectionError(
-            f"no Ray cluster answers at address={address!r}: connecting to {host}:{port} "
-            f"failed ({exc or f'no answer in {PROBE_TIMEOUT:g} s'})"
-        ) from exc
-    await stream.aclose()
-
-
-class _Connecting:
-    """One ``ray.init`` in a worker thread, whose caller may be cancelled and leave first.
-
-    Whichever of the two is done first takes the one token: the thread, when ``ray.init``
-    has returned (the caller then owns the session it opened, ``started``), or the caller
-    as it leaves (the thread then shuts that session down itself: nobody would use or
-    close it).
-    """
-
-    def __init__(self, ray: Any, address: str | None) -> None:
-        self._ray = ray
-        self._address = address
-        self._token = [None]
-        self.started = False  # this ray.init opened the session
-
-    def run(self) -> bool:
-        """(In the worker thread) Connect; True if this opened the session."""
-        ray = self._ray
-        with _connect_lock:
-            if not ray.is_initialized():
-                try:
-                    ray.init(address=self._address)
-                except SystemExit as exc:  # Ray's core worker gives up on an absent GCS so
-                    raise ConnectionError(
-                        f"ray.init(address={self._address!r}) gave up: SystemExit({exc.code})"
-                    ) from exc
-                self.started = True
-            if self.take():
-                return self.started
-            if self.started:
-                ray.shutdown()
-            return False
-
-    def take(self) -> bool:
-        """Take the token (atomic: list.pop); False if the other side has it."""
-        try:
-            self._token.pop()
-        except IndexError:
-            return False
-        return True
-
-
-def _shutdown_ray(ray: Any) -> None:
-    with _connect_lock:
-        ray.shutdown()
 
 
 def _capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
@@ -308,7 +203,7 @@ class RayKind(WorkerKind):
         self._puts = None
         if self._started_ray:
             self._started_ray = False
-            await anyio.to_thread.run_sync(_shutdown_ray, self._ray)
+            await anyio.to_thread.run_sync(_session.shutdown_ray, self._ray)
 
     def watch(self) -> Callable[[], Awaitable[None]] | None:
         return self._watch_session
@@ -320,7 +215,7 @@ class RayKind(WorkerKind):
                 "asyncio's); under trio use aiomp.Pool, or run the Ray pool in an asyncio "
                 "thread"
             )
-        ray = self._ray = _import_ray()
+        ray = self._ray = _session.import_ray()
         try:
             self._init_blob = _cloudpickle((self._initializer, self._initargs))
         except Exception as exc:
@@ -368,11 +263,11 @@ class RayKind(WorkerKind):
         that is tried first (``ConnectionError``). Cancelled, it abandons the thread (see
         :meth:`__aenter__`)."""
         where = await anyio.to_thread.run_sync(
-            _bootstrap_address, self._address, abandon_on_cancel=True
+            _session.bootstrap_address, self._address, abandon_on_cancel=True
         )
         if where is not None:
-            await _probe(*where, self._address)
-        connecting = _Connecting(self._ray, self._address)
+            await _session.probe(*where, self._address)
+        connecting = _session.Connecting(self._ray, self._address)
         try:
             self._started_ray = await anyio.to_thread.run_sync(
                 connecting.run, abandon_on_cancel=True
