@@ -99,7 +99,7 @@ class Engine:
         self.on_result = self.sched.complete
         self.handles: dict[Handle, None] = {}
         self.iterators: dict[Closable, None] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None  # None on trio
+        self.loop: asyncio.AbstractEventLoop | None = None  # None: not an asyncio loop
         #: Whether a cancellation may be pending for the caller (asyncio; bound on open).
         self.probe: CancelProbe | None = None
         self._host: TaskHost | None = None
