@@ -25,12 +25,12 @@ def test_the_readers_answer_as_the_public_calls() -> None:
         task = current(loop)
         assert task is asyncio.current_task()
         seen = [cancelled(task, loop)]
-        with anyio.CancelScope() as scope:
+        with anyio.CancelScope() as scope:  # noqa: ASYNC100 - read, never awaited
             seen.append(cancelled(task, loop))
             scope.cancel()
             seen.append(cancelled(task, loop))
-        with anyio.CancelScope(deadline=loop.time() - 1):
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(deadline=loop.time() - 1):  # noqa: ASYNC100 - read only
+            with anyio.CancelScope(shield=True):  # noqa: ASYNC100 - read only
                 seen.append(cancelled(task, loop))
             seen.append(cancelled(task, loop))
         return seen
