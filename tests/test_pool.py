@@ -32,7 +32,8 @@ import pytest
 import aiomp
 from aiomp._pool import calls as _calls
 from aiomp._pool import protocol as P
-from aiomp._wire import stream as _transport
+from aiomp._pool import tasks as _tasks
+from aiomp._wire import transport as _transport
 from tests import _funcs as funcs
 from tests._gate import Gate
 from tests._run import run_python
@@ -843,10 +844,10 @@ async def test_a_function_is_sent_to_each_worker_once() -> None:
             for _ in range(3):
                 assert await p.apply(funcs.pool_pid) == pid
             assert await p.map(funcs.pool_square, range(4)) == [0, 1, 4, 9]
-            (w,) = p._handles
+            (w,) = p._engine.handles
             assert w.fns == {
-                _calls.fn_info(funcs.pool_pid).fid,
-                _calls.fn_info(funcs.pool_square).fid,
+                _tasks.fn_info(funcs.pool_pid).fid,
+                _tasks.fn_info(funcs.pool_square).fid,
             }
 
 

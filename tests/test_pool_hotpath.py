@@ -51,8 +51,8 @@ async def test_a_worker_runs_fn_in_four_aiomp_calls() -> None:
     total = sum(counts.values())
     # The ends of the two counting tasks' own round trips are in the total too.
     assert total <= 4 * N + 16, counts
-    assert counts.get("_protocol.py:unpack", 0) <= 2, counts
-    assert counts.get("_worker.py:run_sync", 0) <= 2, counts
+    assert counts.get("protocol.py:unpack", 0) <= 2, counts
+    assert counts.get("worker_main.py:run_sync", 0) <= 2, counts
 
 
 @asyncio_loops
@@ -140,11 +140,11 @@ async def test_a_submitted_task_on_a_broken_pool_fails_without_waiting() -> None
     with anyio.fail_after(TIMEOUT):
         async with pool() as p:
             await p.apply(f.nothing)
-            sched = p._sched
+            sched = p._engine.sched
             submit = sched.submit
 
             def break_then_submit(task: Any) -> None:
-                sched.fail(RuntimeError("broken meanwhile"))
+                sched.break_pool(RuntimeError("broken meanwhile"))
                 submit(task)
 
             sched.submit = break_then_submit  # type: ignore[method-assign]
@@ -167,10 +167,10 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
     its Task (and the scheduler's record of it) after, while the worker wakes (see
     docs/decisions/0027-apply-critical-path.md); the first call to a worker, which must send
     the function's DEF first, is submitted as before. Results are unchanged."""
-    from aiomp._pool import scheduler as _scheduler
+    from aiomp._pool import tasks as _tasks
 
     events: list[str] = []
-    init = _scheduler.Task.__init__
+    init = _tasks.Task.__init__
 
     def recording_init(self: Any, *args: Any, **kwargs: Any) -> None:
         events.append("task")
@@ -178,7 +178,7 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
 
     with anyio.fail_after(TIMEOUT):
         async with pool() as p:
-            (handle,) = p._handles
+            (handle,) = p._engine.handles
             send = handle._sock_send
 
             def recording_send(data: bytes, flags: int) -> int:
@@ -186,14 +186,14 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
                 return send(data, flags)
 
             handle._sock_send = recording_send  # type: ignore[method-assign]
-            _scheduler.Task.__init__ = recording_init  # type: ignore[method-assign]
+            _tasks.Task.__init__ = recording_init  # type: ignore[method-assign]
             try:
                 assert await p.apply(f.forty_two) == 42  # DEF first: submitted
                 assert await p.apply(f.forty_two) == 42
                 assert await p.apply(f.nothing) is None
                 assert await p.apply(f.nothing) is None
             finally:
-                _scheduler.Task.__init__ = init  # type: ignore[method-assign]
+                _tasks.Task.__init__ = init  # type: ignore[method-assign]
                 handle._sock_send = send  # type: ignore[method-assign]
     assert events == ["task", "send", "task", "task", "send", "task"], events
 
@@ -202,9 +202,8 @@ async def test_apply_sends_before_it_makes_its_task() -> None:
 async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
     """Between ``await pool.apply(fn)`` and the ``send`` of its frame, at most three
     Python calls into aiomp: ``apply``, the anyio cancel-scope check and
-    ``WorkerHandle.send_first`` (see docs/decisions/0028-apply-sends-first.md). Pins
-    the order that sent last: eight before (``make_task``, ``Task.__init__``,
-    ``submit``, ``_start``, ``send`` and ``try_send`` came first)."""
+    ``ProcessHandle.try_send_now``: nothing (``make_task``, ``Task.__init__``,
+    ``submit``, ``_start``, ``send``, ``try_send``) comes before the send."""
     import socket
     import sys
     import types
@@ -228,12 +227,12 @@ async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
                 sys.setprofile(None)
     assert "<send>" in seen, seen
     before = seen[: seen.index("<send>")]
-    assert len(before) <= 3 and before[-1] == "send_first", seen
+    assert len(before) <= 3 and before[-1] == "try_send_now", seen
 
 
 @asyncio_only
-async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
-    """``WorkerHandle.send_first`` sends nothing, and says so, when the worker lacks the
+async def test_try_send_now_declines_whenever_the_frame_must_wait() -> None:
+    """``ProcessHandle.try_send_now`` sends nothing, and says so, when the worker lacks the
     function, frames wait in the outbox, the channel is closed or the socket is full;
     what it did send arrives whole and in order."""
     import socket
@@ -245,29 +244,27 @@ async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
     results_r, results_w = socket.socketpair()
     for s in (tasks_r, tasks_w, results_r, results_w):
         s.setblocking(False)
-    h = _handle.WorkerHandle(
+    events = types.SimpleNamespace(on_result=lambda *a: None)
+    h = _handle.ProcessHandle(
         0,
         types.SimpleNamespace(pid=0),  # type: ignore[arg-type]
         tasks_w,
         results_r,
         None,
         0.3,
-        lambda *a: None,
-        lambda *a: None,
-        lambda *a: None,
-        lambda *a: None,
+        events,  # type: ignore[arg-type]
     )
     try:
         frame = P.noargs_task(1, P.F_APPLY | P.F_NOARGS, 7)
-        assert not h.send_first(frame, 7)  # no DEF of 7 sent yet
+        assert not h.try_send_now(frame, 7)  # no DEF of 7 sent yet
         h.fns.add(7)
-        assert h.send_first(frame, 7)
+        assert h.try_send_now(frame, 7)
         assert tasks_r.recv(100) == frame
         h._outbox.append(b"earlier")
-        assert not h.send_first(frame, 7)  # it must not overtake the outbox
+        assert not h.try_send_now(frame, 7)  # it must not overtake the outbox
         h._outbox.clear()
         sent = 0
-        while h.send_first(frame, 7):  # fill the socket buffer
+        while h.try_send_now(frame, 7):  # fill the socket buffer
             sent += 1
         assert not h._outbox and h._partial is None  # nothing of the refused one went
         got = b""
@@ -278,7 +275,7 @@ async def test_send_first_declines_whenever_the_frame_must_wait() -> None:
                 break
         assert got == frame * sent
         h.closed = True
-        assert not h.send_first(frame, 7)
+        assert not h.try_send_now(frame, 7)
     finally:
         h.chan.close()
         h.results.close()

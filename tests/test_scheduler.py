@@ -20,8 +20,8 @@ from aiomp._pool.scheduler import (
     RUNNING,
     START_RETRY_DELAYS,
     Scheduler,
-    Task,
 )
+from aiomp._pool.tasks import Task
 
 
 class FakeHandle:
@@ -290,7 +290,7 @@ def test_an_initializer_that_raises_breaks_the_pool() -> None:
     r.sched.kill(r.handles[0], "")  # busy with nothing; irrelevant
     r.submit(t)
     cause = ValueError("init")
-    r.sched.init_failed(r.handles[1], cause)
+    r.sched.break_pool(cause)
     later = r.task()
     r.submit(later)
     assert isinstance(later.value, aiomp.BrokenPoolError) and later.value.__cause__ is cause
@@ -298,10 +298,9 @@ def test_an_initializer_that_raises_breaks_the_pool() -> None:
 
 def test_broken_pool_fails_queued_tasks_with_fresh_errors() -> None:
     r = Rig(1)
-    (w,) = r.handles
     busy, q1, q2 = r.task(), r.task(), r.task()
     r.submit(busy, q1, q2)
-    r.sched.init_failed(w, RuntimeError("x"))
+    r.sched.break_pool(RuntimeError("x"))
     assert isinstance(q1.value, aiomp.BrokenPoolError)
     assert q1.value is not q2.value  # each raise site its own copy
     assert busy.state == RUNNING  # its own worker decides its fate

@@ -129,8 +129,9 @@ def unpack(data: bytes, fds: list[int]) -> tuple[int, int, int, bytes | memoryvi
     return view[0], int.from_bytes(view[1:9], "little"), view[9], view[HEADER_SIZE:], fds
 
 
-class Message:
-    """One encoded message that may carry fds: ``obj`` pickled after its header, framed.
+class TaskMessage:
+    """One encoded message of the pool's wire that may carry fds (a task, or a worker's
+    reply): ``obj`` pickled after its header, framed.
 
     ``close()`` releases what this process holds for it, whether it was sent or not;
     ``discard()`` also undoes what pickling promised to receivers that will never come

@@ -2,12 +2,11 @@
 
 Synchronous and pure: no sockets, no processes, no anyio, no awaits. Every method runs to
 completion and may be called from a task or from an event loop's reader callback. It
-talks to workers through the few methods of :class:`Handle` (a worker process in the
-pool, a fake in the unit tests) and hands back the one decision it cannot carry out
-itself, starting a worker, as a slot in :attr:`Scheduler.to_spawn` plus a call of
-``on_spawn``; the pool starts the process from a task.
+talks to workers through :class:`~aiomp._pool.kinds.Handle` (a fake in the unit tests)
+and hands back the one decision it cannot carry out itself, starting a worker, as a slot
+in :attr:`Scheduler.to_spawn` plus a call of ``on_spawn``; the engine starts it.
 
-The rules (the why is in ``aiomp._pool.pool``'s docstring):
+The rules (the why is in ``aiomp.Pool``'s docstring):
 
 * A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
   worker's outbox), *done* or *dropped* (its caller left before it started: it never
@@ -35,154 +34,23 @@ The rules (the why is in ``aiomp._pool.pool``'s docstring):
 from __future__ import annotations
 
 import collections
-import copy
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
+from .kinds import Handle
+from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
 
-if TYPE_CHECKING:
-    import asyncio
-
-QUEUED, RUNNING, DONE, DROPPED = range(4)
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
 #: Seconds to wait before each retry of a slot's worker start that failed with an OSError
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Sync chunks of one map that may wait in a worker behind the one it runs (see
-#: docs/decisions/0029-map-chunks.md).
+#: Sync chunks of one map that may wait in a worker behind the one it runs.
 CHUNKS_AHEAD = 2
 
 
-def fresh(exc: BaseException) -> BaseException:
-    """A copy of ``exc`` to raise in one more place (raising one object again and again
-    would grow its traceback)."""
-    try:
-        new = copy.copy(exc)
-    except Exception:  # noqa: BLE001
-        return exc
-    new.__cause__ = exc.__cause__
-    new.__traceback__ = None
-    return new
-
-
-class Task:
-    """One message's worth of work: an ``apply`` call or a chunk of a map.
-
-    ``message`` is whatever the worker handle sends (the scheduler never looks inside):
-    a small frame (``bytes``), or an object whose ``close()`` is called once the task is
-    done (it is kept until then: a task that its dead worker never started is sent again
-    to another), and ``discard()`` instead when no worker will ever run it.
-    """
-
-    __slots__ = (
-        "abandoned",
-        "define",
-        "fn_id",
-        "group",
-        "index",
-        "is_async",
-        "message",
-        "name",
-        "ok",
-        "on_done",
-        "size",
-        "state",
-        "tid",
-        "value",
-        "waiter",
-        "weight",
-        "worker",
-    )
-
-    def __init__(
-        self,
-        tid: int,
-        name: str,
-        weight: int,
-        is_async: bool,
-        message: Any,
-        fn_id: int = 0,
-        define: bytes = b"",
-        group: object = None,
-        index: int = 0,
-        size: int = 1,
-        on_done: Callable[[Task], None] | None = None,
-    ) -> None:
-        self.tid = tid
-        self.name = name  # of the function, for error messages
-        self.weight = weight
-        self.is_async = is_async
-        self.message = message
-        self.fn_id = fn_id  # nonzero: the worker must know DEF ``define`` first
-        self.define = define
-        self.group = group  # the map / imap call it is a chunk of; None for apply
-        self.index = index
-        self.size = size  # inputs it carries
-        self.on_done = on_done
-        # An asyncio future the caller awaits (apply's hot path: resolved here, with no
-        # callback in between), or None.
-        self.waiter: asyncio.Future[None] | None = None
-        self.state = QUEUED
-        self.worker: Worker | None = None
-        self.ok = False
-        self.value: Any = None
-        # Its caller has gone while it was running: if it turns out never to have
-        # started, it never does.
-        self.abandoned = False
-
-    def finish(self, ok: bool, value: object) -> None:
-        message = self.message
-        if type(message) is not bytes:  # (a small frame needs nothing: the hot path)
-            message.close()
-        self.state = DONE
-        self.ok = ok
-        self.value = value
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        if self.on_done is not None:
-            self.on_done(self)
-
-    def drop(self) -> None:
-        message = self.message
-        if type(message) is not bytes:
-            message.discard()
-        self.state = DROPPED
-
-
-class Handle(Protocol):
-    """What the scheduler needs of a worker. None of these may block or await."""
-
-    slot: int
-    #: The worker runs the sync tasks it holds one at a time, in the order they were sent:
-    #: one sent behind another has not started while the one before it has no outcome.
-    in_order: bool
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def pid(self) -> int | None: ...
-
-    def send(self, task: Task) -> bool:
-        """Send (or queue in order for sending) ``task``; False: the worker has gone and
-        nothing was sent. An OSError: the task cannot be sent anywhere (its fds)."""
-
-    def unsend(self, task: Task) -> bool:
-        """Take back ``task`` if none of it has left the pool yet (True), else False."""
-
-    def send_exit(self) -> None:
-        """Ask the worker to exit once it has sent its results."""
-
-    def kill(self, now: bool = False) -> None:
-        """Terminate the worker (SIGTERM, grace period, SIGKILL; with ``now``, SIGKILL at
-        once); report its exit later."""
-
-
-class Worker:
+class WorkerSlot:
     """The scheduler's record of one worker."""
 
     __slots__ = (
@@ -238,8 +106,12 @@ class Scheduler:
         # No task is queued or running any more (None: nobody is waiting for that).
         self.on_drained = on_drained
         self.to_spawn: collections.deque[int] = collections.deque()
-        self.workers: dict[Handle, Worker] = {}
-        self.idle: dict[Worker, None] = {}  # insertion order: popitem() is LIFO
+        self.workers: dict[Handle, WorkerSlot] = {}
+        self.idle: dict[WorkerSlot, None] = {}  # insertion order: popitem() is LIFO
+        #: ``take_idle()``: the worker :meth:`submit` would pick while no task is queued
+        #: (the most recently idle), for a send made before its task is submitted; then
+        #: :meth:`started` or :meth:`untake`. A C method: hot path: tests/budgets.
+        self.take_idle = self.idle.popitem
         self.queue: collections.deque[Task] = collections.deque()
         self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
         self.unfinished = 0  # tasks queued or running
@@ -253,7 +125,7 @@ class Scheduler:
     # -- workers ---------------------------------------------------------------------
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
-        self.workers[handle] = Worker(handle)
+        self.workers[handle] = WorkerSlot(handle)
         self.start_errors.pop(handle.slot, None)
 
     def ready(self, handle: Handle) -> None:
@@ -263,10 +135,6 @@ class Scheduler:
         w.ready = True
         self.start_failures[w.slot] = 0
         self._make_available(w)
-
-    def init_failed(self, handle: Handle, error: BaseException) -> None:
-        """The initializer raised in ``handle``'s worker: deterministic, so the pool breaks."""
-        self._break(error)
 
     def kill(self, handle: Handle, reason: str) -> None:
         """Terminate ``handle``'s worker (its tasks fail once it has exited); replace it."""
@@ -280,8 +148,11 @@ class Scheduler:
             self._replace(w)
         handle.kill()
 
-    def exited(self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = ()) -> None:
-        """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL).
+    def exited(
+        self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""
+    ) -> None:
+        """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL; ``why``:
+        its kind's reason, when it died on its own).
 
         ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
         tasks it had been sent but had not started (see :meth:`_not_started`), go back to
@@ -291,6 +162,8 @@ class Scheduler:
         w = self.workers.pop(handle, None)
         if w is None:
             return
+        if why and not w.reason:
+            w.reason = f" ({why})"
         self.idle.pop(w, None)
         tasks = w.running
         w.running = {}
@@ -334,7 +207,7 @@ class Scheduler:
                     err = BrokenWorkerError(
                         f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
                     )
-                    self._break(
+                    self.break_pool(
                         BrokenPoolError(
                             f"the pool's worker {w.slot} died during start-up {failures} times "
                             f"in a row, the last time: {err}"
@@ -345,7 +218,9 @@ class Scheduler:
         self._dispatch()
         self._check_drained()
 
-    def _not_started(self, w: Worker, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+    def _not_started(
+        self, w: WorkerSlot, tasks: dict[int, Task], unsent: Iterable[int]
+    ) -> list[int]:
         """Ids of the tasks that dead worker ``w`` held and never started, in the order sent.
 
         ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
@@ -382,10 +257,13 @@ class Scheduler:
         self.queue.append(task)
         self.queued += 1
 
-    def started(self, w: Worker, task: Task) -> None:
-        """``task`` went to ``w``, taken from :attr:`idle` while no task was queued, before
-        it was submitted: recorded as :meth:`submit` would have (``apply``'s hot path sends
-        first and makes the Task after: see docs/decisions/0028-apply-sends-first.md)."""
+    def untake(self, w: WorkerSlot) -> None:
+        """``w``, taken with :attr:`take_idle`, was sent nothing: the next one picked."""
+        self.idle[w] = None
+
+    def started(self, w: WorkerSlot, task: Task) -> None:
+        """``task`` was sent to ``w``, taken with :attr:`take_idle` before the task was
+        submitted: recorded as :meth:`submit` would have (``apply``'s hot path)."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -442,7 +320,7 @@ class Scheduler:
             or self._state == _CLOSED
         ):
             self._make_available(w)
-        else:  # idle again, nothing waits: _make_available's common case, a frame less
+        else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
         if not self.unfinished and self.on_drained is not None:
             self.on_drained()
@@ -467,7 +345,7 @@ class Scheduler:
         if self.unfinished == 0 and self.on_drained is not None:
             self.on_drained()
 
-    def _replace(self, w: Worker) -> None:
+    def _replace(self, w: WorkerSlot) -> None:
         """Start a worker in ``w``'s place, if the pool still wants one (once per worker)."""
         if w.replaced or self.broken is not None:
             return
@@ -477,10 +355,6 @@ class Scheduler:
         self.to_spawn.append(w.slot)
         self.replaced += 1
         self.on_spawn()
-
-    def fail(self, error: BaseException) -> None:
-        """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``."""
-        self._break(error)
 
     def spawn_failed(self, slot: int, error: BaseException) -> float | None:
         """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
@@ -494,12 +368,11 @@ class Scheduler:
             return delays[failures - 1]
         more = f" ({failures} times in a row)" if failures > 1 else ""
         err = BrokenPoolError(f"the pool could not start a worker for slot {slot}{more}: {error}")
-        self._break(err, cause=error)
+        self.break_pool(err, cause=error)
         return None
 
     def respawn(self, slot: int) -> None:
-        """Ask again for the worker of ``slot`` whose start failed, if the pool still wants
-        one (as when a worker is replaced)."""
+        """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
         if self.broken is not None or self._state == _CLOSED:
             return
         if self._state == _CLOSING and not self.queued:
@@ -507,7 +380,9 @@ class Scheduler:
         self.to_spawn.appendleft(slot)
         self.on_spawn()
 
-    def _break(self, error: BaseException, cause: BaseException | None = None) -> None:
+    def break_pool(self, error: BaseException, cause: BaseException | None = None) -> None:
+        """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``
+        (the initializer raised, workers cannot start, its Ray session ended)."""
         if self.broken is None:
             if isinstance(error, BrokenPoolError):
                 self.broken = error
@@ -527,7 +402,7 @@ class Scheduler:
                 self._finish(task, False, fresh(error))
         self._check_drained()
 
-    def _make_available(self, w: Worker) -> None:
+    def _make_available(self, w: WorkerSlot) -> None:
         """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
         if w.killed or w.gone or not w.ready:
             return
@@ -541,11 +416,11 @@ class Scheduler:
         if self.queue:
             self._dispatch()
 
-    def _pick(self, task: Task) -> Worker | None:
+    def _pick(self, task: Task) -> WorkerSlot | None:
         if self.idle:
             return self.idle.popitem()[0]
         if task.weight < self.concurrency:  # async: the least loaded with a free slot
-            best: Worker | None = None
+            best: WorkerSlot | None = None
             for w in self.workers.values():
                 if (
                     w.usable
@@ -588,12 +463,11 @@ class Scheduler:
                 queue.appendleft(task)
                 self.queued += 1
 
-    def _start(self, w: Worker, task: Task) -> bool:
+    def _start(self, w: WorkerSlot, task: Task) -> bool:
         """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
 
-        The send comes first and the bookkeeping after it: the worker wakes while this
-        runs (see docs/decisions/0027-apply-critical-path.md). Nothing can complete the
-        task in between: a result is read by a later loop callback.
+        The send comes first and the bookkeeping after it, while the worker wakes; nothing
+        can complete the task in between: a result is read by a later loop callback.
         """
         try:
             sent = w.handle.send(task)
@@ -609,7 +483,7 @@ class Scheduler:
         self._running(w, task)
         return True
 
-    def _running(self, w: Worker, task: Task) -> None:
+    def _running(self, w: WorkerSlot, task: Task) -> None:
         """``task`` has been sent to ``w`` (or waits in its outbox)."""
         task.state = RUNNING
         task.worker = w
@@ -622,5 +496,5 @@ class Scheduler:
             self._replace(w)
 
     # -- statistics --------------------------------------------------------------------
-    def live_workers(self) -> list[Worker]:
+    def live_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]

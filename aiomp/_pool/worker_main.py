@@ -1,4 +1,4 @@
-"""The worker process of :class:`aiomp.Pool`, and the wire format it shares with the pool.
+"""The worker process of :class:`aiomp.Pool` (its wire format: :mod:`aiomp._pool.protocol`).
 
 A worker is started with ``_process.launch(..., main, slot, ...)``. It:
 
@@ -81,15 +81,11 @@ def send(chan: _stream.Stream, op: int, tid: int, payload: object) -> None:
         if P.fits_inline(pickled):
             chan.send_sync(P.framed(op, tid, 0, pickled), [])
             return
-    msg = P.Message(op, tid, 0, b"", payload)
+    msg = P.TaskMessage(op, tid, 0, b"", payload)
     try:
         chan.send_sync(msg.frame, msg.fds)
     finally:
         msg.close()
-
-
-def error_payload(exc: BaseException, context: str = "") -> P.ErrorPayload:
-    return P.ErrorPayload.of(exc, context)
 
 
 class _BadDef:
@@ -101,8 +97,8 @@ class _BadDef:
         self.error = error
 
 
-class Worker:
-    """The state of one worker process."""
+class Server:
+    """The state of one worker process: what it serves, and from which loop."""
 
     def __init__(self, tasks: _stream.Stream, chan: _stream.Stream) -> None:
         self.tasks = tasks  # read: the pool's messages
@@ -152,7 +148,7 @@ class Worker:
                 if isinstance(result, types.CoroutineType):
                     self.run_coro(result)
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: reported to the parent
-            send(self.chan, P.OP_INIT_ERR, 0, error_payload(exc))
+            send(self.chan, P.OP_INIT_ERR, 0, P.ErrorPayload.of(exc))
             return False
         self.forward_logging()
         send(self.chan, P.OP_READY, 0, None)
@@ -196,7 +192,7 @@ class Worker:
                 self.forward_logging()
         except BaseException as exc:  # noqa: BLE001 - each task naming it reports it
             self.fns[fid] = _BadDef(
-                error_payload(exc, "the task's function could not be unpickled in the worker")
+                P.ErrorPayload.of(exc, "the task's function could not be unpickled in the worker")
             )
 
     def load(
@@ -223,7 +219,7 @@ class Worker:
                 self.chan,
                 P.OP_ERR,
                 tid,
-                error_payload(exc, "the task could not be unpickled in the worker"),
+                P.ErrorPayload.of(exc, "the task could not be unpickled in the worker"),
             )
             return None
 
@@ -244,7 +240,7 @@ class Worker:
                 result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             del fn, items, kwds
-            send(self.chan, P.OP_ERR, tid, error_payload(exc))
+            send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
             return
         del items, kwds
         if result is None:
@@ -268,7 +264,7 @@ class Worker:
                 try:
                     result = [self.run_coro(r) if type(r) is _Coroutine else r for r in result]
                 except BaseException as run_exc:  # noqa: BLE001
-                    send(self.chan, P.OP_ERR, tid, error_payload(run_exc))
+                    send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(run_exc))
                     return
                 self.reply(tid, fn, result)
                 return
@@ -280,7 +276,7 @@ class Worker:
                     f"the parent: {type(exc).__name__}: {exc}"
                 )
                 err.__cause__ = exc
-            send(self.chan, P.OP_ERR, tid, error_payload(err))
+            send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(err))
 
     # -- async mode ----------------------------------------------------------------
     async def serve_async(self, first: tuple[int, int, bytes | memoryview, list[int]]) -> None:
@@ -380,7 +376,7 @@ class Worker:
                     result.append(r)
         except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
             del msg, fn, items, kwds
-            send(self.chan, P.OP_ERR, tid, error_payload(exc))
+            send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
             return
         del msg, items, kwds
         self.reply(tid, fn, result)
@@ -388,7 +384,7 @@ class Worker:
 
 async def _boxed(coro: Any) -> tuple[bool, Any]:
     """``(True, what coro returns)``, or ``(False, the SystemExit or KeyboardInterrupt it
-    raised)``: those two never leave an asyncio task (see :meth:`Worker.run_coro`)."""
+    raised)``: those two never leave an asyncio task (see :meth:`Server.run_coro`)."""
     try:
         return True, await coro
     except (KeyboardInterrupt, SystemExit) as exc:
@@ -417,7 +413,7 @@ def main(
         multiprocessing.current_process().daemon = False
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
-    worker = Worker(_stream.Stream(stream), _stream.Stream(results))
+    worker = Server(_stream.Stream(stream), _stream.Stream(results))
     if output is not None:
         worker.records = (output[3], output[4])
     try:

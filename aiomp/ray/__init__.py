@@ -6,11 +6,11 @@
         y = await pool.apply(f, (x,))
         ys = await pool.map(f, xs)
 
-The calls and the scheduler are the local Pool's; only the worker handle differs (an
-:class:`~aiomp.ray._handle.ActorHandle` drives one ``aiomp.ray._actor.Worker`` actor).
-Ray places the actors, carries the messages and stores the arrays; how a call travels and
-why nothing polls: docs/decisions/0031-ray-workers.md. What differs from
-:class:`aiomp.Pool`:
+It is :class:`aiomp.Pool` with another kind of worker: a :class:`~aiomp.ray._kind.RayKind`,
+whose :class:`~aiomp.ray._handle.ActorHandle` drives one ``aiomp.ray._actor.TaskActor``
+actor. The calls, the engine and the scheduler are the local Pool's. Ray places the
+actors, carries the messages and stores the arrays; each ref's done-callback hands its
+outcome to the pool's loop, so nothing polls. What differs from :class:`aiomp.Pool`:
 
 * Functions are pickled with Ray's cloudpickle, so lambdas and functions of ``__main__``
   work. numpy arrays of :data:`ARRAY_THRESHOLD` bytes or more go through Ray's object
@@ -38,46 +38,14 @@ why nothing polls: docs/decisions/0031-ray-workers.md. What differs from
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import io
-import logging
-import pickle
-import sys
-import threading
-import weakref
 from collections.abc import Callable, Iterable, Mapping
-from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any
 
-import anyio
-
-from .._loop import running_asyncio_loop
 from .._pool import pool as _pool
-from .._pool import protocol as P
-from .._pool.scheduler import fresh
-from ._handle import ActorHandle
+from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
+from ._session import PROBE_TIMEOUT
 
 __all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
-
-log = logging.getLogger("aiomp")
-
-#: numpy arrays at least this large (bytes) travel through Ray's object store (``ray.put``);
-#: smaller ones inside the task's pickle. Ray's own limit for inlining an argument.
-ARRAY_THRESHOLD = 100 * 1024
-
-#: Seconds a TCP connection to the cluster's address may take before the pool raises
-#: ``ConnectionError``: ``ray.init`` itself retries an address where nothing answers for
-#: minutes, in a thread that cannot be interrupted.
-PROBE_TIMEOUT = 5.0
-#: How often (seconds) an open pool checks that the Ray session it uses still runs: Ray
-#: has no shutdown hook, and after ``ray.shutdown()`` no ref's callback runs any more.
-SESSION_CHECK = 1.0
-
-# Held (in worker threads only) around a pool's ray.init and ray.shutdown: one at a time,
-# one whose caller was cancelled and has left included.
-_connect_lock = threading.Lock()
-
-_CTL_GROUP = {"ctl": 8}  # cancel and alive: never behind a task that blocks the actor's loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,215 +57,6 @@ class ActorInfo:
     #: The Ray node the actor runs on, and its process id there (None until it is ready).
     node_id: str | None
     pid: int | None
-
-
-class _Puts:
-    """The arrays put into the object store for one call, shared by its tasks: ``id`` ->
-    ``(array, ref)`` (the array kept, so that its id names it alone). It lives while a task
-    of the call is unfinished, so that a call's later chunks reuse the puts of its earlier
-    ones, and no longer: a caller may change an array in place before its next call."""
-
-    __slots__ = ("entries", "group", "pending")
-
-    def __init__(self, group: object) -> None:
-        self.group = group
-        self.entries: dict[int, tuple[Any, Any]] = {}
-        self.pending = 0
-
-
-class _Call:
-    """A task's message: its blob and the refs of the arrays it names (see
-    docs/decisions/0031-ray-workers.md). Dropping the refs lets Ray free the arrays once the actor
-    has them."""
-
-    __slots__ = ("_done", "blob", "refs")
-
-    def __init__(
-        self, blob: bytes, refs: list[Any], done: Callable[[], None] | None = None
-    ) -> None:
-        self.blob = blob
-        self.refs = refs
-        self._done = done
-
-    def close(self) -> None:
-        """The task is finished or dropped (maybe in a loop callback: nothing async)."""
-        self.refs = []
-        done, self._done = self._done, None
-        if done is not None:
-            done()
-
-    discard = close
-
-
-class _Pickler(pickle.Pickler):
-    """Pickles a task's arguments, putting large numpy arrays into the object store."""
-
-    def __init__(self, file: io.BytesIO, ndarray: Any, put: Callable[[Any], int]) -> None:
-        super().__init__(file, protocol=5)
-        self._ndarray = ndarray
-        self._put = put
-
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, self._ndarray) and obj.nbytes >= ARRAY_THRESHOLD:
-            return self._put(obj)
-        return None
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise ImportError('aiomp.ray.Pool needs Ray: pip install "aiomp[ray]"') from exc
-    return ray
-
-
-def _cloudpickle(obj: object) -> bytes:
-    """Pickle ``obj`` with Ray's cloudpickle: by value what a remote node could not import."""
-    dumps: Callable[..., bytes] = importlib.import_module("ray.cloudpickle").dumps
-    return dumps(obj, protocol=5)
-
-
-def _bootstrap_address(address: str | None) -> tuple[str, int] | None:
-    """Where ``ray.init(address)`` will connect: the cluster's GCS (a ``ray://`` address:
-    its Ray Client server), or None where it starts a local instance (or where the address
-    says no port: ``ray.init`` says what is wrong with it). Blocks (it may scan processes).
-    """
-    target: str | None
-    if address is not None and address.startswith("ray://"):
-        target = address.removeprefix("ray://")
-    else:
-        try:
-            from ray._private.services import canonicalize_bootstrap_address
-        except ImportError:  # Ray moved it: the address as given
-            target = None if address in (None, "auto", "local") else address
-        else:
-            # As ray.init resolves it: RAY_ADDRESS, the latest local instance, localhost
-            # as the node's IP. (Typed as taking a str, it takes None too: its docstring.)
-            try:
-                target = canonicalize_bootstrap_address(address)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - nothing to probe: ray.init says what is wrong
-                return None
-    if not target:
-        return None
-    host, sep, port = target.rpartition(":")
-    if not sep or not port.isdigit():
-        return None
-    return host.strip("[]"), int(port)
-
-
-async def _probe(host: str, port: int, address: str | None) -> None:
-    """Raise ``ConnectionError`` unless something accepts a TCP connection at ``host:port``
-    within :data:`PROBE_TIMEOUT` seconds (cancellable: it runs on the loop)."""
-    try:
-        with anyio.fail_after(PROBE_TIMEOUT):
-            stream = await anyio.connect_tcp(host, port)
-    except OSError as exc:  # TimeoutError included
-        raise ConnectionError(
-            f"no Ray cluster answers at address={address!r}: connecting to {host}:{port} "
-            f"failed ({exc or f'no answer in {PROBE_TIMEOUT:g} s'})"
-        ) from exc
-    await stream.aclose()
-
-
-class _Connecting:
-    """One ``ray.init`` in a worker thread, whose caller may be cancelled and leave first.
-
-    Whichever of the two is done first takes the one token: the thread, when ``ray.init``
-    has returned (the caller then owns the session it opened, ``started``), or the caller
-    as it leaves (the thread then shuts that session down itself: nobody would use or
-    close it).
-    """
-
-    def __init__(self, ray: Any, address: str | None) -> None:
-        self._ray = ray
-        self._address = address
-        self._token = [None]
-        self.started = False  # this ray.init opened the session
-
-    def run(self) -> bool:
-        """(In the worker thread) Connect; True if this opened the session."""
-        ray = self._ray
-        with _connect_lock:
-            if not ray.is_initialized():
-                try:
-                    ray.init(address=self._address)
-                except SystemExit as exc:  # Ray's core worker gives up on an absent GCS so
-                    raise ConnectionError(
-                        f"ray.init(address={self._address!r}) gave up: SystemExit({exc.code})"
-                    ) from exc
-                self.started = True
-            if self.take():
-                return self.started
-            if self.started:
-                ray.shutdown()
-            return False
-
-    def take(self) -> bool:
-        """Take the token (atomic: list.pop); False if the other side has it."""
-        try:
-            self._token.pop()
-        except IndexError:
-            return False
-        return True
-
-
-def _shutdown_ray(ray: Any) -> None:
-    with _connect_lock:
-        ray.shutdown()
-
-
-def _capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """What the caller holds if it is a Ray actor or task (for as long as the pool lives
-    inside it), and what each live node of the cluster has for the pool's actors: its
-    resources, less those on the caller's node. Blocks (RPCs to Ray's GCS)."""
-    ctx = ray.get_runtime_context()
-    held: dict[str, float] = {}
-    if getattr(getattr(ctx, "worker", None), "mode", None) == ray.WORKER_MODE:
-        held = {k: float(v) for k, v in ctx.get_assigned_resources().items() if v}
-    here = ctx.get_node_id()
-    nodes = []
-    for node in ray.nodes():
-        if not node.get("Alive"):
-            continue
-        have = {k: float(v) for k, v in node.get("Resources", {}).items()}
-        if node.get("NodeID") == here:
-            for k, v in held.items():
-                if k in have:
-                    have[k] -= v
-        nodes.append(have)
-    return held, nodes
-
-
-def _unplaceable(
-    demand: Mapping[str, float], held: Mapping[str, float], nodes: list[dict[str, float]]
-) -> str:
-    where = "; ".join(_fmt({k: node.get(k, 0.0) for k in demand}) for node in nodes[:8])
-    beside = (
-        f" beside what the caller holds there ({_fmt(held)}: it runs in a Ray actor or task, "
-        "which keeps them while the pool lives)"
-        if held
-        else ""
-    )
-    return (
-        f"Ray cannot place an actor of this pool: each asks {_fmt(demand)}, more than any "
-        f"node of the cluster has{beside}; its nodes have {where or 'nothing (none alive)'}"
-    )
-
-
-def _fmt(resources: Mapping[str, float]) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
-
-
-_actor_class: Any = None
-
-
-def _get_actor_class(ray: Any) -> Any:
-    global _actor_class
-    if _actor_class is None:
-        from ._actor import Worker
-
-        _actor_class = ray.remote(concurrency_groups=_CTL_GROUP)(Worker)
-    return _actor_class
 
 
 class Pool(_pool.Pool):
@@ -328,10 +87,6 @@ class Pool(_pool.Pool):
     Runs on asyncio and uvloop; under trio, entering it raises ``RuntimeError``.
     """
 
-    # One chunk per slot, not multiprocessing's four: a Ray call costs about a millisecond
-    # (a local worker's round trip: tens of us), the work of thousands of small items.
-    _chunks_per_slot = 1
-
     def __init__(
         self,
         processes: int | None = None,
@@ -347,11 +102,8 @@ class Pool(_pool.Pool):
         resources: Mapping[str, float] | None = None,
         runtime_env: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(
-            1 if processes is None else processes,
-            maxtasksperchild=maxtasksperchild,
-            concurrency=concurrency,
-            grace_period=grace_period,
+        n, concurrency, maxtasksperchild, grace = _pool.check_options(
+            processes, concurrency, maxtasksperchild, grace_period
         )
         if initializer is not None and not callable(initializer):
             raise TypeError(f"initializer must be callable, not {type(initializer).__name__}")
@@ -360,341 +112,24 @@ class Pool(_pool.Pool):
                 raise ValueError(f"{name} must be a number >= 0, not {value!r}")
         if address is not None and not isinstance(address, str):
             raise TypeError(f"address must be a str or None, not {type(address).__name__}")
-        self._initializer = initializer
-        self._initargs = tuple(initargs)
-        self._auto_processes = processes is None
-        self._address = address
-        self._num_cpus = num_cpus
-        self._num_gpus = num_gpus
-        self._options: dict[str, Any] = {
+        options: dict[str, Any] = {
             "max_concurrency": concurrency,
             "num_cpus": num_cpus,
             "num_gpus": num_gpus,
             "max_restarts": 0,  # the pool replaces an actor; Ray must not revive it
         }
         if resources:
-            self._options["resources"] = dict(resources)
+            options["resources"] = dict(resources)
         if runtime_env:
-            self._options["runtime_env"] = dict(runtime_env)
-        self._ray: Any = None
-        self._actor_cls: Any = None
-        self._init_blob = b""
-        self._started_ray = False  # this pool called ray.init: it shuts Ray down at exit
-        # fn -> its cloudpickle (weak: the cache must not keep a function alive).
-        self._fn_keys: weakref.WeakKeyDictionary[object, bytes] = weakref.WeakKeyDictionary()
-        self._puts: _Puts | None = None  # the latest call's, while it has tasks
-        self._job: str | None = None  # the Ray session's job id, while it is the pool's
-        self._session_watch: anyio.CancelScope | None = None
-
-    def __repr__(self) -> str:
-        state = ("new", "open", "closing", "closed")[self._state]
-        return (
-            f"<aiomp.ray.Pool {state} processes={self._processes} "
-            f"concurrency={self._concurrency} num_cpus={self._num_cpus} "
-            f"num_gpus={self._num_gpus}>"
+            options["runtime_env"] = dict(runtime_env)
+        self._ray_kind = kind = RayKind(
+            initializer, tuple(initargs), n is None, address, num_cpus, num_gpus, options
         )
-
-    def pids(self) -> list[int]:
-        """Process ids of the live, ready actors (each on its own node: see :meth:`actors`)."""
-        return [info.pid for info in self.actors() if info.pid is not None]
+        self._attach(kind, 1 if n is None else n, concurrency, maxtasksperchild, grace)
 
     def actors(self) -> list[ActorInfo]:
         """The live actors that take tasks: their ids, nodes and process ids."""
-        out = []
-        for w in self._sched.live_workers():
-            # The scheduler types handles by its Handle protocol; this pool makes ActorHandles.
-            h: ActorHandle = w.handle  # type: ignore[assignment]
-            out.append(ActorInfo(h.slot, h.actor_id, h.node_id, h.pid))
-        return out
-
-    # -- lifetime ----------------------------------------------------------------------
-    async def __aenter__(self) -> Self:
-        """Connect to Ray (see ``address``) and start the actors (returns before they are
-        ready). On cancellation or failure the actors started so far are killed, and a Ray
-        instance this pool started is shut down. Cancelled while ``ray.init`` connects,
-        it leaves at once with a warning: ``ray.init`` cannot be interrupted and goes on in
-        its thread, and a session it opens after all is shut down again there."""
-        try:
-            await super().__aenter__()
-        except BaseException:
-            await self._disconnect()
-            raise
-        assert self._tg is not None
-        self._session_watch = anyio.CancelScope()
-        self._tg.start_soon(self._watch_session)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        """As :meth:`aiomp.Pool.__aexit__`, then shut down a Ray instance this pool started."""
-        try:
-            return await super().__aexit__(exc_type, exc, tb)
-        finally:
-            await self._disconnect()
-
-    async def _prepare(self) -> None:
-        if running_asyncio_loop() is None:
-            raise RuntimeError(
-                "aiomp.ray.Pool runs on asyncio and uvloop only (Ray's async API is "
-                "asyncio's); under trio use aiomp.Pool, or run the Ray pool in an asyncio "
-                "thread"
-            )
-        ray = self._ray = _import_ray()
-        try:
-            self._init_blob = _cloudpickle((self._initializer, self._initargs))
-        except Exception as exc:
-            exc.add_note("(while pickling the pool's initializer and initargs for Ray)")
-            raise
-        if not ray.is_initialized():
-            await self._connect()
-        self._actor_cls = _get_actor_class(ray)
-        self._job = ray.get_runtime_context().get_job_id()
-        # Ray's state calls ask its GCS (RPCs): in a thread, as ray.init.
-        held, nodes = await anyio.to_thread.run_sync(_capacity, ray, abandon_on_cancel=True)
-        demand = {
-            k: float(v)
-            for k, v in {
-                "CPU": self._num_cpus,
-                "GPU": self._num_gpus,
-                **self._options.get("resources", {}),
-            }.items()
-            if v
-        }
-        if demand:
-            # How many actors each node could hold: none anywhere, and they would wait
-            # for ever (Ray queues an actor it cannot place, silently).
-            fits = [min(node.get(k, 0.0) // v for k, v in demand.items()) for node in nodes]
-            if not any(n >= 1 for n in fits):
-                raise ValueError(_unplaceable(demand, held, nodes))
-        else:  # an actor that asks for nothing: one per CPU
-            fits = [node.get("CPU", 0.0) for node in nodes]
-        room = int(sum(fits))
-        if self._auto_processes:
-            self._processes = max(1, room)
-        elif self._processes > room:  # those that fit serve; the others wait for room
-            log.warning(
-                "aiomp.ray.Pool: %d actors asked, and the cluster's nodes can hold %d of "
-                "them (each asks %s): the others wait until Ray has room",
-                self._processes,
-                room,
-                _fmt(demand),
-            )
-
-    async def _connect(self) -> None:
-        """``ray.init(address=...)``, in a thread: it blocks for seconds (it may start a
-        whole local instance), and for minutes where nothing answers at the address, so
-        that is tried first (``ConnectionError``). Cancelled, it abandons the thread (see
-        :meth:`__aenter__`)."""
-        where = await anyio.to_thread.run_sync(
-            _bootstrap_address, self._address, abandon_on_cancel=True
-        )
-        if where is not None:
-            await _probe(*where, self._address)
-        connecting = _Connecting(self._ray, self._address)
-        try:
-            self._started_ray = await anyio.to_thread.run_sync(
-                connecting.run, abandon_on_cancel=True
-            )
-        except anyio.get_cancelled_exc_class():
-            if connecting.take():
-                log.warning(
-                    "aiomp.ray.Pool: cancelled while ray.init(address=%r) connects; it goes "
-                    "on in its thread (it cannot be interrupted), and a session it opens "
-                    "will be shut down there",
-                    self._address,
-                )
-            else:  # it had connected: the session is this pool's to shut down
-                self._started_ray = connecting.started
-            raise
-
-    async def _disconnect(self) -> None:
-        """Shut down the Ray session this pool started (shielded; Ray bounds it)."""
-        self._puts = None
-        if self._started_ray:
-            self._started_ray = False
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_shutdown_ray, self._ray)
-
-    def _session_ok(self) -> bool:
-        """The Ray session the pool started with still runs (never auto-inits one: Ray's
-        calls start a local instance when none is initialised)."""
-        ray = self._ray
-        try:
-            return bool(ray.is_initialized()) and (
-                ray.get_runtime_context().get_job_id() == self._job
-            )
-        except Exception:  # noqa: BLE001 - disconnected between the two
-            return False
-
-    async def _watch_session(self) -> None:
-        """Break the pool once its Ray session has ended (checked every SESSION_CHECK s)."""
-        assert self._session_watch is not None
-        with self._session_watch:
-            # A poll: Ray offers no event for it (see SESSION_CHECK).
-            while True:
-                await anyio.sleep(SESSION_CHECK)
-                if not self._session_ok():
-                    self._session_lost()
-                    return
-
-    def _session_lost(self) -> None:
-        """``ray.shutdown()`` (and maybe ``ray.init`` again) under the pool: its actors and
-        refs are gone, and no callback of theirs will run. Break the pool (queued and later
-        calls: BrokenPoolError) and report every actor dead (its tasks: BrokenWorkerError).
-        """
-        if self._job is None:  # lost already
-            return
-        self._job = None
-        self._started_ray = False  # gone: a session opened since is not this pool's
-        why = "Ray was shut down (ray.shutdown()) while the pool was open"
-        self._sched.fail(RuntimeError(why))
-        for h in list(self._handles):
-            cast(ActorHandle, h).lost(why)  # (this pool makes ActorHandles)
-
-    async def _shutdown(self, graceful: bool) -> BaseException | None:
-        """As :meth:`aiomp.Pool._shutdown`; the session watch ends first."""
-        if self._session_watch is not None:
-            self._session_watch.cancel()
-        return await super()._shutdown(graceful)
-
-    def _release_init(self) -> None:
-        self._puts = None
-
-    # -- workers -----------------------------------------------------------------------
-    def _spawn(self, slot: int) -> None:
-        """Start an actor for ``slot`` and its watcher (from a task, never a callback)."""
-        assert self._tg is not None and self._loop is not None
-        if not self._session_ok():
-            self._session_lost()
-            return
-        try:
-            actor = self._actor_cls.options(**self._options).remote()
-        except Exception:
-            if self._session_ok():
-                raise
-            self._session_lost()  # ray.shutdown() in another thread, under this call
-            return
-        h = ActorHandle(
-            slot, actor, self._loop, self._grace, self._on_result, self._on_ready, self._on_exit
-        )
-        self._handles[h] = None
-        self._sched.add(h)
-        h.init(self._init_blob)
-        self._tg.start_soon(h.run)
-
-    def _on_ready(self, h: ActorHandle, answer: tuple[Any, ...]) -> None:
-        """The actor's initializer has run (in a loop callback)."""
-        if answer[0]:
-            self._sched.ready(h)
-            return
-        self._initializer_failed(h, self._rebuild(h, answer[1]))
-        self._sched.kill(h, " (its initializer raised)")
-
-    def _on_result(self, h: ActorHandle, tid: int, ok: bool, value: Any) -> None:
-        """A task's outcome (in a loop callback): a value, an ErrorPayload, or a Ray error."""
-        if not ok:
-            if isinstance(value, P.ErrorPayload):
-                value = self._rebuild(h, value)
-            elif isinstance(value, self._ray.exceptions.RayTaskError):
-                # The actor's run() answers every error of the task itself: what fails
-                # after it is Ray serializing the result.
-                task = self._sched.task(h, tid)
-                cause = getattr(value, "cause", None) or value
-                err = pickle.PicklingError(
-                    f"the result of {task.name if task else 'a task'} could not be pickled "
-                    f"to return it from {h.name}: {type(cause).__name__}: {cause}"
-                )
-                err.__cause__ = value
-                value = err
-        self._sched.complete(h, tid, ok, value)
-
-    def _on_exit(self, h: Any, exitcode: int | None, unsent: list[int]) -> None:
-        w = self._sched.workers.get(h)
-        if w is not None and h.why and not w.reason:
-            w.reason = f" ({h.why})"
-        super()._on_exit(h, exitcode, unsent)
-
-    def _rebuild(self, h: ActorHandle, error: P.ErrorPayload) -> BaseException:
-        return error.exception(h.name, h.slot, h.pid)
-
-    # -- tasks (see _calls.make_task) ----------------------------------------------------
-    def _fn_key(self, fn: object) -> bytes:
-        try:
-            return self._fn_keys[fn]
-        except (KeyError, TypeError):
-            pass
-        key = _cloudpickle(fn)
-        try:
-            self._fn_keys[fn] = key
-        except TypeError:  # not weakly referenceable: pickled on every call
-            pass
-        return key
-
-    def _encode(
-        self,
-        tid: int,
-        fn: Callable[..., Any],
-        info: Any,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> _Call:
-        """A task's message, made in the caller: raises here if it cannot be pickled."""
-        if not self._ray.is_initialized():  # ray.put would start a local Ray of its own
-            self._session_lost()
-            assert self._sched.broken is not None
-            raise fresh(self._sched.broken)
-        try:
-            key = self._fn_key(fn)
-            task = (tid, flags, key, items, kwds)
-            np = sys.modules.get("numpy")
-            if np is None or (
-                all(type(x) in P.PLAIN for x in items)
-                and not (kwds and any(type(v) not in P.PLAIN for v in kwds.values()))
-            ):
-                return _Call(pickle.dumps(task, protocol=5), [])
-            return self._encode_with_arrays(task, np.ndarray, group)
-        except Exception as exc:
-            exc.add_note(f"(while pickling a task of {info.name} for a Ray worker)")
-            raise
-
-    def _encode_with_arrays(self, task: tuple[Any, ...], ndarray: type, group: object) -> _Call:
-        puts = self._puts
-        if group is None or puts is None or puts.group is not group:
-            puts = _Puts(group)
-            self._puts = puts if group is not None else None
-        memo = puts.entries
-        refs: list[Any] = []
-        index: dict[int, int] = {}  # id(array) -> its index among this task's refs
-        put = self._ray.put
-
-        def persist(arr: Any) -> int:
-            i = index.get(id(arr))
-            if i is None:
-                got = memo.get(id(arr))
-                if got is None:
-                    got = memo[id(arr)] = (arr, put(arr))  # arr kept: its id stays its own
-                i = index[id(arr)] = len(refs)
-                refs.append(got[1])
-            return i
-
-        buf = io.BytesIO()
-        _Pickler(buf, ndarray, persist).dump(task)
-        if not refs:
-            return _Call(buf.getvalue(), refs)
-        puts.pending += 1
-
-        def done() -> None:
-            puts.pending -= 1
-            if not puts.pending and self._puts is puts:
-                self._puts = None  # the call is over: its arrays may change before the next
-
-        return _Call(buf.getvalue(), refs, done)
+        return [ActorInfo(h.slot, h.actor_id, h.node_id, h.pid) for h in self._ray_kind.live()]
 
 
 for _cls in (Pool, ActorInfo):

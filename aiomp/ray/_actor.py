@@ -1,6 +1,6 @@
 """The worker of :class:`aiomp.ray.Pool`: an async Ray actor that runs the pool's tasks.
 
-The pool makes it with ``ray.remote(Worker).options(max_concurrency=concurrency, ...)``
+The pool makes it with ``ray.remote(TaskActor).options(max_concurrency=concurrency, ...)``
 and two concurrency groups: the default one runs the tasks (``init``, ``run``), a ``ctl``
 group (its own thread and event loop in Ray) answers ``cancel`` and ``alive`` even while
 a sync task blocks the tasks' loop.
@@ -16,7 +16,7 @@ in the caller as its own type with this traceback as its cause. Ray serializes t
 (large arrays go through the object store).
 
 This module imports ray only inside methods (the actor process has it anyway): the pool
-turns :class:`Worker` into an actor class, the module stays importable without Ray.
+turns :class:`TaskActor` into an actor class, the module stays importable without Ray.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def loads(data: bytes, arrays: tuple[Any, ...]) -> Any:
     return _Unpickler(data, arrays).load()
 
 
-class Worker:
+class TaskActor:
     """One pool worker. See the module docstring."""
 
     def __init__(self) -> None:

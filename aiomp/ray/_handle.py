@@ -1,8 +1,9 @@
 """One worker of :class:`aiomp.ray.Pool` as the pool sees it: a Ray actor and its refs.
 
-An :class:`ActorHandle` is the second kind of worker handle behind the Pool's scheduler
-(the first is ``_handle.WorkerHandle``, a process): the same few methods (``send``,
-``send_exit``, ``cancel``, ``kill``), the same ``dead`` event, and the same report upward,
+An :class:`ActorHandle` is the Ray kind's :class:`~aiomp._pool.kinds.Handle`: the same
+methods and ``dead`` event as the process handle, and the same reports to the engine's
+:class:`~aiomp._pool.kinds.Events`: each task's outcome decoded, as
+``on_result(handle, tid, ok, value)`` (an error as the exception to raise), and
 ``on_exit(handle, exitcode, unsent)``, once, after the actor is gone.
 
 Each ref the handle makes (the actor's ``init``, each task's ``run``, and ``alive``, which
@@ -25,6 +26,7 @@ no ref of it will ever settle.
 
 from __future__ import annotations
 
+import pickle
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._loop.wakeup import Signal
+from .._pool.kinds import Events, Handle
 from .._pool.protocol import ErrorPayload
-from .._pool.scheduler import Task
+from .._pool.tasks import Task
 
 if TYPE_CHECKING:
     import asyncio
@@ -46,7 +49,7 @@ DIED = 1
 CONFIRM = 10.0
 
 
-class ActorHandle:
+class ActorHandle(Handle):
     """See the module docstring."""
 
     #: Ray may run an actor's calls in any order: only a task never sent is known not
@@ -59,15 +62,14 @@ class ActorHandle:
         actor: Any,  # a Ray ActorHandle (ray ships no types)
         loop: asyncio.AbstractEventLoop,  # Ray's asyncio integration: asyncio only
         grace: float,
-        on_result: Callable[[ActorHandle, int, bool, Any], None],
-        on_ready: Callable[[ActorHandle, tuple[Any, ...]], None],
-        on_exit: Callable[[ActorHandle, int | None, list[int]], None],
+        events: Events,
     ) -> None:
         import ray
 
         self._ray = ray
         self._connected: Callable[[], bool] = ray.is_initialized
         self._actor_error = ray.exceptions.RayActorError
+        self._task_error = ray.exceptions.RayTaskError
         self.slot = slot
         self.actor = actor
         self.actor_id: str = actor._actor_id.hex()
@@ -75,9 +77,8 @@ class ActorHandle:
         self._pid: int | None = None
         self._loop = loop
         self._grace = grace
-        self._on_result = on_result
-        self._on_ready = on_ready
-        self._on_exit = on_exit
+        self._events = events
+        self._on_result = events.on_result
         self._run = actor.run.remote
         self._cancel = actor.cancel.options(concurrency_group="ctl").remote
         self.pending = 0  # refs sent and not yet settled (init and tasks)
@@ -132,7 +133,13 @@ class ActorHandle:
             return
         if answer[0]:
             self._pid, self.node_id = answer[1], answer[2]
-        self._on_ready(self, answer)
+            self._events.on_ready(self)
+            return
+        self._events.on_init_failed(self, self._rebuild(answer[1]))
+        self._events.kill(self, " (its initializer raised)")
+
+    def _rebuild(self, error: ErrorPayload) -> BaseException:
+        return error.exception(self.name, self.slot, self.pid)
 
     def _alive_done(self, outcome: Any) -> None:
         self._died(
@@ -170,11 +177,23 @@ class ActorHandle:
 
     def _task_done(self, tid: int, outcome: Any) -> None:
         self._settle()
-        if not isinstance(outcome, BaseException):
-            self._on_result(self, tid, not isinstance(outcome, ErrorPayload), outcome)
+        if isinstance(outcome, ErrorPayload):
+            self._on_result(self, tid, False, self._rebuild(outcome))
+        elif not isinstance(outcome, BaseException):
+            self._on_result(self, tid, True, outcome)
         elif isinstance(outcome, self._actor_error):
             self._died(outcome)  # the scheduler fails the task once the exit is reported
-        else:  # Ray could not run it or return its result (serialization, cancellation)
+        elif isinstance(outcome, self._task_error):
+            # The actor's run() answers every error of the task itself: what fails after
+            # it is Ray serializing the result.
+            cause = getattr(outcome, "cause", None) or outcome
+            err = pickle.PicklingError(
+                f"the result of {self._events.task_name(self, tid) or 'a task'} could not "
+                f"be pickled to return it from {self.name}: {type(cause).__name__}: {cause}"
+            )
+            err.__cause__ = outcome
+            self._on_result(self, tid, False, err)
+        else:  # Ray could not run it or return its result (cancellation)
             self._on_result(self, tid, False, outcome)
 
     def send_exit(self) -> None:
@@ -232,7 +251,7 @@ class ActorHandle:
                     self.exitcode = None  # Ray did not confirm the death
         finally:
             self.closed = True
-            self._on_exit(self, self.exitcode, [])
+            self._events.on_exit(self, self.exitcode, [])
             self.dead.set()
 
 
