@@ -33,7 +33,7 @@ import aiomp
 from aiomp._pool import calls as _calls
 from aiomp._pool import protocol as P
 from aiomp._pool import tasks as _tasks
-from aiomp._wire import transport as _transport
+from aiomp._wire import stream as _transport
 from tests import _funcs as funcs
 from tests._gate import Gate
 from tests._run import run_python
