@@ -25,7 +25,7 @@ import aiomp
 from aiomp._arrays import numpy as _numpy
 from aiomp._memory import shm as _shm
 from aiomp._wire import pickling as _reduction
-from tests import _funcs_arrays as funcs
+from tests.children import arrays as funcs
 
 TIMEOUT = 20
 GRACE = 0.5

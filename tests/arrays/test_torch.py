@@ -26,11 +26,11 @@ torch = pytest.importorskip("torch", reason="torch is not installed (pip install
 import aiomp  # noqa: E402
 from aiomp._arrays import torch as _torch  # noqa: E402
 from aiomp._wire import pickling as _reduction  # noqa: E402
-from tests import _funcs_torch as funcs  # noqa: E402
+from tests.children import torch as funcs  # noqa: E402
 
 TIMEOUT = 60  # children import torch: seconds each on two busy cores
 GRACE = 0.5
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INLINE = _torch.INLINE_THRESHOLD
 ONE_LOOP = pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 
@@ -262,7 +262,7 @@ async def test_the_sender_exits_before_the_receiver_reads() -> None:
 @ONE_LOOP
 async def test_a_tensor_forwarded_by_a_child_comes_back_as_the_same_storage() -> None:
     # Pipelines forward buffers: the child sends on the storage it received, by its fd.
-    from tests import _funcs
+    from tests.children import common as _funcs
 
     x = torch.arange(INLINE, dtype=torch.float32)  # moved into shared memory by the put
     qin, qout = aiomp.Queue(), aiomp.Queue()

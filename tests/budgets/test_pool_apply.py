@@ -17,7 +17,7 @@ import pytest
 
 import aiomp
 from aiomp._pool import protocol as P
-from tests import _funcs_pool2 as f
+from tests.children import counting as f
 
 TIMEOUT = 20
 N = 200

@@ -461,7 +461,7 @@ _FD = textwrap.dedent("""
     import numpy as np
     import aiomp
     from tests.chaos import _chaos
-    from tests import _funcs_shm
+    from tests.children import memory as memory_funcs
 
     loop, strategy, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -483,7 +483,7 @@ _FD = textwrap.dedent("""
         del keep, arr
         gc.collect()
         with anyio.fail_after(60):
-            async with aiomp.spawn(_funcs_shm.drain, 1, args=(q, sent, strategy)) as ctx:
+            async with aiomp.spawn(memory_funcs.drain, 1, args=(q, sent, strategy)) as ctx:
                 pass
         assert ctx.results[0] == [i % 251 for i in range(sent)]
         assert q.qsize() == 0

@@ -1,4 +1,4 @@
-"""Functions that the one-array fast path tests (tests/test_array_fastpath.py) run in
+"""Functions that the one-array fast path tests (tests/arrays/test_fastpath.py) run in
 children. Standard library only at module level: spawn children import this module."""
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Functions that test children run, grouped by the test module that uses them.
+"""Functions that test children run, shared by many areas, grouped by what they exercise.
 
 spawn and forkserver children import this module to unpickle their function, so it must
 stay light: the standard library only at module level (no typing, anyio, asyncio, numpy),
-or ``test_public``'s child-import check would see them. Import heavy modules inside the
-functions that need them.
+or ``tests/meta/test_public.py``'s child-import check would see them. Import heavy modules
+inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def block(rank: int) -> None:
     block_forever()
 
 
-# -- spawning (test_context.py, test_public.py) --------------------------------------------
+# -- spawning (tests/spawn, tests/meta/test_public.py) ----------------------------------
 
 
 def echo(rank: int, *args: object) -> tuple[int, tuple[object, ...]]:
@@ -160,7 +160,7 @@ def raise_unpicklable(rank: int) -> None:
     raise UnpicklableError(f"unpicklable boom from rank {rank}")
 
 
-# --- queues and shared memory (test_queue.py, test_shm.py, examples) ----------------------
+# --- queues and shared memory (tests/queue, tests/memory, examples) -----------------------
 # Children import numpy and aiomp's modules inside the functions, never at module level.
 
 
@@ -450,7 +450,7 @@ def shm_hold_named_then_block(rank: int, ready: object, n: int) -> None:
 
 
 # --- pool ---
-# Tasks for tests/test_pool.py. A task the test must wait for meets it at a Gate
+# Tasks for tests/pool/. A task the test must wait for meets it at a Gate
 # (``gate_connect``: it says "<n> <pid>") and, where it says so, waits for a byte.
 
 _POOL_INIT: object = None

@@ -1,4 +1,4 @@
-"""Functions that Pool workers run in tests/test_pool_hotpath.py (importable by children)."""
+"""Functions that Pool workers run in the budget tests (tests/budgets/) (importable by children)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """A GPU-less model of CuPy and the CUDA driver, and the functions children run, for
-tests/test_cuda.py.
+tests/cuda/test_cuda.py.
 
 The fake backend (:class:`FakeBackend`) stands in for ``aiomp._cuda.ipc._CupyBackend``. It is
 built on a model of what sits under CuPy, close enough to catch the defects a GPU would
-show (issue 16), after CuPy's ``cupy/cuda/memory.pyx`` and the CUDA programming guide:
+show, after CuPy's ``cupy/cuda/memory.pyx`` and the CUDA programming guide:
 
 - :class:`FakeGPU`, the device and its driver. Memory is one anonymous ``MAP_SHARED``
   arena, so a forked consumer sees what the producer writes later, as every process sees
@@ -1106,7 +1106,7 @@ async def gpu_fork_after_init(rank: int) -> str:
     import cupy
 
     import aiomp
-    from tests._funcs import echo
+    from tests.children.common import echo
 
     cupy.zeros(1).sum()
     try:

@@ -1,7 +1,7 @@
-"""Functions that ``test_descendants.py``'s children run: they start processes of their
+"""Functions that the children of ``tests/spawn/test_descendants.py`` run: they start processes of
 own (a ``sleep 1000`` and an ``os.fork`` child) and say which.
 
-Light, like ``_funcs``: the standard library only, and ``subprocess`` imported where used.
+Light, like ``common``: the standard library only, and ``subprocess`` imported where used.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import signal
 import socket
 
-from tests._funcs import block_forever, gate_connect, gate_wait
+from tests.children.common import block_forever, gate_connect, gate_wait
 
 
 def start_descendants() -> list[int]:
@@ -63,7 +63,7 @@ def descendants_or_fail(rank: int, address: str) -> None:
 
 def ready_for_ctrl_c(rank: int, address: str) -> None:
     """Report ready, then block until a Ctrl-C (SIGINT) raises KeyboardInterrupt here."""
-    from tests._funcs_context import wait_for_signals
+    from tests.children.spawn import wait_for_signals
 
     gate_connect(rank, address).close()
     wait_for_signals()

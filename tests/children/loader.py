@@ -1,4 +1,5 @@
-"""Datasets that tests/test_examples_loader.py hands to loader workers (importable by children)."""
+"""Datasets that tests/meta/test_examples_loader.py hands to loader workers (importable by
+children)."""
 
 from __future__ import annotations
 

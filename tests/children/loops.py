@@ -1,4 +1,5 @@
-"""Functions that children of tests/test_child_path.py run: an async echo on a chosen loop.
+"""Functions that children of tests/spawn/test_child_path.py run: an async echo on a chosen
+loop.
 
 Module level so that spawn children import them by name.
 """

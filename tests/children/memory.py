@@ -1,6 +1,6 @@
 """Functions that the shared-memory regression tests and the chaos suite run in children.
 
-Kept apart from ``tests/_funcs.py`` (shared by every test module). Standard library only at
+Kept apart from ``tests.children.common`` (shared by every area). Standard library only at
 module level: spawn children import this module to unpickle their function.
 """
 

@@ -1,4 +1,4 @@
-"""Functions that ``test_output.py``'s children run. The standard library only."""
+"""Functions that the output tests' children (tests/output/) run. The standard library only."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def endless_line(rank: int, mib: int) -> int:
     return rank
 
 
-# -- floods and grandchildren (test_output_flood.py, issue 25 items 1, 3 and 4) ------------
+# -- floods and grandchildren (tests/output/test_flood.py, test_grandchildren.py) ------------
 
 #: 4096 short lines of 16 bytes: what a chatty child writes, in one write() each time.
 FLOOD_BLOCK = b"".join(b"flood line %05d\n" % i for i in range(4096))
@@ -125,7 +125,7 @@ def leave_a_grandchild_writing(rank: int, address: str, lines: int) -> int:
     """Start a subprocess on this process's stdout that writes ``lines`` lines once the
     test releases it at the gate (key 100), and return without waiting for it. It makes
     a session of its own, as a daemon does: one that stays in the child's process group
-    dies with the child (issue 25 item 5), so only such a one can write after it."""
+    dies with the child, so only such a one can write after it."""
     subprocess.Popen(
         [sys.executable, "-c", _GRANDCHILD, address[1:], str(lines)], start_new_session=True
     )

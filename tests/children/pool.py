@@ -1,4 +1,4 @@
-"""Functions that Pool workers run in tests/test_pool_lifecycle.py (importable by children)."""
+"""Functions that Pool workers run in tests/pool/ (importable by children)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 
-from tests._funcs import gate_wait
+from tests.children.common import gate_wait
 
 
 def init_at_gate(address: str) -> None:
@@ -76,7 +76,7 @@ def say(x: int) -> int:
     return x
 
 
-# -- issue 25: faults that must end in an error in one caller (test_pool_faults.py) ------
+# -- faults that must end in an error in one caller (tests/pool/test_faults.py) ----------------
 
 
 def exit_task(code: int) -> None:

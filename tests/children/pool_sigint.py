@@ -1,6 +1,6 @@
-"""A service whose Pool worker ignores SIGTERM; tests/test_pool_lifecycle.py Ctrl-Cs it.
+"""A service whose Pool worker ignores SIGTERM; tests/pool/test_lifecycle.py Ctrl-Cs it.
 
-``python -m tests._pool_sigint_script asyncio|uvloop|trio``: prints ``ready <pid>`` (the
+``python -m tests.children.pool_sigint asyncio|uvloop|trio``: prints ``ready <pid>`` (the
 worker's) once the task runs, then waits to be interrupted.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 
 import aiomp
-from tests import _funcs_pool as funcs
+from tests.children import pool as funcs
 
 
 async def main() -> None:

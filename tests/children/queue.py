@@ -115,3 +115,12 @@ def stop_at(rank: int, q: Any, step: str, item: object, held: Any) -> None:
 
     _overflow.fault = fault
     q.sync.put(item)
+
+
+def take_and_put(rank: int, q: Any, take: int, put: int) -> int:
+    """Take ``take`` items, put ``put`` more; returns what qsize() said here after."""
+    for _ in range(take):
+        q.sync.get(timeout=30)
+    for i in range(put):
+        q.sync.put(i)
+    return int(q.qsize())

@@ -1,4 +1,4 @@
-"""Functions that aiomp.ray.Pool actors run in tests/test_ray.py (importable by actors).
+"""Functions that aiomp.ray.Pool actors run in tests/ray/test_ray.py (importable by actors).
 
 Actors meet the test at a :class:`tests._gate.Gate` (an abstract unix socket: the actors
 of a local Ray run on this machine), so no test sleeps on an actor.
@@ -10,7 +10,7 @@ import asyncio
 import os
 from typing import Any
 
-from tests._funcs import gate_connect, gate_wait
+from tests.children.common import gate_connect, gate_wait
 
 #: Set by :func:`init_state` in each actor.
 STATE: list[Any] = []

@@ -1,6 +1,7 @@
-"""Functions that ``test_context.py``'s children run (beside the shared ``_funcs``).
+"""Functions that spawn's children run (tests/spawn/), beside the shared
+``tests.children.common``.
 
-Light, like ``_funcs``: the standard library only.
+Light, like ``common``: the standard library only.
 """
 
 from __future__ import annotations
@@ -8,8 +9,9 @@ from __future__ import annotations
 import os
 import select
 import signal
+import threading
 
-from tests._funcs import gate_connect
+from tests.children.common import gate_connect, gate_wait
 
 
 def wait_for_signals() -> None:
@@ -77,3 +79,55 @@ async def async_library(rank: int) -> str:
     import sniffio
 
     return str(sniffio.current_async_library())
+
+
+def exit_leaving_a_grandchild(rank: int, address: str) -> None:
+    """Fork a grandchild that keeps every inherited fd (the report socket among them)
+    open until the test releases it at the gate as rank ``100 + rank``; then exit with
+    status 3 without reporting. It leaves the child's process group (``setsid``) before
+    the child exits, or it would end with the child."""
+    r, w = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            os.write(w, b"x")
+            gate_wait(100 + rank, address)
+        finally:
+            os._exit(0)
+    os.read(r, 1)
+    os._exit(3)
+
+
+def raise_then_hang_in_teardown(rank: int, address: str) -> None:
+    """Rank 0 leaves a non-daemon thread blocked at the gate (the interpreter's exit
+    waits for it: a teardown that never ends on its own) and raises; the others wait at
+    the gate."""
+    if rank:
+        gate_wait(rank, address)
+        return
+    conn = gate_connect(rank, address)
+    threading.Thread(target=conn.recv, args=(1,)).start()
+    raise ValueError("rank 0 failed")
+
+
+def return_then_hold_exit(rank: int, address: str) -> int:
+    """Return ``rank`` (its report goes out at once) while a non-daemon thread, blocked at
+    the gate, keeps the process from exiting until the test releases it."""
+    conn = gate_connect(rank, address)
+    threading.Thread(target=conn.recv, args=(1,)).start()
+    return rank
+
+
+def raise_with_a_grandchild_and_hang(rank: int, address: str) -> None:
+    """Fork a grandchild that holds every inherited fd (the report socket among them) at
+    the gate as rank ``100 + rank``, leave a non-daemon thread blocked at the gate (a
+    teardown that never ends on its own), and raise: neither the child's exit nor the
+    socket's last close can tell the parent, only the report."""
+    if os.fork() == 0:
+        try:
+            gate_wait(100 + rank, address)
+        finally:
+            os._exit(0)
+    conn = gate_connect(rank, address)
+    threading.Thread(target=conn.recv, args=(1,)).start()
+    raise ValueError(f"rank {rank} failed")

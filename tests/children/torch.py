@@ -1,4 +1,4 @@
-"""Functions that ``tests/test_torch.py``'s children run.
+"""Functions that ``tests/arrays/test_torch.py``'s children run.
 
 Standard library only at module level (children unpickle their function from here);
 torch is imported inside the functions, as a user's worker would.

@@ -39,10 +39,11 @@ from aiomp._memory import lease as _lease
 from aiomp._spawn import context as _context
 from aiomp._wire import pickling as _reduction
 from aiomp._wire import transport as _transport
-from tests import _funcs, _funcs_cuda
-from tests._funcs_cuda import FakeArray, FakeBackend, FakeGPU, FakeUnowned
+from tests.children import common as _funcs
+from tests.children import cuda as _funcs_cuda
+from tests.children.cuda import FakeArray, FakeBackend, FakeGPU, FakeUnowned
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Fake-backend tests fork on purpose (a fork child may not use CUDA, which they check);
 # a thread left by an earlier test's forkserver start makes aiomp warn, rightly.
@@ -823,8 +824,8 @@ def test_producer_exit_warns_while_blocks_are_held() -> None:
         import os
         from aiomp._cuda import ipc as _cuda
         from aiomp._wire import pickling as _reduction
-        from tests import _funcs
-        from tests import _funcs_cuda
+        from tests.children import common as _funcs
+        from tests.children import cuda as _funcs_cuda
         _cuda._backend = backend = _funcs_cuda.FakeBackend()
         _reduction.register(_funcs_cuda.FakeArray, _cuda.reduce_array)
         out = _reduction.dumps([backend.array((1 << 20,))])

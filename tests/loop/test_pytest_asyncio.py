@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 
 import aiomp
-from tests import _funcs_pool
+from tests.children import pool as pool_funcs
 
 
 @pytest_asyncio.fixture
@@ -33,7 +33,7 @@ async def pool() -> AsyncIterator[aiomp.Pool]:
 async def test_pool_in_a_yield_fixture(pool: aiomp.Pool) -> None:
     """Regression: teardown raised "Attempted to exit cancel scope in a different task
     than it was entered in" (the leak check after it then found the workers alive)."""
-    assert await pool.apply(_funcs_pool.square, (7,)) == 49
+    assert await pool.apply(pool_funcs.square, (7,)) == 49
 
 
 @pytest.mark.asyncio
@@ -42,37 +42,37 @@ async def test_pool_entered_and_left_in_different_tasks() -> None:
     workers are reaped by the time ``__aexit__`` returns."""
     p = aiomp.Pool(2)
     await asyncio.create_task(p.__aenter__())
-    assert await asyncio.create_task(p.apply(_funcs_pool.square, (5,))) == 25
+    assert await asyncio.create_task(p.apply(pool_funcs.square, (5,))) == 25
     await asyncio.create_task(p.__aexit__(None, None, None))
     with pytest.raises(RuntimeError, match="closed"):
-        await p.apply(_funcs_pool.square, (5,))
+        await p.apply(pool_funcs.square, (5,))
 
 
 @pytest.mark.asyncio
 async def test_pool_in_a_test() -> None:
     async with aiomp.Pool(2) as pool:
-        assert await pool.apply(_funcs_pool.square, (7,)) == 49
-        assert await pool.map(_funcs_pool.square, range(20)) == [x * x for x in range(20)]
+        assert await pool.apply(pool_funcs.square, (7,)) == 49
+        assert await pool.map(pool_funcs.square, range(20)) == [x * x for x in range(20)]
 
 
 @pytest.mark.asyncio
 async def test_pool_call_cancelled_by_asyncio_timeout() -> None:
     """A call that times out is cancelled (its worker killed), and the pool serves on."""
-    from tests import _funcs
+    from tests.children import common as funcs
 
     async with aiomp.Pool(2) as pool:
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.2):
-                await pool.apply(_funcs.block_forever)
-        assert await pool.apply(_funcs_pool.square, (3,)) == 9
+                await pool.apply(funcs.block_forever)
+        assert await pool.apply(pool_funcs.square, (3,)) == 9
 
 
 @pytest.mark.asyncio
 async def test_queue_carries_an_array_through_a_child() -> None:
-    from tests import _funcs
+    from tests.children import common as funcs
 
     q, back = aiomp.Queue(4), aiomp.Queue(4)
-    async with aiomp.spawn(_funcs.shm_echo_many, 1, args=(q, back), grace_period=0.3) as ctx:
+    async with aiomp.spawn(funcs.shm_echo_many, 1, args=(q, back), grace_period=0.3) as ctx:
         a = np.arange(100_000, dtype=np.float64)
         await q.put(a)
         b = await back.get()
@@ -85,10 +85,10 @@ async def test_queue_carries_an_array_through_a_child() -> None:
 @pytest_asyncio.fixture
 async def spawned() -> AsyncIterator[None]:
     """A spawn held by a yield fixture: its teardown runs in another task."""
-    from tests import _funcs
+    from tests.children import common as funcs
 
     with pytest.raises(RuntimeError, match="left by another task"):
-        async with aiomp.spawn(_funcs.block_forever, 1, grace_period=0.3):
+        async with aiomp.spawn(funcs.block_forever, 1, grace_period=0.3):
             yield
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import aiomp
 from aiomp._pool import pool as _pool
-from tests import _funcs_pool as funcs
+from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
 

@@ -34,13 +34,13 @@ from aiomp import _lifecycle
 from aiomp._arrays import numpy as _numpy
 from aiomp._memory import lease as _lease
 from aiomp._memory import shm as _shm
-from tests import _funcs as funcs
-from tests import _funcs_shm as funcs_shm
 from tests._run import run_python
+from tests.children import common as funcs
+from tests.children import memory as funcs_shm
 
 TIMEOUT = 20
 GRACE = 0.5
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INLINE = _numpy.INLINE_THRESHOLD
 STRATEGIES = ["file_descriptor", "file_system"]
 #: Array tests whose subject is the shared-memory layer, not the event loop, run on one.
@@ -1252,7 +1252,7 @@ _TREE = textwrap.dedent("""
     import os, sys
     import anyio, numpy as np
     import aiomp
-    from tests import _funcs_shm
+    from tests.children import memory as _funcs_shm
 
     async def main():
         aiomp.set_sharing_strategy("file_system")
@@ -1319,7 +1319,7 @@ _FD_LIMIT = textwrap.dedent("""
     import gc, os, resource, sys
     import anyio, numpy as np
     import aiomp
-    from tests import _funcs_shm
+    from tests.children import memory as _funcs_shm
 
     strategy, keep_alive = sys.argv[1], sys.argv[2] == "keep"
 

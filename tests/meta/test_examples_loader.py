@@ -11,10 +11,10 @@ import pytest
 
 import aiomp
 from examples.data_loader import DataLoader, SyntheticImages
-from tests._funcs_loader import BrokenAt
 from tests._run import run_python
+from tests.children.loader import BrokenAt
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.anyio
 
 
@@ -98,7 +98,7 @@ async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
 
     from aiomp._arrays import numpy as _numpy
     from aiomp._memory import shm as _shm
-    from tests._funcs_loader import send_each_twice
+    from tests.children.loader import send_each_twice
 
     count = 6
     q, acks = aiomp.Queue(), aiomp.Queue()

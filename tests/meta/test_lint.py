@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TREES = ["aiomp", "tests", "benchmarks", "examples"]
 
 pytestmark = pytest.mark.leaks_ok  # the tools run in their own interpreters

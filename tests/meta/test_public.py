@@ -19,10 +19,10 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs as funcs
 from tests._run import run_python
+from tests.children import common as funcs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: What neither ``import aiomp`` nor a child running a sync function may load.
 HEAVY = ("anyio", "asyncio", "cupy", "numpy", "trio", "typing", "uvloop")
 #: Public names that are the standard library's own objects, re-exported.

@@ -22,8 +22,8 @@ pytestmark = [
     pytest.mark.timeout(600),  # a cold mypy run on a loaded 2-core machine
 ]
 
-REPO = Path(__file__).resolve().parent.parent
-USER = REPO / "tests" / "typing_user.py"
+REPO = Path(__file__).resolve().parents[2]
+USER = REPO / "tests" / "meta" / "typing_user.py"
 _EXPECT = re.compile(r"#\s*(reveal|error):\s*(.+?)\s*$")
 _REPORT = re.compile(r"^[^:]+:(\d+): (note|error): (.*?)(?:  \[([\w-]+)\])?$")
 

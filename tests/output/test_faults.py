@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs_output as funcs
+from tests.children import output as funcs
 
 TIMEOUT = 20
 GRACE = 0.5

@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs_output as funcs
 from tests._sinks import Stalls
+from tests.children import output as funcs
 
 TIMEOUT = 60
 GRACE = 0.5

@@ -20,9 +20,9 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs_output as funcs
 from tests._gate import Gate
 from tests._sinks import Lines, wait_gone
+from tests.children import output as funcs
 
 TIMEOUT = 30
 GRACE = 0.5

@@ -13,8 +13,8 @@ import pytest
 
 import aiomp
 from aiomp._output import forwarder as _output
-from tests import _funcs_output as funcs
 from tests._sinks import Lines
+from tests.children import output as funcs
 
 TIMEOUT = 20
 GRACE = 0.5

@@ -13,12 +13,12 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs_output as funcs
 from tests._sinks import Lines
+from tests.children import output as funcs
 
 TIMEOUT = 20
 GRACE = 0.5
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.anyio
@@ -102,7 +102,7 @@ _PARENT = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs_output
+    from tests.children import output as _funcs_output
 
     async def main():
         async with aiomp.spawn(_funcs_output.write_lines, 2, args=(2,), output=sys.argv[1]):

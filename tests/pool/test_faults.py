@@ -21,7 +21,7 @@ import aiomp
 from aiomp._pool import scheduler as _scheduler
 from aiomp._process import child as _process
 from aiomp._wire import transport as _transport
-from tests import _funcs_pool as funcs
+from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
 

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import aiomp
-from tests import _funcs_pool as funcs
 from tests._gate import Gate
+from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
 
@@ -342,9 +342,9 @@ def test_a_double_ctrl_c_kills_and_reaps_a_deaf_worker(loop: str) -> None:
     whose worker ignores SIGTERM gets two Ctrl-Cs 0.3 s apart. The second means "now":
     the worker is SIGKILLed and reaped, and the process exits well within its grace
     period (10 s) instead of hanging."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests._pool_sigint_script", loop],
+        [sys.executable, "-m", "tests.children.pool_sigint", loop],
         cwd=repo,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from tests import _funcs as funcs
+from tests.children import common as funcs
 
 TIMEOUT = 20
 GRACE = 0.3

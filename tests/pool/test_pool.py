@@ -33,14 +33,14 @@ import aiomp
 from aiomp._pool import calls as _calls
 from aiomp._pool import protocol as P
 from aiomp._wire import transport as _transport
-from tests import _funcs as funcs
 from tests._gate import Gate
 from tests._run import run_python
+from tests.children import common as funcs
 
 TIMEOUT = 20
 GRACE = 0.3
 FAST = "forkserver"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 #: For tests whose subject does not depend on the event loop.
 asyncio_only = pytest.mark.parametrize("anyio_backend", [("asyncio", {})], ids=["asyncio"])

@@ -27,9 +27,9 @@ import pytest
 
 import aiomp
 from aiomp._wire import transport as _transport
-from tests import _funcs as funcs
-from tests import _funcs_queue as qfuncs
 from tests._sinks import Stalls
+from tests.children import common as funcs
+from tests.children import queue as qfuncs
 from tests.conftest import run_plain
 
 #: Bound on every await that depends on a child. Generous: two shared cores, cold starts.
@@ -1527,7 +1527,7 @@ def test_threads_put_and_get_across_the_socket_overflow_boundary() -> None:
 async def test_qsize_counts_items_sent_and_taken_by_every_process(start_method: str) -> None:
     """The socket's items are counted per process in the log's header (no eventfd per
     item): a child's gets and puts, forked or spawned, count in the parent's qsize()."""
-    from tests import _funcs_counts
+    from tests.children import queue as _funcs_counts
 
     q = aiomp.Queue()
     for i in range(5):

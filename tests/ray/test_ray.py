@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 import aiomp
-from tests import _funcs_ray as funcs
 from tests._gate import Gate
 from tests._run import run_python
+from tests.children import ray as funcs
 
 ray = pytest.importorskip("ray", reason='Ray is not installed (pip install "aiomp[ray]")')
 
@@ -39,7 +39,7 @@ import aiomp.ray  # noqa: E402 - after the skip
 
 TIMEOUT = 60  # an actor starts in about a second, far longer on two busy cores
 GRACE = 0.3
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 LOOPS = pytest.mark.parametrize(
     "anyio_backend", [("asyncio", {}), ("asyncio", {"use_uvloop": True})], ids=["asyncio", "uvloop"]
@@ -134,7 +134,7 @@ async def test_exception_is_its_own_type_with_the_actor_traceback() -> None:
             with pytest.raises(ValueError, match="boom") as info:
                 await p.apply(funcs.fail, ("boom",))
             assert "in fail" in str(info.value.__cause__)
-            assert "_funcs_ray.py" in str(info.value.__cause__)
+            assert "children/ray.py" in str(info.value.__cause__)
             with pytest.raises(ValueError, match="boom"):  # map raises the first, bare
                 await p.map(funcs.fail, ["boom", "boom"])
             with pytest.raises(pickle.PicklingError, match="result of unpicklable_result"):
@@ -401,9 +401,9 @@ def test_unreachable_address_fails_at_once_and_connecting_is_cancellable() -> No
     """Issue 25 item 11: ``fail_after(30)`` around ``Pool(address=<nothing listens>)`` had
     not fired after 90 s (``ray.init`` retried for two minutes in a thread the await could
     not leave, then raised SystemExit). In a fresh interpreter: see
-    ``_funcs_ray.connect_faults``."""
+    ``tests.children.ray.connect_faults``."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    code = "from tests._funcs_ray import connect_faults; connect_faults()"
+    code = "from tests.children.ray import connect_faults; connect_faults()"
     out = run_python("-c", code, timeout=90, env=env)
     assert out.stdout.strip().endswith("ok")
 

@@ -15,7 +15,7 @@ import pytest
 import aiomp
 from aiomp._queue import queue as _queue
 from aiomp._wire import transport as _transport
-from tests import _funcs_child as cfuncs
+from tests.children import loops as cfuncs
 
 PAYLOAD = b"x" * 64
 #: Bound on awaits that depend on this process only.

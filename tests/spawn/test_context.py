@@ -26,15 +26,15 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs as funcs
-from tests import _funcs_context as funcs_context
 from tests._gate import Gate
+from tests.children import common as funcs
+from tests.children import spawn as funcs_context
 
 #: Bound on every await on a child. Generous: two shared cores, cold interpreters.
 TIMEOUT = 20
 GRACE = 0.5
 METHODS = ["spawn", "forkserver", "fork"]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # trio keeps idle worker threads for a while (forkserver starts off the loop, in one), so
 # a later fork test may see a thread and warn (R14); test_fork_with_threads_running_warns
@@ -825,7 +825,7 @@ _DOUBLE_SIGINT_PARENT = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs
+    from tests.children import common as _funcs
 
     # As run from a terminal: a test run started in the background inherits SIGINT
     # ignored, and then neither asyncio nor trio would install its Ctrl-C handler.
@@ -904,7 +904,7 @@ _EXIT_WITH_CHILDREN = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs
+    from tests.children import common as _funcs
 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as run from a terminal
 
@@ -976,7 +976,7 @@ _PARENT = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs
+    from tests.children import common as _funcs
 
     async def main():
         address = "\\0" + sys.argv[1]  # abstract socket: argv cannot hold the NUL

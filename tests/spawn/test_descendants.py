@@ -25,9 +25,9 @@ import pytest
 
 import aiomp
 import aiomp._process.groups
-from tests import _funcs_groups as funcs
 from tests._gate import Gate
 from tests._run import REPO, run_python
+from tests.children import groups as funcs
 
 TIMEOUT = 30
 GRACE = 0.3
@@ -192,7 +192,7 @@ _PARENT = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs_groups as funcs
+    from tests.children import groups as funcs
 
     async def main():
         address, method = "\\0" + sys.argv[1], sys.argv[2]
@@ -248,7 +248,7 @@ _CTRL_C_PARENT = textwrap.dedent("""
     import anyio
 
     import aiomp
-    from tests import _funcs_groups as funcs
+    from tests.children import groups as funcs
 
     # The parent lets the Ctrl-C pass, so that only the child's answer counts.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -18,10 +18,10 @@ import anyio
 import pytest
 
 import aiomp
-from tests import _funcs as funcs
-from tests import _funcs_fork as funcs_fork
 from tests._gate import Gate
 from tests._sinks import wait_gone
+from tests.children import common as funcs
+from tests.children import spawn as funcs_fork
 
 TIMEOUT = 20
 GRACE = 0.5

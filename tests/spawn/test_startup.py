@@ -24,9 +24,9 @@ import aiomp
 from aiomp._output import forwarder as _output
 from aiomp._spawn import context as _context
 from aiomp._wire import transport as _transport
-from tests import _funcs as funcs
-from tests import _funcs_fork2 as funcs_fork2
 from tests._gate import Gate
+from tests.children import common as funcs
+from tests.children import spawn as funcs_fork2
 
 TIMEOUT = 20
 GRACE = 0.5
