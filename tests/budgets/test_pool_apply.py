@@ -17,6 +17,7 @@ import pytest
 
 import aiomp
 from aiomp._pool import protocol as P
+from tests.budgets import budgets as B
 from tests.children import counting as f
 
 TIMEOUT = 20
@@ -49,10 +50,13 @@ async def test_a_worker_runs_fn_in_four_aiomp_calls() -> None:
                 await p.apply(f.nothing)
             counts = await p.apply(f.stop_counting)
     total = sum(counts.values())
-    # The ends of the two counting tasks' own round trips are in the total too.
-    assert total <= 4 * N + 16, counts
-    assert counts.get("_protocol.py:unpack", 0) <= 2, counts
-    assert counts.get("_worker.py:run_sync", 0) <= 2, counts
+    # The ends of the two counting tasks' own round trips are in the counts too.
+    assert total <= B.CALLS["worker: per apply"] * N + 16, counts
+    for role in (
+        "worker: decode a task frame (general path)",
+        "worker: run a sync task (general path)",
+    ):
+        assert B.count(counts, role) <= B.CALLS[role] * N + 2, (role, counts)
 
 
 @asyncio_loops
@@ -71,7 +75,7 @@ async def test_the_parent_makes_at_most_16_aiomp_calls_per_apply() -> None:
                     await p.apply(f.nothing)
             finally:
                 counts = f.stop_counting()
-    assert sum(counts.values()) <= 16 * N + 16, counts
+    assert sum(counts.values()) <= B.CALLS["parent: per apply"] * N + 16, counts
 
 
 def _voluntary_switches(pid: int) -> int:
@@ -110,7 +114,7 @@ async def test_a_worker_sleeps_once_per_apply() -> None:
                 switches = _voluntary_switches(pid) - before
             finally:
                 os.sched_setaffinity(0, mine)
-    assert switches < 1.5 * N, switches
+    assert switches < B.SYSCALLS["worker: sleeps per apply"] * N, switches
 
 
 async def test_fn_results_errors_and_coroutines_on_the_short_path() -> None:
@@ -209,11 +213,11 @@ async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
     import sys
     import types
 
-    seen: list[str] = []
+    seen: list[B.Key | str] = []
 
     def profile(frame: types.FrameType, event: str, arg: Any) -> None:
-        if event == "call" and f._AIOMP in frame.f_code.co_filename:
-            seen.append(frame.f_code.co_name)
+        if event == "call" and frame.f_code.co_filename.startswith(B.PACKAGE):
+            seen.append(B.key(frame.f_code))
         elif event == "c_call" and isinstance(getattr(arg, "__self__", None), socket.socket):
             seen.append(f"<{arg.__name__}>")
 
@@ -228,7 +232,8 @@ async def test_apply_makes_at_most_three_aiomp_calls_before_its_send() -> None:
                 sys.setprofile(None)
     assert "<send>" in seen, seen
     before = seen[: seen.index("<send>")]
-    assert len(before) <= 3 and before[-1] == "send_first", seen
+    assert len(before) <= B.CALLS["parent: apply before its send"], seen
+    assert before[-1] == B.KEYS["parent: send apply's frame before its Task exists"], seen
 
 
 @asyncio_only

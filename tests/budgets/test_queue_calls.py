@@ -8,10 +8,6 @@ so these pin what ``benchmarks/diagnostics/profile_queue.py`` measured without a
 
 from __future__ import annotations
 
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -20,31 +16,12 @@ import pytest
 
 import aiomp
 from aiomp._queue import queue as _queue
+from tests.budgets import budgets as B
+from tests.budgets.budgets import calls
 
 PAYLOAD = b"x" * 64
 #: Bound on awaits that depend on this process only.
 QUICK = 5
-
-
-@contextmanager
-def calls() -> Iterator[list[str]]:
-    """Record the Python functions (``folder/name``) and C functions (``C:qualname``)
-    called in this thread meanwhile."""
-    seen: list[str] = []
-
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        if event == "call":
-            code = frame.f_code
-            folder = os.path.basename(os.path.dirname(code.co_filename))
-            seen.append(f"{folder}/{code.co_name}")
-        elif event == "c_call":
-            seen.append(f"C:{getattr(arg, '__qualname__', arg)}")
-
-    sys.setprofile(hook)
-    try:
-        yield seen
-    finally:
-        sys.setprofile(None)
 
 
 def drain(q: aiomp.Queue) -> list[Any]:
@@ -71,7 +48,7 @@ async def test_a_woken_get_costs_no_poll_and_no_reader_churn() -> None:
 
     q = aiomp.Queue()
     got: list[object] = []
-    seen: list[str] = []
+    seen = B.Calls()
     for _ in range(3):  # the reader is made by the first wait; count later ones
         async with anyio.create_task_group() as tg:
             done = anyio.Event()
@@ -88,15 +65,16 @@ async def test_a_woken_get_costs_no_poll_and_no_reader_churn() -> None:
                     await q.put(PAYLOAD)
                     await done.wait()
     assert got == [PAYLOAD] * 3
-    churn = ("C:Loop.add_reader", "C:Loop.remove_reader")
-    assert not [c for c in seen if c in churn or c.endswith(("/add_reader", "/remove_reader"))]
+    churn = [c for c in seen.outside if c.endswith(("add_reader", "remove_reader"))]
+    churn += [r for r in seen.roles() if r.endswith(("/add_reader", "/remove_reader"))]
+    assert len(churn) == B.SYSCALLS["queue: reader changes per woken get"], churn
     # uvloop runs a woken task before it looks at fds again: the reader wakes without a
     # look; asyncio's own loop may queue a stale report behind it: one poll there.
     uvloop = type(asyncio.get_running_loop()).__module__.startswith("uvloop")
-    assert seen.count("C:poll.poll") == (0 if uvloop else 1), seen
-    own = [c for c in seen if c.startswith("aiomp/")]
-    assert "aiomp/wait" not in own, "FdWaiters.wait: the kept reader fans out itself"
-    assert len(own) <= 20, own
+    polls = B.SYSCALLS[f"queue: poll per woken get ({'uvloop' if uvloop else 'asyncio'})"]
+    assert seen.outside.count("poll.poll") == polls, seen.outside
+    assert not seen.count("loop: wait on an fd through FdWaiters"), "the kept reader fans out"
+    assert len(seen.own) <= B.CALLS["queue: woken get (asyncio, uvloop)"], seen.roles()
 
 
 def test_a_plain_item_through_the_overflow_log_costs_few_calls() -> None:
@@ -111,15 +89,13 @@ def test_a_plain_item_through_the_overflow_log_costs_few_calls() -> None:
         q.put_nowait(PAYLOAD)
         with calls() as seen:
             q.put_nowait(PAYLOAD)
-        own = [c for c in seen if c.startswith("aiomp/")]
-        assert own == ["aiomp/put_nowait", "aiomp/_put_plain", "aiomp/append"], own
+        assert seen.roles() == B.SEQUENCES["overflow log: put"]
         while not q._ovf._header[10]:  # take the socket's items: then gets read the log
             assert q.get_nowait() == PAYLOAD
         assert q._ovf.count() == 2
         with calls() as seen:
             assert q.get_nowait() == PAYLOAD
-        own = [c for c in seen if c.startswith("aiomp/")]
-        assert own == ["aiomp/get_nowait", "aiomp/_try_get", "aiomp/pop", "aiomp/_load"], own
+        assert seen.roles() == B.SEQUENCES["overflow log: get"]
         assert q._ovf.count() == 1
     finally:
         assert drain(q) == [PAYLOAD]
@@ -158,13 +134,19 @@ async def test_a_woken_get_on_trio_waits_on_the_fd_without_layers() -> None:
                 finally:
                     trio.lowlevel.remove_instrument(steps)
         assert got == [PAYLOAD]
-    own = [c for c in seen if c.startswith("aiomp/")]
-    assert "aiomp/wait" not in own and "aiomp/wait_readable" not in own, own
-    assert "aiomp/_send_now" not in own and "aiomp/try_send" not in own, own
-    assert len(own) <= 16, own
-    assert seen.count("C:poll.poll") == 1, seen  # the look before the wait
+    bypassed = (
+        "loop: wait on an fd through FdWaiters",
+        "wire: wait until an fd is readable",
+        "queue: send a datagram now",
+        "wire: send a datagram with fds",
+    )
+    assert not [r for r in seen.roles() if r in bypassed], seen.roles()
+    assert len(seen.own) <= B.CALLS["queue: woken get (trio)"], seen.roles()
+    assert seen.outside.count("poll.poll") == B.SYSCALLS["queue: poll per woken get (trio)"], (
+        seen.outside
+    )
     # Per round: the consumer's step that reads the item, and this task's after done.wait.
-    assert steps.consumer_steps == 3, steps.consumer_steps
+    assert steps.consumer_steps == 3 * B.SYSCALLS["queue: consumer steps per woken get (trio)"]
 
 
 class Steps:

@@ -1,4 +1,7 @@
-"""Functions that Pool workers run in the budget tests (tests/budgets/) (importable by children)."""
+"""What Pool workers run in the budget tests (tests/budgets/): a counter of the Python calls
+into aiomp, and the small functions whose ``apply`` it counts. The standard library only at
+module level: workers import this module by name.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,17 @@ import sys
 import types
 from typing import Any
 
-_AIOMP = os.sep + "aiomp" + os.sep
-_calls: collections.Counter[str] = collections.Counter()
+#: Calls into files under a directory of this name are aiomp's.
+AIOMP = os.sep + "aiomp" + os.sep
+
+#: Calls by function, keyed as ``tests.budgets.budgets.key`` keys them.
+_calls: collections.Counter[tuple[str, int, str]] = collections.Counter()
 
 
 def _profile(frame: types.FrameType, event: str, arg: Any) -> None:
-    if event == "call" and _AIOMP in frame.f_code.co_filename:
+    if event == "call" and AIOMP in frame.f_code.co_filename:
         code = frame.f_code
-        _calls[f"{os.path.basename(code.co_filename)}:{code.co_name}"] += 1
+        _calls[(code.co_filename, code.co_firstlineno, code.co_name)] += 1
 
 
 def start_counting() -> None:
@@ -24,8 +30,8 @@ def start_counting() -> None:
     sys.setprofile(_profile)
 
 
-def stop_counting() -> dict[str, int]:
-    """Stop counting; the counts by ``module:function``."""
+def stop_counting() -> dict[tuple[str, int, str], int]:
+    """Stop counting; the counts by function (file, first line, name)."""
     sys.setprofile(None)
     out = dict(_calls)
     _calls.clear()
