@@ -5,7 +5,7 @@ Async tests run the way users run their programs, not under anyio's test runner:
 ``asyncio`` is a plain ``asyncio.run`` loop (what uvicorn and FastAPI run), ``uvloop``
 is the same runner with uvloop's loop, ``trio`` is ``trio.run``. anyio's runner marks
 its loop for anyio in a way a plain loop does not, so code that wrongly reaches anyio
-from a loop callback passes under it and fails for users (issue 8).
+from a loop callback passes under it and fails for users.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = pyfuncitem.funcargs.get("anyio_backend")
     if backend is None or not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    names = pyfuncitem._fixtureinfo.argnames
-    run_plain(backend, pyfuncitem.obj, **{n: pyfuncitem.funcargs[n] for n in names})
+    # The test's own arguments: funcargs also holds the fixtures it only uses indirectly.
+    names = inspect.signature(pyfuncitem.obj).parameters
+    args = pyfuncitem.funcargs
+    run_plain(backend, pyfuncitem.obj, **{n: args[n] for n in names if n in args})
     return True
 
 
