@@ -1,5 +1,5 @@
 """Chaos: many producers and consumers, cancellation storms, SIGKILL and SIGINT, fd
-exhaustion (issue 9). Each scenario is bounded (well under a minute), runs with a fixed seed
+exhaustion. Each scenario is bounded (well under a minute), runs with a fixed seed
 and the session's random seed (printed; ``AIOMP_CHAOS_SEED=<n>`` replays it), and asserts:
 
 - exactly-once delivery: every item put arrives once (a put that was cancelled put
@@ -96,8 +96,8 @@ PRODUCERS, PER_PRODUCER = 3, 400
 async def test_many_producers_and_consumers(strategy: str, seed: int) -> None:
     """3 producers x 400 mixed items (ints, bytes, 100 B / 100 KiB / 2 MiB arrays) through
     one bounded queue to 2 consumer processes and the parent at once. Every item arrives
-    once and intact; once every process has exited no name of theirs is left (issue 9
-    item 1a: a producer's exit clean-up racing a consumer's release left segments)."""
+    once and intact; once every process has exited no name of theirs is left (a
+    producer's exit clean-up races a consumer's release of the same segments)."""
     q, out = aiomp.Queue(maxsize=32), aiomp.Queue()
     keys: list[tuple[int, int]] = []
 

@@ -97,9 +97,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def flood(rank: int, seconds: float) -> int:
-    """Short lines on stdout as fast as it can for ``seconds``; returns how many. (A
-    regression test's writer that "never ends" ends after ``seconds`` all the same, so
-    that the test fails instead of hanging.)"""
+    """Short lines on stdout as fast as it can for ``seconds``; returns how many. A writer
+    that "never ends" ends after ``seconds`` all the same, so that a failing test fails
+    instead of hanging."""
     deadline = time.monotonic() + seconds
     blocks = 0
     while time.monotonic() < deadline:

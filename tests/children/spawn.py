@@ -19,9 +19,8 @@ def wait_for_signals() -> None:
 
     Race-free, unlike a ``signal.pause()`` loop: a signal that arrives after the
     interpreter's last check for pending signals but before ``pause()`` starts is already
-    handled at the C level, so ``pause()`` sleeps on forever (the flake of
-    ``test_sigint_in_child_is_failure``). The C handler also writes the signal number to
-    the wakeup fd, which ``select`` sees whenever it was written.
+    handled at the C level, so ``pause()`` sleeps on forever. The C handler also writes the
+    signal number to the wakeup fd, which ``select`` sees whenever it was written.
     """
     r, w = os.pipe()
     os.set_blocking(w, False)

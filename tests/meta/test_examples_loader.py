@@ -88,11 +88,10 @@ def test_bad_arguments_raise_before_anything_starts() -> None:
 
 
 async def test_a_receiver_keeps_recently_used_segments_mapped() -> None:
-    """Regression (issue 17 item 5, "aiomp.empty batches measured slower"): a receiver
-    kept only the last 4 segments it had dropped mapped, so a loader whose 2 workers cycle
-    3 batch segments each (the one being filled, the one in flight, the one the consumer
-    holds) had the consumer mmap a segment again, and fault its pages in, for about half
-    the batches. Now received segments stay mapped up to a byte budget."""
+    """A receiver keeps the segments it dropped mapped up to a byte budget, so a loader
+    whose 2 workers cycle 3 batch segments each (the one being filled, the one in flight,
+    the one the consumer holds) never has the consumer mmap a segment again and fault its
+    pages in."""
     import gc
     import weakref
 

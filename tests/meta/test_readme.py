@@ -1,4 +1,4 @@
-"""The README is code: every ```python block in it runs as written, as a file (issue 11).
+"""The README is code: every ```python block in it runs as written, as a file.
 
 Each block is written to a file of its own in a temporary directory and run with this
 interpreter, the way a user who pastes it into ``example.py`` runs it. A block that needs
