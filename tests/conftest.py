@@ -1,11 +1,14 @@
 """Shared fixtures: every async test runs on asyncio, uvloop and trio; every test is
 checked for leaked children, file descriptors and ``/dev/shm`` names.
 
+The checks are per process (this pid's children and fds, the shm names of this pid's
+tree), so they hold under pytest-xdist, whose workers are separate processes.
+
 Async tests run the way users run their programs, not under anyio's test runner:
 ``asyncio`` is a plain ``asyncio.run`` loop (what uvicorn and FastAPI run), ``uvloop``
 is the same runner with uvloop's loop, ``trio`` is ``trio.run``. anyio's runner marks
 its loop for anyio in a way a plain loop does not, so code that wrongly reaches anyio
-from a loop callback passes under it and fails for users (issue 8).
+from a loop callback passes under it and fails for users.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gc
 import inspect
 import multiprocessing
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -59,9 +63,37 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = pyfuncitem.funcargs.get("anyio_backend")
     if backend is None or not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    names = pyfuncitem._fixtureinfo.argnames
-    run_plain(backend, pyfuncitem.obj, **{n: pyfuncitem.funcargs[n] for n in names})
+    # The test's own arguments: funcargs also holds the fixtures it only uses indirectly.
+    names = inspect.signature(pyfuncitem.obj).parameters
+    args = pyfuncitem.funcargs
+    run_plain(backend, pyfuncitem.obj, **{n: args[n] for n in names if n in args})
     return True
+
+
+#: Tests that must share one pytest-xdist worker (``-n 2 --dist loadgroup``): the Ray tests
+#: share one local Ray cluster; mypy and ruff share their caches.
+_XDIST_GROUPS = {
+    "tests/ray/": "ray",
+    "tests/meta/test_lint.py": "tools",
+    "tests/meta/test_typing.py": "tools",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The chaos suite's random seed is part of its test ids: chosen once, here, so that
+    # every pytest-xdist worker (started after this, with this environment) collects the
+    # same ids.
+    os.environ.setdefault("AIOMP_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 32)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        for prefix, group in _XDIST_GROUPS.items():
+            if path.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(params=["file_descriptor", "file_system"])
