@@ -74,8 +74,8 @@ _WHERE = {
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
     "ProcessContext": "_spawn.context",
-    "spawn": "_spawn.context",
-    "start_processes": "_spawn.context",
+    "spawn": "_spawn.api",
+    "start_processes": "_spawn.api",
     "Queue": "_queue.queue",
     "Event": "_queue.queue",
     "Full": "_queue.queue",
@@ -117,9 +117,9 @@ if TYPE_CHECKING:
     from ._pool.pool import PoolStatistics as PoolStatistics
     from ._queue.queue import Event as Event
     from ._queue.queue import Queue as Queue
+    from ._spawn.api import spawn as spawn
+    from ._spawn.api import start_processes as start_processes
     from ._spawn.context import ProcessContext as ProcessContext
-    from ._spawn.context import spawn as spawn
-    from ._spawn.context import start_processes as start_processes
 
 
 def __getattr__(name: str) -> object:

@@ -36,7 +36,7 @@ import pytest
 import aiomp
 from aiomp._cuda import ipc as _cuda
 from aiomp._memory import lease as _lease
-from aiomp._spawn import context as _context
+from aiomp._process import checks as _context
 from aiomp._wire import pickling as _reduction
 from aiomp._wire import transport as _transport
 from tests import _funcs, _funcs_cuda

@@ -33,6 +33,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast
 
 from .. import _lifecycle
 from .._errors import CudaIpcError, IpcLimitError
+from .._loop.finalizers import finalizer
 from .._memory import lease as _lease
 from .._wire import pickling as _reduction
 
@@ -669,7 +670,7 @@ class _BlockPool:
         weakref.finalize(block, self._give_back, alloc).atexit = False
         return block
 
-    @_lifecycle.finalizer
+    @finalizer
     def _give_back(self, alloc: _Alloc) -> None:
         with _lock:
             if self is _block_pool and self.pid == os.getpid():
@@ -1159,7 +1160,7 @@ def _open_failed(meta: IpcArrayMeta, exc: BaseException) -> str:
     return f"could not open a CUDA array sent by process {meta.pid}, which {alive}: {exc}; {hint}"
 
 
-@_lifecycle.finalizer
+@finalizer
 def _release(
     cons: _Consumer,
     key: tuple[tuple[int, int], int],

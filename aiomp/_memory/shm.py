@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from .. import _lifecycle
 from .._errors import SharedMemoryError, TransportError
 from .._lifecycle import pid_alive, start_time
+from .._loop.finalizers import finalizer
 from .._wire import pickling as _reduction
 from . import lease as _lease
 
@@ -215,7 +216,7 @@ class Segment:
         self._finalizer()
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)
@@ -305,7 +306,7 @@ def _export(segment: Segment, index: int) -> ctypes.Array[ctypes.c_char]:
     return exporter
 
 
-@_lifecycle.finalizer
+@finalizer
 def _drop_block(
     segment: Segment,
     index: int,
@@ -941,7 +942,7 @@ def _start() -> None:
     _started = True
     if _tree[2]:
         janitor()
-        from .._spawn import context  # noqa: F401
+        from .._spawn import api  # noqa: F401
 
 
 def _open_fd(open_: Callable[[], int], what: str) -> int:

@@ -30,8 +30,8 @@ import anyio.lowlevel
 
 from .._errors import BrokenPoolError
 from .._loop.wakeup import Signal, Wakeup
-from .._process import child as _process
-from .._process.child import count
+from .._process import checks as _process
+from .._process.checks import count
 from .._wire import transport as _transport
 from . import protocol as P
 from .scheduler import DONE, QUEUED, Task, fresh

@@ -50,7 +50,9 @@ from .._loop import running_asyncio_loop
 from .._loop.taskhost import TaskHost
 from .._loop.wakeup import Wakeup
 from .._output import forwarder as _output
-from .._process import child as _process
+from .._process import checks as _checks
+from .._process import launch as _launch
+from .._process.child import Child
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 from . import calls as _calls
@@ -191,16 +193,16 @@ class Pool:
         output: _output.Output = "prefix",
     ) -> None:
         # (A wrong type is a TypeError, a number below 1 a ValueError, as Python's pools.)
-        processes = _cpu_count() if processes is None else _process.count("processes", processes)
-        concurrency = _process.count("concurrency", concurrency)
+        processes = _cpu_count() if processes is None else _checks.count("processes", processes)
+        concurrency = _checks.count("concurrency", concurrency)
         if maxtasksperchild is not None:
-            maxtasksperchild = _process.count("maxtasksperchild", maxtasksperchild)
+            maxtasksperchild = _checks.count("maxtasksperchild", maxtasksperchild)
         if grace_period < 0:
             raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
-        _process.check_start_method(start_method)
+        _checks.check_start_method(start_method)
         _output.check_output(output)
         if initializer is not None:
-            _process.check_function(initializer, start_method, "initializer")
+            _checks.check_function(initializer, start_method, "initializer")
         self._processes = processes
         self._initializer = initializer
         self._initargs = tuple(initargs)
@@ -293,9 +295,9 @@ class Pool:
             (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
         )
         if self._start_method == "fork":
-            _process.check_fork_safe()
+            _checks.check_fork_safe()
         elif self._start_method == "forkserver":
-            await _process.prepare_forkserver()
+            await _launch.prepare_forkserver()
 
     async def __aexit__(
         self,
@@ -474,8 +476,8 @@ class Pool:
                 fw.close()
             raise
         try:
-            child = _process.launch(
-                _process.Child,
+            child = _launch.launch(
+                Child,
                 _worker.main,
                 slot,
                 self._start_method,

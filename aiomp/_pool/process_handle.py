@@ -34,6 +34,7 @@ import anyio
 
 from .._loop.wakeup import Signal, Wakeup
 from .._process import child as _process
+from .._process.terminate import terminate_all
 from .._wire import transport as _transport
 from . import protocol as P
 from .scheduler import Task
@@ -232,7 +233,7 @@ class WorkerHandle:
                     with exit_wait:
                         await child.wait_exit()
                     if not child.exited:
-                        await _process.terminate_all([child], self._grace)
+                        await terminate_all([child], self._grace)
                     tg.cancel_scope.cancel()
         finally:
             if not child.exited:

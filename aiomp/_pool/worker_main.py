@@ -47,6 +47,8 @@ import sys
 import types
 
 from .._child import bootstrap as _child
+from .._child.output import forward_logging
+from .._child.runner import new_runner
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 from . import protocol as P
@@ -117,12 +119,12 @@ class Worker:
         if self.records is not None and "logging" in sys.modules:
             sock, level = self.records
             self.records = None
-            _child.forward_logging(sock, level)
+            forward_logging(sock, level)
 
     # -- loop ----------------------------------------------------------------------
     def get_runner(self) -> Any:
         if self.runner is None:
-            self.runner = _child.new_runner()
+            self.runner = new_runner()
         return self.runner
 
     def run_coro(self, coro: Any) -> object:

@@ -45,9 +45,10 @@ import time
 import weakref
 from threading import get_ident as _get_ident
 
-from .. import _lifecycle, _loop
+from .. import _loop
 from .._errors import CudaIpcError, QueueClosed, QueueItemError
 from .._loop.fdwait import FdWaiters
+from .._loop.finalizers import finalizer
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport
 from . import overflow as _overflow
@@ -739,7 +740,7 @@ def _message(obj: object) -> _reduction.Message:
     return _reduction.dumps(obj)
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_all(
     send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow, *fds: int
 ) -> None:
@@ -1027,13 +1028,13 @@ def _write_and_close(fd: int) -> None:
         os.close(fd)
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_waker(fd: int) -> None:
     _transport.forget(fd)
     os.close(fd)
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_event(state_fd: int, state: mmap.mmap, registry: socket.socket) -> None:
     state.close()
     registry.close()
