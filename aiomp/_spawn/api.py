@@ -23,6 +23,7 @@ from .._child.bootstrap import check_not_bootstrapping
 from .._loop.fdset import FdSet
 from .._loop.taskhost import exit_task_group
 from .._output import forwarder as _output
+from .._output.lines import Output, check_output
 from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
@@ -45,10 +46,10 @@ async def start_children(
     start_method: str,
     daemon: bool,
     grace_period: float,
-    output: _output.Output = "prefix",
+    output: Output = "prefix",
 ) -> ProcessContext:
     check_not_bootstrapping()  # before any check: a refusal is what the parent must see
-    _output.check_output(output)
+    check_output(output)
     nprocs = count("nprocs", nprocs)
     check_start_method(start_method)
     if not isinstance(args, tuple):
@@ -99,7 +100,7 @@ def _start_one(
     start_method: str,
     daemon: bool,
     fn: object,
-    output: _output.Output,
+    output: Output,
     exits: FdSet,
     payload: bytes | None,
 ) -> Spawned:
@@ -145,7 +146,7 @@ class SpawnHandle:
         start_method: str,
         daemon: bool,
         grace_period: float,
-        output: _output.Output,
+        output: Output,
     ) -> None:
         self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
         self._ctx: ProcessContext | None = None
@@ -233,7 +234,7 @@ def spawn(
     start_method: str = "spawn",
     daemon: bool = False,
     grace_period: float = 5.0,
-    output: _output.Output = "prefix",
+    output: Output = "prefix",
 ) -> SpawnHandle:
     """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
 
