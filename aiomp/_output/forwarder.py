@@ -37,7 +37,8 @@ from .. import _loop
 from .._loop.wakeup import Signal
 from .._loop.watch import END, IDLE, MORE, ReadWatch, read_watch
 from .._wire import transport as _transport
-from .lines import Lines, Output
+from .lines import Lines
+from .lines import Output as Output  # the Pool types its option with it
 from .lines import check_output as check_output  # the Pool checks its option here
 
 #: What one turn of the loop reads of a stream, at most, before it yields: a few ms of

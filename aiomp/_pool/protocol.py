@@ -32,6 +32,9 @@ import functools
 import pickle
 import struct
 
+from .._child.report import ErrorPayload as ErrorPayload
+from .._child.report import RemoteTraceback as RemoteTraceback
+from .._child.report import is_cancellation as is_cancellation
 from .._child.report import stops
 from .._wire import pickling as _reduction
 from .._wire import transport as _transport

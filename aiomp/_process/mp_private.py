@@ -37,7 +37,7 @@ def read_server_status(fd: int) -> int:
     """The exit status a fork server wrote on a child's sentinel ``fd`` (readable)."""
     from multiprocessing import forkserver
 
-    status: int = forkserver.read_signed(fd)  # type: ignore[attr-defined]
+    status: int = forkserver.read_signed(fd)
     return status
 
 
