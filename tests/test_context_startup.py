@@ -21,8 +21,8 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from aiomp._output import forwarder as _output
 from aiomp._loop.fdset import FdSet
+from aiomp._output import forwarder as _output
 from aiomp._process import child as _child
 from aiomp._spawn import api as _api
 from aiomp._spawn import spawned as _spawned

@@ -22,11 +22,11 @@ GRACE = 0.5
 
 
 @pytest.fixture
-def forwarder() -> Iterator[_output.Lines]:
-    yield _output.Lines(3, "prefix")
+def forwarder() -> Iterator[_output.ChildLines]:
+    yield _output.ChildLines(3, "prefix")
 
 
-def emitted(f: _output.Lines, *chunks: bytes, final: bool = True) -> str:
+def emitted(f: _output.ChildLines, *chunks: bytes, final: bool = True) -> str:
     """What ``prefix`` writes to stdout for ``chunks`` read one after another."""
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
@@ -40,12 +40,12 @@ def emitted(f: _output.Lines, *chunks: bytes, final: bool = True) -> str:
 
 
 def test_newlines_make_lines_and_a_last_partial_line_ends_at_exit(
-    forwarder: _output.Lines,
+    forwarder: _output.ChildLines,
 ) -> None:
     assert emitted(forwarder, b"a\nb", b"c\n", b"d") == "[rank 3] a\n[rank 3] bc\n[rank 3] d\n"
 
 
-def test_a_carriage_return_redraws_in_place(forwarder: _output.Lines) -> None:
+def test_a_carriage_return_redraws_in_place(forwarder: _output.ChildLines) -> None:
     """A progress bar's redraws are forwarded as they come, each with its own label, and
     still redraw in place on a terminal; ``\\r\\n`` stays one line end, even split
     across two reads."""
@@ -61,7 +61,7 @@ def test_a_carriage_return_redraws_in_place(forwarder: _output.Lines) -> None:
 
 def test_a_callback_gets_lines_split_on_newlines_only() -> None:
     lines = Lines()
-    f = _output.Lines(1, lines)
+    f = _output.ChildLines(1, lines)
     f.emit(0, b"a\rb\nc\r\n")
     f.emit(0, b"", final=True)
     assert lines.got == [(1, "stdout", "a\rb"), (1, "stdout", "c\r")]
@@ -71,7 +71,7 @@ def test_an_endless_line_is_forwarded_in_pieces_of_at_most_line_max() -> None:
     """A child's line with no end is not kept whole, nor copied whole at every read (a
     1 GiB dump would otherwise cost 4,000 copies of up to 1 GiB)."""
     lines = Lines()
-    f = _output.Lines(0, lines)
+    f = _output.ChildLines(0, lines)
     chunk = b"z" * (256 << 10)
     for _ in range(13):  # 3.25 MiB
         f.emit(0, chunk)

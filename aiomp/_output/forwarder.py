@@ -37,7 +37,7 @@ from .. import _loop
 from .._loop.wakeup import Signal
 from .._loop.watch import END, IDLE, MORE, ReadWatch, read_watch
 from .._wire import transport as _transport
-from .lines import Lines
+from .lines import ChildLines
 from .lines import Output as Output  # the Pool types its option with it
 from .lines import check_output as check_output  # the Pool checks its option here
 
@@ -72,7 +72,7 @@ class Forwarder:
 
     def __init__(self, rank: int, output: Output, label: str = "rank") -> None:
         self.rank = rank
-        self._lines = Lines(rank, output, label)
+        self._lines = ChildLines(rank, output, label)
         self._name = f"{label} {rank}"
         self._parent: list[socket.socket | None] = [None, None, None]  # ours, per socket
         self._child: list[socket.socket] = []

@@ -1,7 +1,7 @@
 """What a child's output becomes: labelled lines to the parent's streams, or a callback's.
 
-One :class:`Lines` per child turns the bytes read of its stdout and stderr into lines
-for the sink: ``"prefix"`` writes ``[rank N] line`` to the parent's ``sys.stdout`` /
+One :class:`ChildLines` per child turns the bytes read of its stdout and stderr into
+lines for the sink: ``"prefix"`` writes ``[rank N] line`` to the parent's ``sys.stdout`` /
 ``sys.stderr`` (looked up at each write, so redirections and pytest's capture see it); a
 callable receives ``(rank, stream, line)``. Bytes that are not UTF-8 come through with
 ``errors="backslashreplace"``. Lines are never truncated: one of :data:`LINE_MAX` with no
@@ -50,7 +50,7 @@ def check_output(output: object) -> None:
         )
 
 
-class Lines:
+class ChildLines:
     """One child's lines on their way to the sink (see the module docstring)."""
 
     def __init__(self, rank: int, output: Output, label: str = "rank") -> None:

@@ -27,9 +27,14 @@ from .child import Child
 
 #: What the fork server imports once, so that the children it forks start with it loaded:
 #: unpickling the sockets a child is given imports popen_forkserver; arming the
-#: parent-death signal loads ``_ctypes`` (a dlopen of libffi); the worker's main imports
-#: the child bootstrap.
-_FORKSERVER_PRELOAD = ("multiprocessing.popen_forkserver", "_ctypes", "aiomp._pool.worker_main")
+#: parent-death signal loads ``_ctypes`` (a dlopen of libffi); the two child mains (the
+#: Pool's worker, spawn's child) import the child bootstrap.
+_FORKSERVER_PRELOAD = (
+    "multiprocessing.popen_forkserver",
+    "_ctypes",
+    "aiomp._pool.worker_main",
+    "aiomp._spawn.child_main",
+)
 
 
 @contextlib.contextmanager
