@@ -76,8 +76,8 @@ _WHERE = {
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
     "ProcessContext": "_spawn.context",
-    "spawn": "_spawn.context",
-    "start_processes": "_spawn.context",
+    "spawn": "_spawn.api",
+    "start_processes": "_spawn.api",
     "Queue": "_queue.queue",
     "Event": "_queue.event",
     "Full": "_queue.queue",
@@ -119,16 +119,16 @@ if TYPE_CHECKING:
     from ._pool.pool import PoolStatistics as PoolStatistics
     from ._queue.event import Event as Event
     from ._queue.queue import Queue as Queue
+    from ._spawn.api import spawn as spawn
+    from ._spawn.api import start_processes as start_processes
     from ._spawn.context import ProcessContext as ProcessContext
-    from ._spawn.context import spawn as spawn
-    from ._spawn.context import start_processes as start_processes
 
 
 def _import_spawn() -> None:
     """At the first shared segment of a tree's root: import the spawn API now. Messages in
     flight may then take every fd the process can open, and an import needs one, so that
     a consumer can still be started to drain them."""
-    import aiomp._spawn.context  # noqa: F401
+    import aiomp._spawn.api  # noqa: F401
 
 
 _lifecycle.on_first_segment(_import_spawn)

@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .. import _lifecycle
+from .._loop.finalizers import finalizer
 from .driver import Backend, Described
 
 T = TypeVar("T")
@@ -112,7 +112,7 @@ class BlockPool:
         weakref.finalize(block, self._give_back, alloc).atexit = False
         return block
 
-    @_lifecycle.finalizer
+    @finalizer
     def _give_back(self, alloc: Alloc) -> None:
         if self.retired or self.pid != os.getpid():
             return  # never the lock of a retired or inherited pool: it may be a stale copy

@@ -18,8 +18,8 @@ import sys
 import weakref
 from typing import Any
 
-from .. import _lifecycle
 from .._errors import CudaIpcError
+from .._loop.finalizers import finalizer
 from .._memory import lease as _lease
 from .._wire import pickling as _reduction
 from . import driver as _driver
@@ -194,7 +194,7 @@ def _open_failed(meta: IpcArrayMeta, exc: BaseException) -> str:
     return f"could not open a CUDA array sent by process {meta.pid}, which {alive}: {exc}; {hint}"
 
 
-@_lifecycle.finalizer
+@finalizer
 def _release(
     cons: Consumer,
     key: tuple[tuple[int, int], int],

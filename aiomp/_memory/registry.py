@@ -24,7 +24,7 @@ import weakref
 from collections import deque
 from functools import partial
 
-from .. import _lifecycle
+from .._loop.finalizers import finalizer
 from . import fdlimit as _fdlimit
 from . import lease as _lease
 from .allocator import SegmentPool
@@ -84,7 +84,7 @@ class Registry:
             weakref.finalize(exporter, self.drop_block, segment, index, exporter_id, ref)
         return exporter
 
-    @_lifecycle.finalizer
+    @finalizer
     def drop_block(
         self, segment: Segment, index: int, exporter_id: int, ref: weakref.ref[Exporter]
     ) -> None:

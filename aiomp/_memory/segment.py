@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 
-from .. import _lifecycle
+from .._loop.finalizers import finalizer
 from . import lease as _lease
 
 PAGE = mmap.PAGESIZE
@@ -145,7 +145,7 @@ class Segment:
         self._finalizer()
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_fd(fd: int) -> None:
     try:
         os.close(fd)

@@ -1,23 +1,14 @@
-"""Children's output, forwarded to the parent line by line with a label: ``[rank N] line``.
+"""The parent's side of one child's output: :class:`Forwarder`, and closing many at once.
 
-One :class:`Forwarder` per child holds the read ends of the unix sockets that are the
+One :class:`Forwarder` per child owns the read ends of the unix sockets that are the
 child's fd 1 and fd 2, and of a third (datagrams) for its logging records, and reads them
-on the parent's loop with no thread and no polling (see docs/decisions/0020-output-forwarding.md and
-*Nothing anyio in loop callbacks* in docs/architecture.md).
-
-Each complete line goes to the sink: ``"prefix"`` writes ``[rank N] line`` to the
-parent's ``sys.stdout`` / ``sys.stderr`` (looked up at each write, so redirections and
-pytest's capture see it); a callable receives ``(rank, stream, line)``. Bytes that are
-not UTF-8 come through with ``errors="backslashreplace"``; lines are never truncated (one
-of 1 MiB with no end yet goes as it stands, the rest follows), and with ``"prefix"`` a
-carriage return also ends a line, so progress bars show as they redraw. A
-logging record is re-emitted with ``logging.getLogger(record.name).handle(record)``, with
-``record.rank`` (``record.worker`` in a Pool) and ``record.pid`` set; the child's side is
-:func:`aiomp._child.bootstrap.forward_logging`.
+on the parent's loop with no thread and no polling (an :class:`aiomp._loop.watch`
+per socket). What it reads becomes lines for the sink in ``aiomp._output.lines``; the
+child's side is ``aiomp._child.output``.
 
 Each turn of the loop reads at most :data:`_CHUNK` bytes of a stream and then yields, so a
 child that writes faster than the parent forwards (or for ever) never holds the loop: it
-waits in ``write()`` meanwhile, as it does when the loop is busy (issue 25 item 1).
+waits in ``write()`` meanwhile, as it does when the loop is busy.
 
 Nothing is lost, and a child's exit does not end its output: its own children (a
 subprocess, ``os.fork``) hold copies of its stdout and stderr, so each stream is read
@@ -26,73 +17,44 @@ until end-of-file. :meth:`Forwarder.child_exited` notes what the child left queu
 its fds by itself once both streams have ended. When the spawn or pool closes,
 :func:`close_all` forwards what the child left, waits up to :data:`LINGER` seconds more
 for the streams' end, then :meth:`Forwarder.close` reads once more, flushes the last
-partial lines, logs what it could not read, and detaches (see
-docs/decisions/0020-output-forwarding.md). The Pool uses one Forwarder per worker, with
-``label="worker"``, its :meth:`child_ends` passed to ``_process.launch(..., output=...)``.
+partial lines, logs what it could not read, and detaches. The Pool uses one Forwarder
+per worker, with ``label="worker"``, its :meth:`child_ends` passed to
+``aiomp._process.launch.launch(..., output=...)``. Waits are cancellable and leave the
+forwarder as it was; :func:`close_all` is shielded and bounded.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import pickle
-import re
 import socket
 import sys
-import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .. import _loop
+from .._loop.wakeup import Signal
+from .._loop.watch import END, IDLE, MORE, ReadWatch, read_watch
 from .._wire import datagram as _transport
+from .lines import ChildLines
+from .lines import Output as Output  # the Pool types its option with it
+from .lines import check_output as check_output  # the Pool checks its option here
 
-if TYPE_CHECKING:
-    import asyncio
-
-log = logging.getLogger("aiomp")
-
-#: ``(rank, stream, line)``: ``stream`` is ``"stdout"`` or ``"stderr"``, ``line`` has no
-#: newline.
-LineCallback = Callable[[int, str, str], object]
-Output = str | LineCallback
-
-STREAMS = ("stdout", "stderr")
-#: The parent's streams found to be a closed pipe (``prog | head``): writing to them again
-#: would fail again, so their lines are only counted.
-_closed_sinks: weakref.WeakSet[object] = weakref.WeakSet()
 #: What one turn of the loop reads of a stream, at most, before it yields: a few ms of
 #: work (64 KiB of 2-byte lines is the worst case), never a drain until EAGAIN, which a
-#: child writing faster than the parent forwards would never let end (issue 25 item 1).
+#: child writing faster than the parent forwards would never let end.
 _CHUNK = 64 * 1024
 _RECORD_MAX = 4 << 20  # a logging record's datagram; bigger ones go to stderr as text
 _RECORDS_PER_TURN = 16  # logging records one turn reads, at most
 #: When a spawn or pool closes, how long its forwarders wait for streams that a process
 #: the child started (a grandchild) still holds open to end, before they detach.
 LINGER = 1.0
-#: What a turn of reading left: more may be there now, nothing is there now, the end.
-_MORE, _IDLE, _END = 0, 1, 2
 #: Once a child's output is readable, wait this long before reading it, so that a child
 #: writing many small pieces (unbuffered, PYTHONUNBUFFERED=1) costs the parent one
 #: wake-up per batch, not one per write. Only while output flows; the line is late by
 #: at most this much.
 COALESCE = 0.002
-#: A line this long with no end yet is forwarded as it is, the rest as further lines: the
-#: parent does not hold a child's endless line (a binary dump, a bar never ended) whole.
-LINE_MAX = 1 << 20
-#: Where ``"prefix"`` ends a line: a newline, or a carriage return (a progress bar's
-#: redraw, forwarded as it comes rather than as one line when the bar ends).
-_LINE_END = re.compile(rb"(\r\n|\n|\r)")
-
-
-def check_output(output: object) -> None:
-    if not (output in ("prefix", "inherit") or callable(output)):
-        raise ValueError(
-            f"output must be 'prefix', 'inherit' or a callable (rank, stream, line), not {output!r}"
-        )
-
-
 _DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: IntFlag arithmetic is slow
 _PEEK = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 
@@ -110,15 +72,10 @@ class Forwarder:
 
     def __init__(self, rank: int, output: Output, label: str = "rank") -> None:
         self.rank = rank
-        self._label = label
-        self._prefix = f"[{label} {rank}] "
-        self._output = output
+        self._lines = ChildLines(rank, output, label)
+        self._name = f"{label} {rank}"
         self._parent: list[socket.socket | None] = [None, None, None]  # ours, per socket
         self._child: list[socket.socket] = []
-        self._partial = [bytearray(), bytearray()]  # a line's start, per stream
-        self._open = [False, False]  # "prefix": a redraw was written, its line not ended
-        self._lost = [0, 0]  # lines the sink did not take, per stream
-        self._reported = False  # the first failure of the sink was logged
         self._got = [0, 0]  # bytes read so far, per stream
         #: At the child's exit: the bytes read by then plus those queued, per stream.
         self._owed: list[int] | None = None
@@ -126,11 +83,8 @@ class Forwarder:
         self.closed = False  # every fd released, the losses reported
         #: Tasks in :meth:`_until`: (their condition, their wake-up), checked after each
         #: read and each end.
-        self._waiters: list[tuple[Callable[[], bool], Callable[[], object]]] = []
-        self._loop: asyncio.AbstractEventLoop | None = None  # None: trio
-        #: asyncio: per socket, the pending coalescing read or next turn
-        self._timers: list[asyncio.Handle | None] = [None, None, None]
-        self._trio_scopes: list[Any] = []  # trio.CancelScope (trio is optional)
+        self._waiters: list[tuple[Callable[[], bool], Signal]] = []
+        self._watches: list[ReadWatch | None] = [None, None, None]  # per socket, once started
         try:
             # stdout, stderr (byte streams), then logging records (one datagram each;
             # SOCK_DGRAM, not SEQPACKET: a child tells its control socket, the one
@@ -139,9 +93,8 @@ class Forwarder:
                 ours, theirs = socket.socketpair(socket.AF_UNIX, kind)
                 self._parent[i] = ours
                 self._child.append(theirs)
-                # Two syscalls a pair, no more (see docs/decisions/0020-output-forwarding.md):
-                # the child's reads of fd 1 and 2 see EOF; our end stays blocking, read with
-                # MSG_DONTWAIT.
+                # Two syscalls a pair, no more: the child's reads of fd 1 and 2 see EOF;
+                # our end stays blocking, read with MSG_DONTWAIT.
                 theirs.shutdown(socket.SHUT_RD)
                 # Room for a few thousand small writes (each costs ~1 KiB of kernel
                 # accounting) while the parent is busy or coalescing: the send buffer
@@ -169,17 +122,15 @@ class Forwarder:
         for end in self._child:
             end.close()
         self._child = []
-        self._loop = _loop.running_asyncio_loop()
         for i, ours in enumerate(self._parent):
             assert ours is not None
-            if self._loop is not None:
-                self._loop.add_reader(ours.fileno(), self._on_readable, i)
-            else:
-                import trio
-
-                trio.lowlevel.spawn_system_task(
-                    self._trio_reader, i, name=f"aiomp output {self._prefix}"
-                )
+            self._watches[i] = read_watch(
+                ours,
+                functools.partial(self._turn, i),
+                functools.partial(self._at_eof, i),
+                COALESCE,
+                f"aiomp output [{self._name}]",
+            )
 
     # -- the child's exit, and waiting for the streams ---------------------------------
     def child_exited(self) -> None:
@@ -224,20 +175,10 @@ class Forwarder:
         Cancellation leaves the forwarder as it was."""
         if done():
             return
-        waiter: tuple[Callable[[], bool], Callable[[], object]]
-        loop = _loop.running_asyncio_loop()
-        if loop is not None:
-            woken = loop.create_future()
-            waiter = (done, functools.partial(_resolve, woken))
-            wait: Any = woken
-        else:
-            import trio
-
-            event = trio.Event()
-            waiter, wait = (done, event.set), event.wait()
+        waiter = (done, Signal(_loop.running_asyncio_loop()))
         self._waiters.append(waiter)
         try:
-            await wait
+            await waiter[1].wait()
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
@@ -249,50 +190,9 @@ class Forwarder:
         woken = [w for w in self._waiters if w[0]()]
         for waiter in woken:
             self._waiters.remove(waiter)
-            waiter[1]()
+            waiter[1].set()
 
     # -- reading: one bounded turn at a time ---------------------------------------------
-    async def _trio_reader(self, i: int) -> None:
-        import trio
-
-        with trio.CancelScope() as scope:
-            self._trio_scopes.append(scope)
-            while True:
-                state = self._turn(i)
-                s = self._parent[i]
-                if state == _END or s is None:
-                    return
-                if state == _MORE:  # let every other task run, then read on
-                    await trio.lowlevel.checkpoint()
-                    continue
-                try:
-                    await trio.lowlevel.wait_readable(s)
-                except (trio.ClosedResourceError, OSError):
-                    return
-                if self._at_eof(i):
-                    return
-                await trio.sleep(COALESCE)
-
-    def _on_readable(self, i: int) -> None:
-        s, loop = self._parent[i], self._loop
-        assert loop is not None  # reader callbacks exist on asyncio only
-        if s is not None and self._timers[i] is None and not self._at_eof(i):
-            loop.remove_reader(s.fileno())
-            self._timers[i] = loop.call_later(COALESCE, self._asyncio_turn, i)
-
-    def _asyncio_turn(self, i: int) -> None:
-        self._timers[i] = None
-        loop = self._loop
-        assert loop is not None  # timers exist on asyncio only
-        state = self._turn(i)
-        s = self._parent[i]
-        if state == _END or s is None:
-            return
-        if state == _MORE:  # the next turn after what else is ready (I/O polled between)
-            self._timers[i] = loop.call_soon(self._asyncio_turn, i)
-        else:
-            loop.add_reader(s.fileno(), self._on_readable, i)
-
     def _at_eof(self, i: int) -> bool:
         """If stream ``i`` (readable now) is at its end, with nothing left unread, end it
         and return True: nothing is worth coalescing for, and a child's exit costs no
@@ -313,181 +213,58 @@ class Forwarder:
         return True
 
     def _turn(self, i: int) -> int:
-        """Forward one bounded read of socket ``i``: :data:`_MORE`, :data:`_IDLE` or
-        :data:`_END` (it has ended, and is detached)."""
+        """Forward one bounded read of socket ``i``: ``MORE``, ``IDLE`` or ``END`` (it has
+        ended, and is detached)."""
         s = self._parent[i]
         if s is None:
-            return _END
+            return END
         if i == 2:
             return self._records_turn(s)
         try:
             data = s.recv(_CHUNK, _DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            return _IDLE
+            return IDLE
         except OSError:
             data = b""
         if not data:
             self._end(i)
-            return _END
+            return END
         self._got[i] += len(data)
-        self._emit(i, data)
+        self._lines.emit(i, data)
         if self._waiters:
             self._wake()
         # A unix stream socket's read stops short only when its queue is empty.
-        return _MORE if len(data) == _CHUNK else _IDLE
+        return MORE if len(data) == _CHUNK else IDLE
 
     def _records_turn(self, s: socket.socket) -> int:
         for _ in range(_RECORDS_PER_TURN):
             try:
                 data = s.recv(_RECORD_MAX, _DONTWAIT)
             except (BlockingIOError, InterruptedError):
-                return _IDLE
+                return IDLE
             except OSError:
-                return _IDLE  # a datagram socket has no end: nothing else to say
+                return IDLE  # a datagram socket has no end: nothing else to say
             if data:  # (an empty datagram: nobody sends one)
-                self._emit_record(data)
-        return _MORE
+                self._lines.emit_record(data)
+        return MORE
 
     def _end(self, i: int) -> None:
         """Stream ``i`` has ended: its last partial line goes, its socket is released."""
-        self._emit(i, b"", final=True)
+        self._lines.emit(i, b"", final=True)
         self._detach(i)
         if self._owed is not None and self._ended():
             self._finish()
         else:
             self._wake()
 
-    def _emit_record(self, data: bytes) -> None:
-        """Re-emit a child's logging record through this process's logger of its name."""
-        try:
-            record = logging.makeLogRecord(pickle.loads(data))
-            setattr(record, self._label, self.rank)
-            record.pid = record.process
-            logging.getLogger(record.name).handle(record)
-        except Exception:  # a loop callback must not raise: log it, keep forwarding
-            log.exception("aiomp: a logging record from %s was lost", self._prefix.strip())
-
-    def _emit(self, i: int, data: bytes, final: bool = False) -> None:
-        """Forward what ``data`` completes of stream ``i`` (everything with ``final``)
-        and keep the rest. See docs/decisions/0020-output-forwarding.md for carriage
-        returns (progress bars) and overlong lines."""
-        buf = self._partial[i]
-        prefix = self._output == "prefix"
-        start = len(buf)
-        whole: bytes | bytearray = data
-        if start:
-            buf += data  # a bytearray: appending is amortised, never a copy of all so far
-            whole = buf
-        cut = whole.rfind(b"\n", start)
-        if prefix:  # a carriage return last may be a "\r\n" cut in two: not yet an end
-            cut = max(cut, whole.rfind(b"\r", max(start - 1, 0), len(whole) - 1))
-        head = bytes(whole[: cut + 1])
-        if start:
-            del buf[: cut + 1]
-        else:
-            buf += data[cut + 1 :]
-        if buf and (final or len(buf) >= LINE_MAX):  # the rest goes too, as a line
-            head += bytes(buf) + b"\n"
-            buf.clear()
-        if not prefix:
-            if head:
-                self._to_callback(i, head.split(b"\n")[:-1])
-            return
-        label = self._prefix
-        if b"\r" not in head and not self._open[i]:  # plain lines: the common case
-            lines = head.split(b"\n")[:-1]
-            if lines:
-                text = "".join(
-                    f"{label}{line.decode('utf-8', 'backslashreplace')}\n" for line in lines
-                )
-                self._to_stream(i, text, len(lines))
-            return
-        split = _LINE_END.split(head)  # [line, end, line, end, ..., b""]
-        ends = [
-            (split[k].decode("utf-8", "backslashreplace"), split[k + 1].decode())
-            for k in range(0, len(split) - 1, 2)
-        ]
-        if final and self._open[i] and not ends:  # a redraw left open ends with the child
-            ends.append(("", "\n"))
-        if buf and not final and (head.endswith(b"\r") or (not head and self._open[i])):
-            # A progress bar's latest redraw, not ended yet: shown now, its line left open.
-            try:
-                ends.append((buf.decode(), ""))
-            except UnicodeDecodeError:  # a character cut in two: wait for its end
-                pass
-            else:
-                buf.clear()
-        parts = []
-        open_ = self._open[i]
-        for line, end in ends:  # what continues an open line gets no second label
-            parts.append(line + end if open_ else label + line + end)
-            open_ = not end
-        self._open[i] = open_
-        if parts:
-            self._to_stream(i, "".join(parts), len(parts))
-
-    def _to_callback(self, i: int, lines: list[bytes]) -> None:
-        output = self._output
-        assert callable(output)
-        for line in lines:
-            try:
-                output(self.rank, STREAMS[i], line.decode("utf-8", "backslashreplace"))
-            except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
-                self._lose(i, 1, exc)
-
-    def _to_stream(self, i: int, text: str, lines: int) -> None:
-        """Write ``text`` (``lines`` labelled lines) to the parent's stream ``i``."""
-        out = sys.stdout if i == 0 else sys.stderr
-        if out in _closed_sinks:
-            self._lose(i, lines)
-            return
-        try:
-            out.write(text)
-            out.flush()
-        except Exception as exc:  # noqa: BLE001 - a loop callback must not raise: counted
-            why = ""
-            if isinstance(exc, BrokenPipeError):
-                why = f": the parent's {STREAMS[i]} is a closed pipe"
-                try:
-                    _closed_sinks.add(out)
-                except TypeError:  # no weak references to it: try again next time
-                    pass
-            self._lose(i, lines, exc, why)
-
-    def _lose(self, i: int, lines: int, exc: Exception | None = None, why: str = "") -> None:
-        """Count ``lines`` of stream ``i`` the sink did not take; log the first failure with
-        its traceback (see docs/decisions/0020-output-forwarding.md)."""
-        if exc is not None and not self._reported:
-            self._reported = True
-            log.error(
-                "aiomp: forwarding the output of %s failed%s; the lines it loses are "
-                "counted and reported when it exits",
-                self._prefix.strip(),
-                why,
-                exc_info=exc,
-            )
-        self._lost[i] += lines
-
     def _detach(self, i: int) -> None:
         s = self._parent[i]
         if s is None:
             return
         self._parent[i] = None
-        if self._loop is not None:
-            timer, self._timers[i] = self._timers[i], None
-            if timer is not None:
-                timer.cancel()
-            try:
-                self._loop.remove_reader(s.fileno())
-            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
-                pass
-        else:
-            trio = sys.modules.get("trio")
-            if trio is not None:
-                try:
-                    trio.lowlevel.notify_closing(s)
-                except RuntimeError:
-                    pass  # outside trio.run: nobody waits on it
+        watch, self._watches[i] = self._watches[i], None
+        if watch is not None:
+            watch.stop()
         s.close()
 
     def close(self) -> None:
@@ -501,9 +278,9 @@ class Forwarder:
             end.close()
         self._child = []
         for i in (0, 1):
-            if self._parent[i] is not None and self._turn(i) != _END:
+            if self._parent[i] is not None and self._turn(i) != END:
                 self._unread[i] = self._queued(i)
-                self._emit(i, b"", final=True)
+                self._lines.emit(i, b"", final=True)
                 self._detach(i)
         self._finish()
 
@@ -515,53 +292,12 @@ class Forwarder:
         self.closed = True
         s = self._parent[2]
         if s is not None:
-            if self._records_turn(s) == _MORE:
+            if self._records_turn(s) == MORE:
                 self._unread[2] = self._queued(2)
             self._detach(2)
-        self._report_losses()
-        for scope in self._trio_scopes:
-            try:
-                scope.cancel()
-            except RuntimeError:  # trio.run has ended
-                pass
-        self._trio_scopes = []
-        self._wake()
-
-    def _report_losses(self) -> None:
-        name = self._prefix.strip()
-        for i, lost in enumerate(self._lost):
-            if lost:
-                self._lost[i] = 0
-                log.warning(
-                    "aiomp: %d line%s of %s's %s %s not forwarded",
-                    lost,
-                    "" if lost == 1 else "s",
-                    name,
-                    STREAMS[i],
-                    "was" if lost == 1 else "were",
-                )
-        for i, unread in enumerate(self._unread[:2]):
-            if unread:
-                log.warning(
-                    "aiomp: %d bytes of %s's %s were not forwarded: a process it started "
-                    "still held the stream open when its spawn or pool closed (what that "
-                    "process writes to it now fails with EPIPE)",
-                    unread,
-                    name,
-                    STREAMS[i],
-                )
-        if self._unread[2]:
-            log.warning(
-                "aiomp: logging records of %s were not forwarded: more were queued than "
-                "its spawn or pool read when it closed",
-                name,
-            )
+        self._lines.report_losses(self._unread)
         self._unread = [0, 0, 0]
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+        self._wake()
 
 
 async def forwarded(forwarders: Iterable[Forwarder | None]) -> None:

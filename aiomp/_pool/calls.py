@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from .._loop.wakeup import Signal, Wakeup
-from .._process.child import count
+from .._process.checks import count
 from . import protocol as P
 from .engine import OPEN, Engine
 from .tasks import DONE, FnInfo, Task, as_args, fn_cache, fn_info, new_task, tids

@@ -16,7 +16,7 @@ import anyio
 import anyio.lowlevel
 
 from .._errors import BrokenPoolError
-from .._process.child import count
+from .._process.checks import count
 from . import protocol as P
 from .calls import make_task
 from .engine import Engine

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
 from .._output import forwarder as _output
-from .._process import child as _process
+from .._process import checks as _process
 from . import calls as _calls
 from .engine import Engine
 from .iterators import ResultIterator

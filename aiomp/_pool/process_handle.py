@@ -38,6 +38,7 @@ from .._errors import ProcessRaisedException
 from .._loop.tasks import ReadableWatch
 from .._loop.wakeup import Signal, Wakeup
 from .._process import child as _process
+from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
@@ -283,7 +284,7 @@ class ProcessHandle(Handle):
                     with exit_wait:
                         await child.wait_exit()
                     if not child.exited:
-                        await _process.terminate_all([child], self._grace)
+                        await terminate_all([child], self._grace)
                     tg.cancel_scope.cancel()
         finally:
             if not child.exited:

@@ -19,7 +19,9 @@ from typing import Any
 
 from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
-from .._process import child as _process
+from .._process import checks as _checks
+from .._process import launch as _launch
+from .._process.child import Child
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
@@ -61,9 +63,9 @@ class ProcessKind(WorkerKind):
             (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
         )
         if self.start_method == "fork":
-            _process.check_fork_safe()
+            _checks.check_fork_safe()
         elif self.start_method == "forkserver":
-            await _process.prepare_forkserver()
+            await _launch.prepare_forkserver()
         return processes
 
     def start(self, slot: int, events: Events, options: Options) -> ProcessHandle:
@@ -90,8 +92,8 @@ class ProcessKind(WorkerKind):
                 fw.close()
             raise
         try:
-            child = _process.launch(
-                _process.Child,
+            child = _launch.launch(
+                Child,
                 worker_main.main,
                 slot,
                 self.start_method,
@@ -130,12 +132,12 @@ class ProcessKind(WorkerKind):
         ``spawn``'s, once per function and start method."""
         method = self.start_method
         if method not in info.checked:
-            _process.check_function(fn, method)
+            _checks.check_function(fn, method)
             info.checked.add(method)
         try:
             return task_message(tid, fn, info.fid, flags, items, kwds)
         except Exception as exc:
-            _process.check_function(fn, method)  # a clearer error when fn is the problem
+            _checks.check_function(fn, method)  # a clearer error when fn is the problem
             exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
             raise
 

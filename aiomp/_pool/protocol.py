@@ -31,8 +31,11 @@ from __future__ import annotations
 import functools
 import pickle
 import struct
-import sys
 
+from .._child.report import ErrorPayload as ErrorPayload
+from .._child.report import RemoteTraceback as RemoteTraceback
+from .._child.report import is_cancellation as is_cancellation
+from .._child.report import stops
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 
@@ -163,127 +166,6 @@ class TaskMessage:
         """Never to be sent: undo what pickling promised, then close."""
         self.frame, self.fds = b"", []
         self._msg.discard()
-
-
-class RemoteTraceback(Exception):
-    """The ``__cause__`` of an exception re-raised from a worker: its traceback there."""
-
-    def __init__(self, tb: str) -> None:
-        super().__init__(tb)
-        self.tb = tb
-
-    def __str__(self) -> str:
-        return self.tb
-
-
-class ErrorPayload:
-    """A worker's exception as it travels to the parent (the body of ERR and INIT_ERR).
-
-    The exception is pickled on its own, and unpickled once in the worker to be sure the
-    parent can rebuild it, so that its type, text and traceback arrive even when the
-    exception itself cannot.
-    """
-
-    __slots__ = ("data", "message", "text", "type_name", "why")
-
-    def __init__(
-        self, text: str, data: bytes | None, type_name: str, message: str, why: str
-    ) -> None:
-        self.text = text  # the formatted traceback in the worker
-        self.data = data  # the pickled exception, or None
-        self.type_name = type_name
-        self.message = message  # str(exc)
-        self.why = why  # why the exception itself could not travel
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return ErrorPayload, (self.text, self.data, self.type_name, self.message, self.why)
-
-    @classmethod
-    def of(cls, exc: BaseException, context: str = "") -> ErrorPayload:
-        from .._child import bootstrap as _child
-
-        text = _child.format_error(exc, context)
-        kind = type(exc)
-        name = (
-            kind.__qualname__
-            if kind.__module__ == "builtins"
-            else f"{kind.__module__}.{kind.__qualname__}"
-        )
-        data: bytes | None = None
-        why = ""
-        try:
-            pickled = pickle.dumps(exc, protocol=5)
-            pickle.loads(pickled)
-            data = pickled
-        except BaseException as err:  # noqa: BLE001 - any failure means: send the text only
-            why = f"{type(err).__name__}: {err}"
-        try:
-            message = str(exc)
-        except BaseException:  # noqa: BLE001
-            message = "<str() failed>"
-        return cls(text, data, name, message, why)
-
-    def exception(self, name: str, slot: int, pid: int | None) -> BaseException:
-        """The exception to raise in the parent for worker ``name``: the worker's own
-        (or a ProcessRaisedException naming its type and text when it cannot travel),
-        with the worker's traceback as its ``__cause__``, as concurrent.futures does."""
-        exc, why = self.rebuild()
-        if exc is None:
-            from .._errors import ProcessRaisedException
-
-            exc = ProcessRaisedException(
-                f"{name} raised {self.type_name}: {self.message}\n"
-                f"(the exception itself could not be sent to the parent: {why})",
-                slot,
-                pid,
-            )
-        exc.__cause__ = RemoteTraceback(f'\n"""\n{name}:\n{self.text}"""')
-        return exc
-
-    def rebuild(self) -> tuple[BaseException | None, str]:
-        """``(the exception, or None with why not)``, in the parent.
-
-        A ``BaseException`` travels as itself (``SystemExit``, ``KeyboardInterrupt``, as
-        ``concurrent.futures`` raises them), except a cancellation: a task that cancelled
-        itself must not look like a cancellation of its caller. One that unpickling the
-        exception raised here is raised instead, as :func:`unpickling_failed` says.
-        """
-        if self.data is None:
-            return None, self.why
-        try:
-            exc = pickle.loads(self.data)
-        except BaseException as err:  # noqa: BLE001 - never out of the reader callback
-            if stops(err):
-                err.add_note(f"(raised while unpickling a task's {self.type_name} in the parent)")
-                return err, ""
-            return None, f"{type(err).__name__}: {err}"
-        if is_cancellation(exc):
-            return None, f"it is a cancellation ({self.type_name}), not the caller's"
-        return exc, ""
-
-
-def is_cancellation(exc: BaseException) -> bool:
-    """Whether ``exc`` is (or, a group, holds) asyncio's CancelledError or trio's Cancelled.
-
-    Looked up in ``sys.modules``: an exception of a module never imported cannot exist.
-    """
-    for module, name in _CANCELLATIONS:
-        kind = getattr(sys.modules.get(module), name, None)
-        if kind is not None and isinstance(exc, kind):
-            return True
-    if isinstance(exc, BaseExceptionGroup):
-        return any(is_cancellation(e) for e in exc.exceptions)
-    return False
-
-
-_CANCELLATIONS = (("asyncio", "CancelledError"), ("trio", "Cancelled"))
-
-
-def stops(exc: BaseException) -> bool:
-    """Whether ``exc`` asks the program to stop (``SystemExit``, ``KeyboardInterrupt``, any
-    ``BaseException`` but a cancellation): it must reach a caller as itself, never be
-    wrapped in an ``Exception`` that ``except Exception`` would swallow."""
-    return not isinstance(exc, Exception) and not is_cancellation(exc)
 
 
 def unpickling_failed(exc: BaseException, what: str) -> BaseException:

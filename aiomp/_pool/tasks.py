@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from .._process import child as _process
+from .._process import checks as _process
 from .._wire import datagram as _transport
 from . import protocol as P
 

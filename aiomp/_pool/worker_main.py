@@ -47,6 +47,8 @@ import sys
 import types
 
 from .._child import bootstrap as _child
+from .._child import output as _child_output
+from .._child import runner as _runner
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
@@ -114,12 +116,12 @@ class Server:
         if self.records is not None and "logging" in sys.modules:
             sock, level = self.records
             self.records = None
-            _child.forward_logging(sock, level)
+            _child_output.forward_logging(sock, level)
 
     # -- loop ----------------------------------------------------------------------
     def get_runner(self) -> Any:
         if self.runner is None:
-            self.runner = _child.new_runner()
+            self.runner = _runner.new_runner()
         return self.runner
 
     def run_coro(self, coro: Any) -> object:

@@ -18,8 +18,9 @@ import threading
 import time
 import weakref
 
-from .. import _lifecycle, _loop
+from .. import _loop
 from .._loop import readers as _readers
+from .._loop.finalizers import finalizer
 from .._loop.waiters import FdWaiters
 from .._wire import datagram as _datagram
 from .._wire import pickling as _pickling
@@ -291,13 +292,13 @@ def _write_and_close(fd: int) -> None:
         os.close(fd)
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_waker(fd: int) -> None:
     _readers.forget(fd)
     os.close(fd)
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_event(state_fd: int, state: mmap.mmap, registry: socket.socket) -> None:
     state.close()
     registry.close()

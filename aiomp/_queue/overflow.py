@@ -74,7 +74,7 @@ _TABLE = struct.Struct(f"<{3 * _NSLOTS}Q")
 SENT, RECEIVED = 8, 16  # a count's offset in its slot
 
 #: Test hook: called with the name of each step of an overflow operation, to kill the
-#: process there (tests/_funcs_queue.py). None in normal use.
+#: process there (tests/children/queue.py). None in normal use.
 fault: Callable[[str], None] | None = None
 
 

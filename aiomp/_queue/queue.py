@@ -38,9 +38,10 @@ import socket
 import time
 import weakref
 
-from .. import _lifecycle, _loop
+from .. import _loop
 from .._errors import QueueClosed
 from .._loop import readers as _readers
+from .._loop.finalizers import finalizer
 from .._loop.waiters import FdWaiters
 from .._wire import datagram as _datagram
 from .._wire import pickling as _pickling
@@ -315,7 +316,7 @@ class Queue(QueueCore):
             yield item
 
 
-@_lifecycle.finalizer
+@finalizer
 def _close_all(
     send: socket.socket, recv: socket.socket, ovf: _overflow.Overflow, *fds: int
 ) -> None:

@@ -759,7 +759,7 @@ def _recv_obj(sock: socket.socket) -> object:
 
 
 def send_obj(sock: socket.socket, obj: object) -> None:
-    from aiomp._child import bootstrap as _child
+    from aiomp._child import report as _child
     from aiomp._wire import pickling as _reduction
 
     _child.send_message(sock, _reduction.dumps(obj))

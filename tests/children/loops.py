@@ -29,7 +29,7 @@ def echo_on(rank: int, qin: Any, qout: Any, loop: str) -> int:
     if loop == "asyncio":
         with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
             return runner.run(_echo(qin, qout))
-    from aiomp._child.bootstrap import new_runner
+    from aiomp._child.runner import new_runner
 
     with new_runner() as runner:
         return runner.run(_echo(qin, qout))

@@ -17,7 +17,7 @@ from aiomp._loop.wakeup import Signal, Wakeup
 from aiomp._pool.kinds import Events, Handle, Options, WorkerKind
 from aiomp._pool.protocol import RemoteTraceback
 from aiomp._pool.tasks import FnInfo, Task
-from tests import _funcs_pool_contract as funcs
+from tests.children import contract as funcs
 
 _pids = itertools.count(900_000)
 

@@ -13,7 +13,7 @@ import pytest
 
 import aiomp
 from aiomp._pool.protocol import RemoteTraceback
-from tests import _funcs_pool_contract as funcs
+from tests.children import contract as funcs
 from tests.contract._fake_kind import fake_pool
 
 TIMEOUT = 60

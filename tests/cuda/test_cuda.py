@@ -4,7 +4,7 @@ Two kinds of tests:
 
 - Everywhere (no GPU, no cupy): the pure parts (what is pickled, offset arithmetic, lease
   ranges, slot bookkeeping) and the whole lifetime protocol driven through aiomp's real
-  message path with a fake CUDA backend (``tests._funcs_cuda.FakeBackend``, a model of
+  message path with a fake CUDA backend (``tests.children.cuda.FakeBackend``, a model of
   CuPy's memory pool and the driver's allocator): slots, handoff
   fds, consumer leases, the handle cache, finalizers, collection, limits, a consumer
   killed with SIGKILL.
@@ -41,7 +41,7 @@ from aiomp._cuda.meta import IpcArrayMeta
 from aiomp._cuda.slots import DEFAULT_IPC_LIMIT
 from aiomp._cuda.state import state as _state
 from aiomp._memory import lease as _lease
-from aiomp._spawn import context as _context
+from aiomp._process import checks as _context
 from aiomp._wire import datagram as _transport
 from aiomp._wire import pickling as _reduction
 from tests.children import common as _funcs

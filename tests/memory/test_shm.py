@@ -1402,7 +1402,7 @@ _SPAWN_AT_THE_LIMIT = textwrap.dedent("""
     import os, resource, sys
     import anyio, numpy as np
     import aiomp
-    from tests import _funcs_shm
+    from tests.children import memory as _funcs_shm
 
     async def main():
         q = aiomp.Queue()

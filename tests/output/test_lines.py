@@ -1,6 +1,7 @@
 """What ``output="prefix"`` and a line callback make of a child's bytes: carriage returns
 (progress bars) and lines with no end (see docs/decisions/0020-output-forwarding.md).
-The pure part, ``Forwarder._emit``, is tested on its own; the rest through ``spawn``."""
+The pure part, ``aiomp._output.lines.Lines``, is tested on its own; the rest through
+``spawn``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp._output import forwarder as _output
+from aiomp._output import lines as _output
 from tests._sinks import Lines
 from tests.children import output as funcs
 
@@ -21,32 +22,30 @@ GRACE = 0.5
 
 
 @pytest.fixture
-def forwarder() -> Iterator[_output.Forwarder]:
-    f = _output.Forwarder(3, "prefix")
-    yield f
-    f.close()
+def forwarder() -> Iterator[_output.ChildLines]:
+    yield _output.ChildLines(3, "prefix")
 
 
-def emitted(f: _output.Forwarder, *chunks: bytes, final: bool = True) -> str:
+def emitted(f: _output.ChildLines, *chunks: bytes, final: bool = True) -> str:
     """What ``prefix`` writes to stdout for ``chunks`` read one after another."""
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
         for chunk in chunks:
-            f._emit(0, chunk)
+            f.emit(0, chunk)
         if final:
-            f._emit(0, b"", final=True)
+            f.emit(0, b"", final=True)
         return sys.stdout.getvalue()
     finally:
         sys.stdout = saved
 
 
 def test_newlines_make_lines_and_a_last_partial_line_ends_at_exit(
-    forwarder: _output.Forwarder,
+    forwarder: _output.ChildLines,
 ) -> None:
     assert emitted(forwarder, b"a\nb", b"c\n", b"d") == "[rank 3] a\n[rank 3] bc\n[rank 3] d\n"
 
 
-def test_a_carriage_return_redraws_in_place(forwarder: _output.Forwarder) -> None:
+def test_a_carriage_return_redraws_in_place(forwarder: _output.ChildLines) -> None:
     """A progress bar's redraws are forwarded as they come, each with its own label, and
     still redraw in place on a terminal; ``\\r\\n`` stays one line end, even split
     across two reads."""
@@ -62,28 +61,22 @@ def test_a_carriage_return_redraws_in_place(forwarder: _output.Forwarder) -> Non
 
 def test_a_callback_gets_lines_split_on_newlines_only() -> None:
     lines = Lines()
-    f = _output.Forwarder(1, lines)
-    try:
-        f._emit(0, b"a\rb\nc\r\n")
-        f._emit(0, b"", final=True)
-    finally:
-        f.close()
+    f = _output.ChildLines(1, lines)
+    f.emit(0, b"a\rb\nc\r\n")
+    f.emit(0, b"", final=True)
     assert lines.got == [(1, "stdout", "a\rb"), (1, "stdout", "c\r")]
 
 
 def test_an_endless_line_is_forwarded_in_pieces_of_at_most_line_max() -> None:
-    """Regression: a child's line with no end was kept whole, and every read copied all
-    of it so far (quadratic: 4,000 copies of up to 1 GiB for a 1 GiB dump)."""
+    """A child's line with no end is not kept whole, nor copied whole at every read (a
+    1 GiB dump would otherwise cost 4,000 copies of up to 1 GiB)."""
     lines = Lines()
-    f = _output.Forwarder(0, lines)
+    f = _output.ChildLines(0, lines)
     chunk = b"z" * (256 << 10)
-    try:
-        for _ in range(13):  # 3.25 MiB
-            f._emit(0, chunk)
-        assert [len(line) for _, _, line in lines.got] == [_output.LINE_MAX] * 3
-        f._emit(0, b"", final=True)
-    finally:
-        f.close()
+    for _ in range(13):  # 3.25 MiB
+        f.emit(0, chunk)
+    assert [len(line) for _, _, line in lines.got] == [_output.LINE_MAX] * 3
+    f.emit(0, b"", final=True)
     assert [len(line) for _, _, line in lines.got] == [_output.LINE_MAX] * 3 + [256 << 10]
 
 

@@ -4,7 +4,7 @@ items 9, 10, 12 and 13), through the public API.
 conftest runs every async test here on a plain ``asyncio.run`` loop, uvloop and
 ``trio.run``. Workers are never slept on, and every await is bounded. The one seam the
 tests reach past the public API is where the pool starts a worker process
-(``aiomp._process.child.launch``), to inject a failed fork without a real pids limit.
+(``aiomp._process.launch.launch``), to inject a failed fork without a real pids limit.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 import aiomp
 from aiomp._pool import scheduler as _scheduler
-from aiomp._process import child as _process
+from aiomp._process import launch as _process
 from aiomp._wire import datagram as _transport
 from tests.children import pool as funcs
 

@@ -1251,7 +1251,7 @@ async def test_cancelled_while_leaving_the_block_terminates_children(gate: Gate)
     assert scope.cancelled_caught
     assert exitcodes(ctx) == [-signal.SIGTERM, -signal.SIGTERM]
     assert all(gone(pid) for pid in ctx.pids())
-    assert ctx._join._epoll is None  # the join dropped its watch on the loop
+    assert not ctx._exits.watching  # the fd set dropped its watch on the loop
 
 
 @pytest.mark.anyio

@@ -1,6 +1,6 @@
 """The join of a spawn's children: one waiter for every child's exit fd and report socket.
 
-What ``_context._Join`` must keep (see docs/decisions/0018-one-waiter-per-spawn.md):
+What the spawn's one fd set (``aiomp._loop.fdset.FdSet``) must keep:
 an exit is seen whoever holds the report socket, a reported error acts before the failed
 child's teardown ends, cancellation anywhere terminates and reaps and leaves no watch
 behind, and a clean spawn-4 costs one waiting task, woken once. On asyncio, uvloop and
@@ -89,7 +89,7 @@ async def test_terminate_from_the_body_while_the_block_watches(gate: Gate) -> No
                 await ctx.terminate()
     assert info.value.signal_name == "SIGTERM"
     assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM] * 2
-    assert ctx._join._epoll is None  # no watch left on the loop
+    assert not ctx._exits.watching  # no watch left on the loop
 
 
 class _Count:
@@ -165,7 +165,7 @@ async def test_a_clean_spawn_of_four_wakes_one_waiting_task_once(start_method: s
         assert count.steps <= 4, count.steps
     else:
         assert count.tasks == 1  # the supervisor
-    assert ctx._join.wakeups == 1
+    assert ctx._exits.wakeups == 1
 
 
 @pytest.mark.anyio

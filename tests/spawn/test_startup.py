@@ -21,8 +21,11 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
+from aiomp._loop.fdset import FdSet
 from aiomp._output import forwarder as _output
-from aiomp._spawn import context as _context
+from aiomp._process import child as _child
+from aiomp._spawn import api as _api
+from aiomp._spawn import spawned as _spawned
 from aiomp._wire import datagram as _transport
 from tests._gate import Gate
 from tests.children import common as funcs
@@ -90,7 +93,7 @@ async def test_a_payload_without_fds_travels_in_the_start(
         # Too large to ride in the start (a spawn start writes it to a pipe that its child
         # reads only once booted: past 64 KiB that write would block the loop), too small
         # for a memfd: sent on the report socket.
-        middling = b"m" * (_context.INLINE_START + 1)
+        middling = b"m" * (_api.INLINE_START + 1)
         async with aiomp.spawn(funcs.echo, 2, args=(middling,), start_method=start_method) as ctx:
             pass
     assert ctx.results == [(0, (middling,)), (1, (middling,))]
@@ -207,7 +210,15 @@ def test_the_forwarder_sets_up_a_pair_in_three_syscalls(monkeypatch: pytest.Monk
 
 
 def test_join_registers_for_exit_and_hang_up_one_shot() -> None:
-    """The join's epoll registrations: a child's exit fd for input, its report socket for
-    its hang-up, both one-shot (a fired fd leaves the set with no epoll_ctl)."""
-    assert _context._EXIT_EVENTS == select.EPOLLIN | select.EPOLLONESHOT
-    assert _context._REPORT_EVENTS == select.EPOLLRDHUP | select.EPOLLONESHOT
+    """The fd set's epoll registrations: a child's exit fd for input, its report socket
+    for its hang-up, both one-shot (a fired fd leaves the set with no epoll_ctl)."""
+    assert _child.EXIT_EVENTS == select.EPOLLIN
+    assert _spawned.REPORT_EVENTS == select.EPOLLRDHUP
+    fds = FdSet()
+    r, w = os.pipe()
+    try:
+        fds.add(r, _child.EXIT_EVENTS, lambda: False)
+        assert fds._sources[r][0] == select.EPOLLIN | select.EPOLLONESHOT
+    finally:
+        os.close(r)
+        os.close(w)
