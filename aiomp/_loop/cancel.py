@@ -11,7 +11,7 @@ tens; the private records answer in a C call and a short loop.
 
 Each reader is resolved once, when asked, and bound by its user: nothing here dispatches
 per call. If asyncio or anyio has moved what is read here, the reader falls back to the
-public call and logs a warning once; ``tests/test_loop_cancel.py`` calls the strict
+public call and logs a warning once; ``tests/loop/test_cancel_probe.py`` calls the strict
 resolvers (:func:`private_current_task`, :func:`private_scope_cancelled`), which raise, so
 that the change fails the suite instead of slowing ``apply`` in silence.
 """

@@ -1,7 +1,7 @@
 """Every private name of ``multiprocessing`` and ``atexit`` that aiomp reads or writes.
 
 Owns nothing. Standard library only (children import it). Gathered here so that one unit
-test (``tests/test_child_path.py``) checks each of them against the running Python and
+test (``tests/spawn/test_mp_private.py``) checks each of them against the running Python and
 fails loudly when Python moves one, instead of a caller falling back in silence.
 """
 
