@@ -308,9 +308,8 @@ def loop_mentions(tree: ast.Module) -> set[str]:
 
     def check_module(name: str, where: ast.AST) -> None:
         parts = name.split(".")
-        if parts[0] in LOOP_LIBRARIES or set(parts) & LOOP_INTERNALS:
-            note(name, where)
-        elif parts[0] in INTERNALS_OF and any(is_private(p) for p in parts):
+        private = parts[0] in INTERNALS_OF and any(is_private(p) for p in parts)
+        if private or parts[0] in LOOP_LIBRARIES or set(parts) & LOOP_INTERNALS:
             note(name, where)
 
     for node in ast.walk(tree):
