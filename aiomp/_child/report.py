@@ -4,17 +4,18 @@
 pickled on its own (and unpickled once in the child, to be sure the parent can rebuild
 it), its type's name and its message, so that the text always arrives even when the
 exception itself cannot. :func:`report_error` sends spawn's ``("err", payload)`` report;
-the Pool's worker puts the payload in an ERR frame. Owns nothing; standard library and
-``_wire`` only (every child imports it).
+the Pool's worker puts the payload in an ERR frame. Owns nothing; standard library, ``_wire``
+and ``_loop`` only (every child imports it). Which exceptions are cancellations is
+``aiomp._loop.is_cancellation``'s to say.
 """
 
 from __future__ import annotations
 
 import pickle
 import socket
-import sys
 
 from .._errors import ProcessRaisedException
+from .._loop import is_cancellation
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 
@@ -119,23 +120,6 @@ class ErrorPayload:
         if is_cancellation(exc):
             return None, f"it is a cancellation ({self.type_name}), not the caller's"
         return exc, ""
-
-
-def is_cancellation(exc: BaseException) -> bool:
-    """Whether ``exc`` is (or, a group, holds) a cancellation of an event loop library.
-
-    Looked up in ``sys.modules``: an exception of a module never imported cannot exist.
-    """
-    for module, name in _CANCELLATIONS:
-        kind = getattr(sys.modules.get(module), name, None)
-        if kind is not None and isinstance(exc, kind):
-            return True
-    if isinstance(exc, BaseExceptionGroup):
-        return any(is_cancellation(e) for e in exc.exceptions)
-    return False
-
-
-_CANCELLATIONS = (("asyncio", "CancelledError"), ("trio", "Cancelled"))
 
 
 def stops(exc: BaseException) -> bool:

@@ -1,12 +1,18 @@
 """The one place that tells asyncio (uvloop included) from trio.
 
 The seam, for the rest of aiomp:
-- ``running_asyncio_loop()``, ``trio_running()``, ``running_loop()`` (one look for both;
-  ``TRIO`` while trio runs), ``sleep(delay)``: here;
-- ``readers``: kept readers (``wait_readable``, ``kept_readable``, ``wait_kept``, ``forget``);
-- ``waiters.FdWaiters``: one waiting task per fd, the others fanned out behind it;
+- here: ``running_asyncio_loop()``, ``running_loop()`` (one look for both: ``TRIO`` while
+  trio runs; typed :data:`RunningLoop`), ``trio_running()``, ``sleep(delay)``, and
+  ``is_cancellation(exc)`` (which exceptions cancel a task, per loop library);
+- ``watch``: ``fd_watch``, one callback per readable fd (a reader callback, a trio task);
+- ``turns``: ``read_watch``, a socket read in bounded, coalesced turns on that watch;
+- ``fdset.FdSet``: many fds behind one epoll fd, watched while a task waits;
+- ``readers``: kept readers for waits (``wait_readable``, ``kept_readable``, ``wait_kept``,
+  ``forget``); ``waiters.FdWaiters``: one waiting task per fd, the others fanned out;
 - ``wakeup.Signal``, ``wakeup.Wakeup``: wake-ups that loop callbacks may set;
-- ``taskhost.TaskHost``, ``taskhost.exit_task_group``: the hosted task group.
+- ``taskhost.TaskHost``, ``taskhost.exit_task_group``: the hosted task group;
+- ``cancel.CancelProbe``: the only reads of asyncio's and anyio's private records;
+- ``finalizers`` (KeyboardInterrupt protection), ``forked`` (a fork's loop marks cleared).
 
 Stdlib-only at module level (children import it): anyio and trio are imported lazily.
 """
@@ -18,7 +24,10 @@ import sys
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
     import asyncio
-    from typing import Final, Literal
+    from typing import Final, Literal, TypeAlias
+
+    #: A running loop as :func:`running_loop` names it: the asyncio loop, or :data:`TRIO`.
+    RunningLoop: TypeAlias = "asyncio.AbstractEventLoop | Literal['trio']"
 
 #: What :func:`running_loop` returns while trio runs in this thread.
 TRIO: Final = "trio"
@@ -33,7 +42,7 @@ def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
     return loop
 
 
-def running_loop() -> asyncio.AbstractEventLoop | Literal["trio"] | None:
+def running_loop() -> RunningLoop | None:
     """The running asyncio loop, :data:`TRIO` while trio runs in this thread, or None
     where no event loop runs: both probes in one call, for a hot path that needs to know
     which (a sync child that imported neither pays two dict lookups)."""
@@ -62,3 +71,22 @@ async def sleep(delay: float) -> None:
         await sys.modules["trio"].sleep(delay)
     else:
         await sys.modules["asyncio"].sleep(delay)
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or, a group, holds) the cancellation of a task by an event loop
+    library (asyncio's ``CancelledError``, trio's ``Cancelled``).
+
+    Looked up in ``sys.modules``: an exception of a module never imported cannot exist.
+    """
+    for module, name in _CANCELLATIONS:
+        kind = getattr(sys.modules.get(module), name, None)
+        if kind is not None and isinstance(exc, kind):
+            return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(is_cancellation(e) for e in exc.exceptions)
+    return False
+
+
+#: (module, exception) that each event loop library cancels a task with.
+_CANCELLATIONS = (("asyncio", "CancelledError"), ("trio", "Cancelled"))

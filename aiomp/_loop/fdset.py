@@ -3,8 +3,9 @@
 Owns the epoll fd, made while a task waits and closed when the last waiter leaves. Its
 owner adds fds (:meth:`FdSet.add`) with the events to wait for and a callback; tasks
 wait (:meth:`FdSet.wait`) for a condition of their own. While a task waits, every added
-fd is armed in the epoll set, one-shot, and that one fd is what the loop watches: a
-reader callback on asyncio and uvloop, one system task on trio. When it is readable the
+fd is armed in the epoll set, one-shot, and that one fd is what the loop watches (an
+:mod:`aiomp._loop.watch`: a reader callback on asyncio and uvloop, one system task on
+trio). When it is readable the
 set takes every ready fd at once, runs its callback (which says whether the fd is still
 to watch: it is re-armed then), and wakes each waiting task whose condition now holds,
 and only those. Nothing reached from a callback may touch anyio: it runs in a loop
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import select
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import running_asyncio_loop
 from .wakeup import Signal
+from .watch import FdWatch, fd_watch
 
 if TYPE_CHECKING:
     import asyncio
@@ -40,8 +42,8 @@ class FdSet:
         "_epoll",
         "_error",
         "_loop",
+        "_on_loop",
         "_sources",
-        "_trio_scope",
         "_waits",
         "wakeups",
     )
@@ -55,7 +57,7 @@ class FdSet:
         self._waits: list[tuple[Callable[[], bool], Signal]] = []
         self._epoll: select.epoll | None = None  # while a task waits
         self._loop: asyncio.AbstractEventLoop | None = None  # the waiters' loop; None: trio
-        self._trio_scope: Any = None  # trio: the system task polling the set
+        self._on_loop: FdWatch | None = None  # the loop's watch on the epoll fd
         self._error: Exception | None = None  # a callback's unexpected error, for the waiters
         self.wakeups = 0  # waiting tasks woken by the watches (tests count them)
 
@@ -116,19 +118,15 @@ class FdSet:
             self._epoll = select.epoll()
             self._loop = loop
             try:
-                if loop is not None:
-                    loop.add_reader(self._epoll.fileno(), self._poll)
-                else:
-                    import trio
-
-                    self._trio_scope = trio.CancelScope()
-                    trio.lowlevel.spawn_system_task(
-                        self._trio_poll, self._epoll, self._trio_scope, name="aiomp fd set"
-                    )
+                watch = fd_watch(
+                    loop, self._epoll.fileno(), self._poll, "aiomp fd set", self._failed
+                )
+                watch.start()
             except BaseException:
                 self._epoll.close()
                 self._epoll = None
                 raise
+            self._on_loop = watch
         for fd in list(self._sources):
             self._arm(fd)
 
@@ -142,30 +140,16 @@ class FdSet:
     def _unwatch(self) -> None:
         ep, self._epoll = self._epoll, None
         self._armed.clear()
-        if ep is None:
-            return
-        if self._trio_scope is not None:
-            self._trio_scope.cancel()  # trio delivers it at once: the fd leaves its epoll
-            self._trio_scope = None
-        elif self._loop is not None:
-            try:
-                self._loop.remove_reader(ep.fileno())
-            except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
-                pass
-        ep.close()
+        watch, self._on_loop = self._on_loop, None
+        if watch is not None:
+            watch.stop()  # before the close: the loop no longer watches the fd then
+        if ep is not None:
+            ep.close()
 
-    async def _trio_poll(self, ep: select.epoll, scope: Any) -> None:
-        import trio
-
-        with scope:
-            while self._epoll is ep:  # not closed before this task first ran
-                try:
-                    await trio.lowlevel.wait_readable(ep.fileno())
-                except Exception as exc:  # noqa: BLE001 - a system task must not raise
-                    self._error = exc
-                    self.check()
-                    return
-                self._poll()
+    def _failed(self, exc: Exception) -> None:
+        """trio's wait on the epoll fd failed: the waiters get the error."""
+        self._error = exc
+        self.check()
 
     def _poll(self) -> None:
         """The epoll set is readable: handle every ready fd (a loop callback on asyncio)."""

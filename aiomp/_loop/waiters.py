@@ -18,9 +18,10 @@ from . import TRIO, readers
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children skip importing typing
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import Awaitable, Callable
-    from typing import Any, Literal
+    from typing import Any
+
+    from . import RunningLoop
 
 
 class FdWaiters:
@@ -73,7 +74,7 @@ class FdWaiters:
             if event is not None:
                 event.set()
 
-    async def readable(self, fd: int, loop: asyncio.AbstractEventLoop | Literal["trio"]) -> None:
+    async def readable(self, fd: int, loop: RunningLoop) -> None:
         """As ``wait(fd)``, on ``loop`` (from :func:`aiomp._loop.running_loop`): on
         asyncio and uvloop straight on the reader kept for ``fd``, which wakes every task
         that waits; on trio one task waits on the fd and the others behind it. On

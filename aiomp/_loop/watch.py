@@ -1,16 +1,21 @@
-"""ReadWatch: read one socket on the event loop in bounded turns, coalescing wake-ups.
+"""FdWatch: a callback run each time one fd is readable, until the watch stops.
 
-Owns the loop's watch on the socket (a reader callback and a timer on asyncio and
-uvloop, a system task on trio), not the socket: its owner calls :meth:`ReadWatch.stop`
-before it closes it. Once the socket is readable the watch waits ``delay`` seconds, so
-that a writer of many small pieces costs one wake-up per batch, then calls ``turn()``:
-one bounded read that says :data:`MORE` (read again after the loop's other work),
-:data:`IDLE` (wait for readability again) or :data:`END`. ``at_eof()`` ends the watch at
-once when the socket is readable only because it has ended (no delay then). Nothing
-here touches anyio: on asyncio it all runs in loop callbacks. Nothing waits: there is no
-cancellation to speak of; :meth:`ReadWatch.stop` ends it at once.
+The one way aiomp watches an fd on the event loop. On asyncio and uvloop the callback is
+the loop's reader callback itself (``loop.add_reader``), left registered between reports
+(adding and removing it per report costs two ``epoll_ctl``), so what it resolves wakes its
+waiter with no task in between; on trio a task waits on the fd (``wait_readable``) and
+calls it after each wait. :func:`fd_watch` picks the kind for the running loop once, when
+the watch's owner is made: the callback is bound then, and nothing dispatches per report.
 
-:func:`read_watch` picks the watch for the running loop, once, when the owner starts.
+A watch runs in a task of its owner (:meth:`FdWatch.serve`) or on its own
+(:meth:`FdWatch.start`: the reader callback alone, or a trio system task) until
+:meth:`FdWatch.stop`, which the callback itself may call. Cancelling the task that serves
+it leaves nothing registered. Owns the registration of the fd on the loop, never the fd:
+its owner stops the watch before closing it. Nothing reached from the callback may touch
+anyio: on asyncio it runs in a loop callback.
+
+Users: the pool's results channel (``aiomp._pool.process_handle``), the epoll set of
+:mod:`aiomp._loop.fdset`, and the coalesced reads of :mod:`aiomp._loop.turns`.
 """
 
 from __future__ import annotations
@@ -19,135 +24,152 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import running_asyncio_loop
-
 if TYPE_CHECKING:
     import asyncio
 
-#: What a turn of reading left: more may be there now, nothing is there now, the end.
-MORE, IDLE, END = 0, 1, 2
+#: What a trio watch calls with an unexpected error of its wait (it then ends); without
+#: one, the error propagates from the task that serves the watch.
+OnError = Callable[[Exception], None]
 
 
-class ReadWatch(Protocol):
+class FdWatch(Protocol):
+    """What every watch offers (see the module docstring)."""
+
+    def start(self) -> None: ...
+
+    async def serve(self) -> None: ...
+
     def stop(self) -> None: ...
 
 
-def read_watch(
-    sock: socket.socket,
-    turn: Callable[[], int],
-    at_eof: Callable[[], bool],
-    delay: float,
-    name: str,
-) -> ReadWatch:
-    """Start watching ``sock`` on the running loop (see the module docstring). On the
-    loop's thread, in a task."""
-    loop = running_asyncio_loop()
+def fd_watch(
+    loop: asyncio.AbstractEventLoop | None,
+    fd: int | socket.socket,
+    on_readable: Callable[[], None],
+    name: str = "aiomp fd watch",
+    on_error: OnError | None = None,
+) -> FdWatch:
+    """A watch calling ``on_readable()`` each time ``fd`` is readable, not yet started.
+
+    ``loop``: the running asyncio loop (:func:`aiomp._loop.running_asyncio_loop`), None
+    under trio. ``name`` and ``on_error`` matter only to trio's watch.
+    """
     if loop is not None:
-        return _LoopWatch(loop, sock, turn, at_eof, delay)
-    return _SystemTaskWatch(sock, turn, at_eof, delay, name)
+        return ReaderWatch(loop, fd, on_readable)
+    return TaskWatch(fd, on_readable, name, on_error)
 
 
-class _LoopWatch:
-    """asyncio and uvloop: a reader callback, removed while a coalescing timer or the
-    next turn is pending."""
+class ReaderWatch:
+    """asyncio and uvloop: the loop's reader callback, registered from :meth:`start` (or
+    :meth:`serve`) until :meth:`stop`; :meth:`pause` removes it until the next
+    :meth:`start`. On the loop's thread."""
 
-    __slots__ = ("_at_eof", "_delay", "_fd", "_loop", "_stopped", "_timer", "_turn")
+    __slots__ = ("_done", "_fd", "_on_readable", "loop", "stopped")
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        sock: socket.socket,
-        turn: Callable[[], int],
-        at_eof: Callable[[], bool],
-        delay: float,
+        fd: int | socket.socket,
+        on_readable: Callable[[], None],
     ) -> None:
-        self._loop = loop
-        self._fd = sock.fileno()
-        self._turn, self._at_eof, self._delay = turn, at_eof, delay
-        self._timer: asyncio.Handle | None = None  # the pending coalescing read or next turn
-        self._stopped = False
-        loop.add_reader(self._fd, self._on_readable)
+        self.loop = loop
+        self._fd = fd
+        self._on_readable = on_readable
+        self.stopped = False
+        self._done: asyncio.Future[None] | None = None  # what serve() waits on
 
-    def _on_readable(self) -> None:
-        if not self._stopped and self._timer is None and not self._at_eof():
-            self._loop.remove_reader(self._fd)
-            self._timer = self._loop.call_later(self._delay, self._run_turn)
+    def start(self) -> None:
+        self.loop.add_reader(self._fd, self._on_readable)
 
-    def _run_turn(self) -> None:
-        self._timer = None
-        state = self._turn()
-        if state == END or self._stopped:
+    def pause(self) -> None:
+        self.loop.remove_reader(self._fd)
+
+    async def serve(self) -> None:
+        """Call the callback until :meth:`stop` (or cancellation, which leaves nothing
+        registered)."""
+        self._done = done = self.loop.create_future()
+        if self.stopped:
             return
-        if state == MORE:  # the next turn after what else is ready (I/O polled between)
-            self._timer = self._loop.call_soon(self._run_turn)
-        else:
-            self._loop.add_reader(self._fd, self._on_readable)
+        self.start()
+        try:
+            await done
+        finally:
+            self._remove()
 
     def stop(self) -> None:
-        if self._stopped:
+        """No more calls (from the callback itself, or anywhere on the loop's thread)."""
+        if self.stopped:
             return
-        self._stopped = True
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
+        self.stopped = True
+        self._remove()
+        done = self._done
+        if done is not None and not done.done():
+            done.set_result(None)
+
+    def _remove(self) -> None:
         try:
-            self._loop.remove_reader(self._fd)
+            self.loop.remove_reader(self._fd)
         except Exception:  # noqa: BLE001 - the loop is closed: nothing to remove
             pass
 
 
-class _SystemTaskWatch:
-    """trio: a system task per socket, which :meth:`stop` wakes (``notify_closing``) and
-    cancels."""
+class TaskWatch:
+    """trio: a task that waits on the fd and calls the callback, in a cancel scope that
+    :meth:`stop` cancels (trio delivers it at once: the fd leaves trio's epoll then)."""
 
-    __slots__ = ("_at_eof", "_delay", "_scope", "_sock", "_stopped", "_turn")
+    __slots__ = ("_fd", "_name", "_on_error", "_on_readable", "_scope", "stopped")
 
     def __init__(
         self,
-        sock: socket.socket,
-        turn: Callable[[], int],
-        at_eof: Callable[[], bool],
-        delay: float,
+        fd: int | socket.socket,
+        on_readable: Callable[[], None],
         name: str,
+        on_error: OnError | None,
     ) -> None:
+        self._fd = fd
+        self._on_readable = on_readable
+        self._name = name
+        self._on_error = on_error
+        self._scope: Any = None  # trio.CancelScope, once the task runs
+        self.stopped = False
+
+    def start(self) -> None:
+        """Serve the watch in a trio system task (in ``trio.run``, on its thread)."""
         import trio
 
-        self._sock = sock
-        self._turn, self._at_eof, self._delay = turn, at_eof, delay
-        self._scope: Any = None  # trio.CancelScope, once the task runs
-        self._stopped = False
-        trio.lowlevel.spawn_system_task(self._run, name=name)
+        trio.lowlevel.spawn_system_task(self.serve, name=self._name)
 
-    async def _run(self) -> None:
+    async def serve(self) -> None:
+        """Watch until :meth:`stop`; on cancellation nothing is left waiting."""
         import trio
 
         with trio.CancelScope() as scope:
             self._scope = scope
-            while not self._stopped:
-                state = self._turn()
-                if state == END or self._stopped:
-                    return
-                if state == MORE:  # let every other task run, then read on
-                    await trio.lowlevel.checkpoint()
-                    continue
-                try:
-                    await trio.lowlevel.wait_readable(self._sock)
-                except (trio.ClosedResourceError, OSError):
-                    return
-                if self._at_eof():
-                    return
-                await trio.sleep(self._delay)
+            await self.run()
 
-    def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+    async def run(self) -> None:
+        """The task's loop: wait, call, until stopped (a subclass may read differently)."""
         import trio
 
-        try:
-            trio.lowlevel.notify_closing(self._sock)
-        except RuntimeError:
-            pass  # outside trio.run: nobody waits on it
+        wait_readable = trio.lowlevel.wait_readable
+        fd, on_readable = self._fd, self._on_readable
+        while not self.stopped:
+            try:
+                await wait_readable(fd)
+            except Exception as exc:
+                if self.stopped:
+                    return
+                if self._on_error is None:
+                    raise
+                self._on_error(exc)
+                return
+            on_readable()
+
+    def stop(self) -> None:
+        """No more calls (from the callback, or anywhere in ``trio.run``'s thread)."""
+        if self.stopped:
+            return
+        self.stopped = True
         if self._scope is not None:
             try:
                 self._scope.cancel()

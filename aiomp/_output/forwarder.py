@@ -2,7 +2,7 @@
 
 One :class:`Forwarder` per child owns the read ends of the unix sockets that are the
 child's fd 1 and fd 2, and of a third (datagrams) for its logging records, and reads them
-on the parent's loop with no thread and no polling (an :class:`aiomp._loop.watch`
+on the parent's loop with no thread and no polling (an :class:`aiomp._loop.turns.ReadWatch`
 per socket). What it reads becomes lines for the sink in ``aiomp._output.lines``; the
 child's side is ``aiomp._child.output``.
 
@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterable
 import anyio
 
 from .. import _loop
+from .._loop.turns import END, IDLE, MORE, ReadWatch, read_watch
 from .._loop.wakeup import Signal
-from .._loop.watch import END, IDLE, MORE, ReadWatch, read_watch
 from .._wire import datagram as _transport
 from .lines import ChildLines
 from .lines import Output as Output  # the Pool types its option with it

@@ -7,7 +7,7 @@ nobody blocked on the first). Its :meth:`ProcessHandle.run` is the worker's *wat
 task in the pool's task group, and the only task that:
 
 * waits for the process's exit (the pidfd) and signals or reaps it;
-* reads the results channel (a :class:`~aiomp._loop.tasks.ReadableWatch`: on asyncio a
+* reads the results channel (an :func:`~aiomp._loop.watch.fd_watch`: on asyncio a
   reader callback that stays registered and decodes each message at once);
 * flushes what did not fit in the socket buffer (the outbox, in order).
 
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._errors import ProcessRaisedException
-from .._loop.tasks import ReadableWatch
 from .._loop.wakeup import Signal, Wakeup
+from .._loop.watch import fd_watch
 from .._process import child as _process
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
@@ -88,7 +88,7 @@ class ProcessHandle(Handle):
         self._partial: memoryview | None = None  # the unsent rest of a frame sent in part
         self._more = Wakeup(loop)  # the outbox has something
         self._kill = Signal(loop)
-        self._watch = ReadableWatch(loop, self.results.fileno(), self._readable)
+        self._watch = fd_watch(loop, self.results.fileno(), self._readable)
         self.fns: set[int] = set()  # ids of the functions DEF'd to it
         self.closed = False  # its channel is closed: nothing more goes out
         # Made here, in a task (handles are never made in a loop callback); set by the

@@ -34,8 +34,8 @@ import struct
 
 from .._child.report import ErrorPayload as ErrorPayload
 from .._child.report import RemoteTraceback as RemoteTraceback
-from .._child.report import is_cancellation as is_cancellation
 from .._child.report import stops
+from .._loop import is_cancellation as is_cancellation
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 

@@ -53,9 +53,8 @@ from .sync import SyncQueue, no_loop
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: children receiving a queue skip typing
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import AsyncIterator, Coroutine
-    from typing import Any, Literal
+    from typing import Any
 
 Full = _stdqueue.Full
 Empty = _stdqueue.Empty
@@ -242,7 +241,7 @@ class Queue(QueueCore):
             raise no_loop("Queue.get", "q.sync.get()")
         return self._get(loop)
 
-    async def _get(self, loop: asyncio.AbstractEventLoop | Literal["trio"]) -> Any:
+    async def _get(self, loop: _loop.RunningLoop) -> Any:
         """``loop``: the running loop, as :func:`aiomp._loop.running_loop` found it."""
         # Look before reading only if the last get had to wait: a poll costs less than an
         # empty read's exception, but is wasted where items are waiting (a busy consumer).
