@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from aiomp._child import report
-from aiomp._wire import pickling as _reduction
 from aiomp._wire import datagram as _transport
+from aiomp._wire import pickling as _reduction
 
 
 def _received(exc: BaseException, **kwargs: Any) -> Any:
