@@ -155,7 +155,7 @@ class Scheduler:
         its kind's reason, when it died on its own).
 
         ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
-        tasks it had been sent but had not started (see :meth:`_not_started`), go back to
+        tasks it had been sent but had not started (see :func:`not_started`), go back to
         the head of the queue, in order; those whose caller has gone are dropped. The rest
         it held fail with :class:`BrokenWorkerError`.
         """
@@ -168,7 +168,7 @@ class Scheduler:
         tasks = w.running
         w.running = {}
         w.load = 0
-        back = [tasks.pop(tid) for tid in self._not_started(w, tasks, unsent)]
+        back = [tasks.pop(tid) for tid in not_started(w.handle.in_order, tasks, unsent)]
         for task in reversed(back):
             task.worker = None
             if task.abandoned:
@@ -178,28 +178,10 @@ class Scheduler:
             task.state = QUEUED
             self.queue.appendleft(task)
             self.queued += 1
-        if exitcode is None:
-            # It survived SIGKILL (uninterruptible sleep): the pool gives up on it.
-            for task in tasks.values():
-                self._finish(
-                    task,
-                    False,
-                    RuntimeError(f"{handle.name} could not be terminated while it ran {task.name}"),
-                )
-        else:
+        for task in tasks.values():
+            self._finish(task, False, death_error(w, exitcode, task))
+        if exitcode is not None:
             what, sig = exit_description(exitcode)
-            for task in tasks.values():
-                self._finish(
-                    task,
-                    False,
-                    BrokenWorkerError(
-                        f"{handle.name} {what} while it ran {task.name}{w.reason}",
-                        w.slot,
-                        handle.pid,
-                        exitcode,
-                        sig,
-                    ),
-                )
             if not (w.ready or w.killed or w.retiring) and self.broken is None:
                 failures = self.start_failures.get(w.slot, 0) + 1
                 self.start_failures[w.slot] = failures
@@ -217,28 +199,6 @@ class Scheduler:
         self._replace(w)
         self._dispatch()
         self._check_drained()
-
-    def _not_started(
-        self, w: WorkerSlot, tasks: dict[int, Task], unsent: Iterable[int]
-    ) -> list[int]:
-        """Ids of the tasks that dead worker ``w`` held and never started, in the order sent.
-
-        ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
-        ``in_order`` worker runs its sync tasks one at a time in that order, so of those
-        it was sent only the first can have started; an async task starts as it arrives.
-        """
-        unsent = set(unsent)
-        in_order = w.handle.in_order
-        out: list[int] = []
-        behind = False  # past the sync task it may have been running
-        for tid, task in tasks.items():
-            if tid in unsent:
-                out.append(tid)
-            elif in_order and not task.is_async:
-                if behind:
-                    out.append(tid)
-                behind = True
-        return out
 
     # -- tasks -------------------------------------------------------------------------
     def submit(self, task: Task) -> None:
@@ -498,3 +458,39 @@ class Scheduler:
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
+
+
+def not_started(in_order: bool, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+    """Ids of the tasks that a dead worker held and never started, in the order sent.
+
+    ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
+    ``in_order`` worker runs its sync tasks one at a time in that order, so of those it was
+    sent only the first can have started; an async task starts as it arrives.
+    """
+    unsent = set(unsent)
+    out: list[int] = []
+    behind = False  # past the sync task it may have been running
+    for tid, task in tasks.items():
+        if tid in unsent:
+            out.append(tid)
+        elif in_order and not task.is_async:
+            if behind:
+                out.append(tid)
+            behind = True
+    return out
+
+
+def death_error(w: WorkerSlot, exitcode: int | None, task: Task) -> BaseException:
+    """What ``task`` fails with when ``w``'s worker dies while running it (``exitcode``
+    None: the worker survived SIGKILL, in uninterruptible sleep, and the pool gives up)."""
+    handle = w.handle
+    if exitcode is None:
+        return RuntimeError(f"{handle.name} could not be terminated while it ran {task.name}")
+    what, sig = exit_description(exitcode)
+    return BrokenWorkerError(
+        f"{handle.name} {what} while it ran {task.name}{w.reason}",
+        w.slot,
+        handle.pid,
+        exitcode,
+        sig,
+    )
