@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import aiomp
-from aiomp._pool import pool as _pool
+from aiomp._pool import engine as _engine
 from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
@@ -48,10 +48,10 @@ async def test_a_failing_own_task_breaks_the_pool(monkeypatch: pytest.MonkeyPatc
     BrokenPoolError and leaving raises it; on trio it cancels the block, as a nursery
     does. Either way the workers are reaped (the leak check)."""
 
-    async def broken_supervisor(self: _pool.Pool) -> None:
+    async def broken_supervisor(self: _engine.Engine) -> None:
         raise RuntimeError("a bug in the supervisor")
 
-    monkeypatch.setattr(_pool.Pool, "_supervise", broken_supervisor)
+    monkeypatch.setattr(_engine.Engine, "_supervise", broken_supervisor)
     hosted = on_asyncio()
     with anyio.fail_after(TIMEOUT), pytest.raises(BaseExceptionGroup) as caught:
         async with aiomp.Pool(1, grace_period=0.3) as p:
