@@ -221,12 +221,17 @@ class Child:
             self.signal(signal.SIGKILL)
 
     def _release(self) -> None:
-        """Reaped: forget and close the pidfd, then wake the waiters for its exit (it
-        may have been reaped by another path than the watch: terminate_all polls)."""
+        """Reaped: forget and close the pidfd and the sentinel, then wake the waiters for
+        its exit (it may have been reaped by another path than the watch: terminate_all
+        polls)."""
         self.exits.forget(self.exit_fd)
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
+        # The process object's sentinel pipe too: it would otherwise stay open until the
+        # object is collected, which a reference cycle through a cancelled task of its
+        # owner can put off for many children (``exitcode`` still reads the status).
+        mp_private.close_sentinel(self.process)
         self.exits.check()
 
 
