@@ -26,9 +26,8 @@ from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
 from . import worker_main
-from .kinds import Events, Options, WorkerKind
+from .kinds import Call, Events, Options, WorkerKind
 from .process_handle import ProcessHandle
-from .tasks import FnInfo
 
 _BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
 
@@ -116,20 +115,12 @@ class ProcessKind(WorkerKind):
         h.send_control(*self._init.framed())
         return h
 
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> Any:
+    def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
         here, in the caller, if it cannot be pickled or if the workers could not import
         ``fn`` (a lambda, a function of an interactive ``__main__``): the same check as
         ``spawn``'s, once per function and start method."""
+        tid, fn, info, flags, items, kwds, _ = call
         method = self.start_method
         if method not in info.checked:
             _checks.check_function(fn, method)

@@ -23,8 +23,8 @@ import anyio
 
 from .._loop import running_asyncio_loop
 from .._pool import protocol as P
-from .._pool.kinds import Events, Options, WorkerKind
-from .._pool.tasks import FnInfo, fresh
+from .._pool.kinds import Call, Events, Options, WorkerKind
+from .._pool.tasks import fresh
 from . import _session
 from ._handle import ActorHandle
 
@@ -352,16 +352,7 @@ class RayKind(WorkerKind):
             pass
         return key
 
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> _Call:
+    def encode(self, call: Call) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
         if not self._ray.is_initialized():  # ray.put would start a local Ray of its own
             self._session_lost()
@@ -369,6 +360,7 @@ class RayKind(WorkerKind):
             if broken is None:
                 raise RuntimeError("Ray was shut down (ray.shutdown()) while the pool was open")
             raise fresh(broken)
+        tid, fn, info, flags, items, kwds, group = call
         try:
             key = self._fn_key(fn)
             task = (tid, flags, key, items, kwds)
