@@ -60,6 +60,10 @@ class IpcBlock:
     def size(self) -> int:
         return self.alloc.size
 
+    @property
+    def device(self) -> int:
+        return self.alloc.device
+
 
 def retry_oom(
     backend: Backend, dev: int, reclaim: Callable[[int], None], fn: Callable[..., T], *args: object

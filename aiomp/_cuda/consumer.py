@@ -112,9 +112,7 @@ def rebuild(meta: IpcArrayMeta) -> Any:
         if ref is None:
             ref = _import(cons, backend, meta, fd, ident, key)
     check_extent(meta.offset, ref.size, meta.shape, meta.strides, _itemsize(meta.dtype))
-    return backend.wrap(
-        ref.ptr, ref.size, ref, ref.device, meta.offset, meta.shape, meta.strides, meta.dtype
-    )
+    return backend.wrap(ref, meta)
 
 
 def _itemsize(dtype: str) -> int:

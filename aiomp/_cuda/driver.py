@@ -38,6 +38,30 @@ class Described(NamedTuple):
     owner: object  #: the owner of unowned memory (``UnownedMemory._owner``), else None
 
 
+class Memory(Protocol):
+    """Device memory a view is made over, and the view's owner: the view keeps it alive."""
+
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+
+
+class View(Protocol):
+    """Where a view lies in its :class:`Memory` (an ``IpcArrayMeta`` is one)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
+
+
 _lib: Any = None
 
 
@@ -137,17 +161,7 @@ class Backend(Protocol):
     def wait_local(self, event: Any, dev: int) -> None: ...
     def open(self, handle: bytes, dev: int) -> int: ...
     def close(self, ptr: int, dev: int) -> None: ...
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any: ...
+    def wrap(self, memory: Memory, view: View) -> Any: ...
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any: ...
     def error_type(self) -> type[BaseException]: ...
 
@@ -352,23 +366,13 @@ class CupyBackend:
         with self._on(dev):
             self.rt.ipcCloseMemHandle(ptr)
 
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any:
+    def wrap(self, memory: Memory, view: View) -> Any:
         cp = self.cp
-        mem = cp.cuda.UnownedMemory(ptr, size, owner, dev)
+        dev = memory.device
+        mem = cp.cuda.UnownedMemory(memory.ptr, memory.size, memory, dev)
+        ptr = cp.cuda.MemoryPointer(mem, view.offset)
         with self._on(dev):
-            return cp.ndarray(
-                shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset), strides=strides
-            )
+            return cp.ndarray(view.shape, dtype=view.dtype, memptr=ptr, strides=view.strides)
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any:
         with self._on(dev):
