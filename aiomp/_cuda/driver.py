@@ -38,6 +38,18 @@ class Described(NamedTuple):
     owner: object  #: the owner of unowned memory (``UnownedMemory._owner``), else None
 
 
+class DeviceRange:
+    """``size`` bytes of device memory at ``ptr`` on device ``device``: the record every
+    allocation, opened handle and received slot of this package keeps."""
+
+    __slots__ = ("device", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, device: int) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+
+
 class Memory(Protocol):
     """Device memory a view is made over, and the view's owner: the view keeps it alive."""
 
