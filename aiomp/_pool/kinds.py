@@ -131,6 +131,11 @@ class Events(Protocol):
 Call = tuple[int, "Callable[..., object]", "FnInfo", int, Any, "dict[str, object] | None", object]
 
 
+#: The call each worker makes before its first task: ``(initializer, initargs)``, the
+#: pool's own (sent pickled as one, by every kind).
+InitCall = tuple["Callable[..., object] | None", tuple[object, ...]]
+
+
 class Options(Protocol):
     """The pool's settings a kind reads."""
 

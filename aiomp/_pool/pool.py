@@ -286,7 +286,7 @@ class Pool:
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        kind = ProcessKind(start_method, initializer, tuple(initargs), output)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
         n = _cpu_count() if n is None else n
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 

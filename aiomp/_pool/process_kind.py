@@ -26,7 +26,7 @@ from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
 from . import worker_main
-from .kinds import Call, Events, Options, WorkerKind
+from .kinds import Call, Events, InitCall, Options, WorkerKind
 from .process_handle import ProcessHandle
 
 _BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
@@ -40,15 +40,13 @@ class ProcessKind(WorkerKind):
     def __init__(
         self,
         start_method: str,
-        initializer: Callable[..., object] | None,
-        initargs: tuple[object, ...],
+        init: InitCall,
         output: _output.Output,
     ) -> None:
         self.start_method = start_method
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
-        self._initializer = initializer
-        self._initargs = initargs
+        self._init_call = init
         self._output = output
         self._init: _reduction.Message | None = None
         self._init_sends = 0
@@ -58,9 +56,7 @@ class ProcessKind(WorkerKind):
         return f"start_method={self.start_method!r}"
 
     async def prepare(self, processes: int) -> int:
-        self._init = _reduction.dumps(
-            (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
-        )
+        self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
         elif self.start_method == "forkserver":

@@ -123,9 +123,8 @@ class Pool(_pool.Pool):
             options["resources"] = dict(resources)
         if runtime_env:
             options["runtime_env"] = dict(runtime_env)
-        self._ray_kind = kind = RayKind(
-            initializer, tuple(initargs), n is None, address, num_cpus, num_gpus, options
-        )
+        init = (initializer, tuple(initargs))
+        self._ray_kind = kind = RayKind(init, n is None, address, options)
         n = 1 if n is None else n
         _pool.attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
