@@ -37,12 +37,7 @@ class ProcessKind(WorkerKind):
 
     chunks_per_slot = 4
 
-    def __init__(
-        self,
-        start_method: str,
-        init: InitCall,
-        output: _output.Output,
-    ) -> None:
+    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
         self.start_method = start_method
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
