@@ -1,5 +1,6 @@
 """The CUDA calls behind a seam: libcuda through ctypes, the :class:`Backend` protocol,
-and :class:`CupyBackend`, its implementation on CuPy's documented API.
+and :class:`CupyBackend`, its implementation on CuPy's documented API; with the records
+both sides of a backend share (:class:`DeviceRange`, :class:`Memory`, :class:`View`).
 
 The bookkeeping of :mod:`.producer` and :mod:`.consumer` calls CUDA only through a
 backend, so the tests drive it with a fake (a model of CuPy's pool and the driver's
