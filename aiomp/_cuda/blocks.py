@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .._loop.finalizers import finalizer
-from .driver import Backend, Described
+from .driver import Backend, Described, DeviceRange
 
 T = TypeVar("T")
 
@@ -27,15 +27,13 @@ IPC_BLOCK = 2 << 20
 _STAGE_ALIGN = 512  # cudaMalloc's alignment, for arrays packed into one staging block
 
 
-class Alloc:
+class Alloc(DeviceRange):
     """One whole cudaMalloc of a multiple of :data:`IPC_BLOCK` bytes, owned by the pool."""
 
-    __slots__ = ("device", "handle", "mem", "ptr", "size")
+    __slots__ = ("handle", "mem")
 
     def __init__(self, device: int, size: int, ptr: int, mem: object) -> None:
-        self.device = device
-        self.size = size
-        self.ptr = ptr
+        super().__init__(ptr, size, device)
         self.mem = mem  # the backend's allocation: dropping it frees the memory
         self.handle: bytes | None = None  # its IPC handle, asked for once
 
@@ -59,6 +57,10 @@ class IpcBlock:
     @property
     def size(self) -> int:
         return self.alloc.size
+
+    @property
+    def device(self) -> int:
+        return self.alloc.device
 
 
 def retry_oom(

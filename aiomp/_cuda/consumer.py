@@ -23,20 +23,18 @@ from .._loop.finalizers import finalizer
 from .._memory import lease as _lease
 from .._wire import pickling as _reduction
 from . import driver as _driver
-from .driver import Backend, get_backend
+from .driver import Backend, DeviceRange, get_backend
 from .meta import IpcArrayMeta, check_extent
 from .state import state
 
 
-class SlotRef:
+class SlotRef(DeviceRange):
     """Owner of every view rebuilt from one received slot; its death releases the slot."""
 
-    __slots__ = ("__weakref__", "device", "keep", "ptr", "size")
+    __slots__ = ("__weakref__", "keep")
 
     def __init__(self, ptr: int, size: int, device: int, keep: object) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.device = device
+        super().__init__(ptr, size, device)
         self.keep = keep  # same-process receipt: the producer's memory
 
 
@@ -50,15 +48,13 @@ class LeaseHolder:
         self.count = 0
 
 
-class OpenedHandle:
+class OpenedHandle(DeviceRange):
     """One opened IPC memory handle, shared by every received slot that names it."""
 
-    __slots__ = ("count", "device", "ptr", "size")
+    __slots__ = ("count",)
 
     def __init__(self, ptr: int, size: int, device: int) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.device = device
+        super().__init__(ptr, size, device)
         self.count = 0
 
 
@@ -112,9 +108,7 @@ def rebuild(meta: IpcArrayMeta) -> Any:
         if ref is None:
             ref = _import(cons, backend, meta, fd, ident, key)
     check_extent(meta.offset, ref.size, meta.shape, meta.strides, _itemsize(meta.dtype))
-    return backend.wrap(
-        ref.ptr, ref.size, ref, ref.device, meta.offset, meta.shape, meta.strides, meta.dtype
-    )
+    return backend.wrap(ref, meta)
 
 
 def _itemsize(dtype: str) -> int:

@@ -1,5 +1,6 @@
 """The CUDA calls behind a seam: libcuda through ctypes, the :class:`Backend` protocol,
-and :class:`CupyBackend`, its implementation on CuPy's documented API.
+and :class:`CupyBackend`, its implementation on CuPy's documented API; with the records
+both sides of a backend share (:class:`DeviceRange`, :class:`Memory`, :class:`View`).
 
 The bookkeeping of :mod:`.producer` and :mod:`.consumer` calls CUDA only through a
 backend, so the tests drive it with a fake (a model of CuPy's pool and the driver's
@@ -36,6 +37,42 @@ class Described(NamedTuple):
     itemsize: int
     keep: object  #: the array's own memory (CuPy: ``arr.data.mem``, a pool chunk)
     owner: object  #: the owner of unowned memory (``UnownedMemory._owner``), else None
+
+
+class DeviceRange:
+    """``size`` bytes of device memory at ``ptr`` on device ``device``: the record every
+    allocation, opened handle and received slot of this package keeps."""
+
+    __slots__ = ("device", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, device: int) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+
+
+class Memory(Protocol):
+    """Device memory a view is made over, and the view's owner: the view keeps it alive."""
+
+    @property
+    def ptr(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def device(self) -> int: ...
+
+
+class View(Protocol):
+    """Where a view lies in its :class:`Memory` (an ``IpcArrayMeta`` is one)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+    @property
+    def dtype(self) -> str: ...
 
 
 _lib: Any = None
@@ -137,17 +174,7 @@ class Backend(Protocol):
     def wait_local(self, event: Any, dev: int) -> None: ...
     def open(self, handle: bytes, dev: int) -> int: ...
     def close(self, ptr: int, dev: int) -> None: ...
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any: ...
+    def wrap(self, memory: Memory, view: View) -> Any: ...
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any: ...
     def error_type(self) -> type[BaseException]: ...
 
@@ -352,23 +379,13 @@ class CupyBackend:
         with self._on(dev):
             self.rt.ipcCloseMemHandle(ptr)
 
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> Any:
+    def wrap(self, memory: Memory, view: View) -> Any:
         cp = self.cp
-        mem = cp.cuda.UnownedMemory(ptr, size, owner, dev)
+        dev = memory.device
+        mem = cp.cuda.UnownedMemory(memory.ptr, memory.size, memory, dev)
+        ptr = cp.cuda.MemoryPointer(mem, view.offset)
         with self._on(dev):
-            return cp.ndarray(
-                shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(mem, offset), strides=strides
-            )
+            return cp.ndarray(view.shape, dtype=view.dtype, memptr=ptr, strides=view.strides)
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> Any:
         with self._on(dev):

@@ -20,6 +20,7 @@ from .._wire import pickling as _reduction
 from .blocks import IPC_BLOCK, IpcBlock
 from .consumer import rebuild
 from .driver import CUDA_ERROR_NO_DEVICE, CUDA_ERROR_NOT_INITIALIZED, get_backend, libcuda
+from .meta import ArrayView
 from .producer import MAX_IPC_EVENTS, reduce_array
 from .state import state
 
@@ -106,9 +107,7 @@ def empty(shape: Any, dtype: Any = float, *, zero: bool = False) -> Any:
     for n in reversed(dims):
         strides.append(acc)
         acc *= n
-    return backend.wrap(
-        block.ptr, block.size, block, dev, 0, dims, tuple(reversed(strides)), dt.str
-    )
+    return backend.wrap(block, ArrayView(0, dims, tuple(reversed(strides)), dt.str))
 
 
 def ipc_collect() -> int:

@@ -10,9 +10,12 @@ slots of a lease file some description holds. Owns no OS resource.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .._memory import lease as _lease
+
+if TYPE_CHECKING:
+    from .driver import Described
 
 
 class IpcArrayMeta(NamedTuple):
@@ -30,6 +33,15 @@ class IpcArrayMeta(NamedTuple):
     pid: int  #: the sender's pid
     slot: int  #: lease slot in the sender's lease file; -1 for empty arrays
     fd_index: int  #: index of the lease handoff fd among the message's fds; -1 if none
+
+
+class ArrayView(NamedTuple):
+    """Where a new array lies in its block (what a backend's ``wrap`` reads)."""
+
+    offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  #: in bytes
+    dtype: str  #: numpy dtype string
 
 
 def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
@@ -52,20 +64,14 @@ def extent(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> t
     return lo, hi + itemsize
 
 
-def locate(
-    ptr: int,
-    base: int,
-    size: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...],
-    itemsize: int,
-) -> int:
-    """The offset of an array's element 0 (at ``ptr``) in the allocation ``[base, base+size)``.
+def locate(desc: Described, base: int, size: int) -> int:
+    """The offset of the element 0 of the array ``desc`` describes in the allocation
+    ``[base, base+size)``.
 
     Raises ValueError if any byte the array touches falls outside the allocation.
     """
-    offset = ptr - base
-    check_extent(offset, size, shape, strides, itemsize)
+    offset = desc.ptr - base
+    check_extent(offset, size, desc.shape, desc.strides, desc.itemsize)
     return offset
 
 

@@ -216,7 +216,7 @@ def reduce_array(arr: Any) -> tuple[Any, tuple[IpcArrayMeta]]:
             handle = backend.ipc_handle(dev, base)
             keep = desc.keep
         if not staged:
-            offset = locate(desc.ptr, base, size, desc.shape, desc.strides, desc.itemsize)
+            offset = locate(desc, base, size)
         entry = sending.blocks.get((dev, base))
         if entry is None:
             entry = sending.blocks[dev, base] = _send_block(prod, dev, base, size, handoff[0])

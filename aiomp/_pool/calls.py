@@ -48,7 +48,7 @@ def make_task(
 ) -> Task:
     """A chunk of a map (``items``), pickled here by the engine's kind, as its Task."""
     tid = next(tids)
-    message = engine.kind.encode(tid, fn, info, flags, items, None, group)
+    message = engine.kind.encode((tid, fn, info, flags, items, None, group))
     return new_task(engine.concurrency, info, tid, message, group, index, len(items), on_done)
 
 
@@ -111,14 +111,9 @@ async def apply(
     if fid and not args and type(args) is tuple and not kwds and engine.wire in info.checked:
         message: Any = P.noargs_task(tid, flags | P.F_NOARGS, fid)  # hot path: tests/budgets
     else:
+        items = args if type(args) is tuple else as_args(args)
         message = engine.kind.encode(
-            tid,
-            fn,
-            info,
-            flags,
-            args if type(args) is tuple else as_args(args),
-            dict(kwds) if kwds else None,
-            None,
+            (tid, fn, info, flags, items, dict(kwds) if kwds else None, None)
         )
     if loop is not None and timeout is None:
         probe = engine.probe

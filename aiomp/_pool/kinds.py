@@ -123,6 +123,19 @@ class Events(Protocol):
         """The function name of task ``tid``, or None: ``handle`` holds no such task."""
 
 
+#: A call to :meth:`WorkerKind.encode`: ``(tid, fn, info, flags, items, kwds, group)``.
+#: Task ``tid`` runs ``fn`` (``info``: its :class:`FnInfo`) with the wire's ``flags``
+#: (:mod:`aiomp._pool.protocol`) over ``items`` (apply's arguments, or a map chunk's
+#: inputs) and ``kwds``; ``group`` is what a map's chunks share (None for apply). A plain
+#: tuple: apply makes one per call, and a class's constructor would cost a call more.
+Call = tuple[int, "Callable[..., object]", "FnInfo", int, Any, "dict[str, object] | None", object]
+
+
+#: The call each worker makes before its first task: ``(initializer, initargs)``, the
+#: pool's own (sent pickled as one, by every kind).
+InitCall = tuple["Callable[..., object] | None", tuple[object, ...]]
+
+
 class Options(Protocol):
     """The pool's settings a kind reads."""
 
@@ -153,17 +166,8 @@ class WorkerKind(abc.ABC):
         started any more, and the kind has told the engine why."""
 
     @abc.abstractmethod
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> Any:
-        """Task ``tid``'s message, made in the caller: raises here if it cannot be
+    def encode(self, call: Call) -> Any:
+        """The message of ``call``'s task, made in the caller: raises here if it cannot be
         pickled. Its ``close()`` is called once the task is done, ``discard()`` if it
         never runs (a small frame, ``bytes``, needs neither)."""
 

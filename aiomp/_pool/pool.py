@@ -34,14 +34,13 @@ import functools
 import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
 
 from .._output import forwarder as _output
 from .._process import checks as _process
 from . import calls as _calls
 from .engine import Engine
 from .iterators import ResultIterator
-from .kinds import WorkerKind
 from .process_kind import ProcessKind
 
 __all__ = ("Pool", "PoolStatistics")
@@ -95,6 +94,138 @@ def check_options(
     return processes, concurrency, maxtasksperchild, float(grace_period)
 
 
+class _Apply(Protocol):
+    """The typed face of :meth:`Pool.apply`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., T],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+
+
+class _Map(Protocol):
+    """The typed face of :meth:`Pool.map`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+
+class _Starmap(Protocol):
+    """The typed face of :meth:`Pool.starmap`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., T],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+
+def _map_method(name: str, star: bool, doc: str) -> Any:
+    """``Pool.map`` or (``star``) ``Pool.starmap``: one body, typed by :class:`_Map` or
+    :class:`_Starmap` where the class binds it."""
+
+    async def method(
+        self: Pool,
+        fn: Callable[..., Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[Any]:
+        return await _calls.map_(self._engine, fn, iterable, chunksize, star, on_progress)
+
+    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
+    return method
+
+
+class _Imap(Protocol):
+    """The typed face of :meth:`Pool.imap` and :meth:`Pool.imap_unordered`, bound."""
+
+    @overload
+    def __call__(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+
+    @overload
+    def __call__(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+
+
+def _imap_method(name: str, ordered: bool, doc: str) -> Any:
+    """``Pool.imap`` (``ordered``) or ``Pool.imap_unordered``: one body, typed by
+    :class:`_Imap` where the class binds it."""
+
+    def method(
+        self: Pool,
+        fn: Callable[[Any], Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[Any]:
+        return ResultIterator(self._engine, fn, iterable, chunksize, False, ordered, buffersize)
+
+    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
+    return method
+
+
 class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
@@ -133,6 +264,9 @@ class Pool:
     ``docs/architecture.md`` in the source repository.
     """
 
+    #: What serves the calls (set by :func:`attach`).
+    _engine: Engine
+
     def __init__(
         self,
         processes: int | None = None,
@@ -152,23 +286,9 @@ class Pool:
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        kind = ProcessKind(start_method, initializer, tuple(initargs), output)
-        self._attach(kind, _cpu_count() if n is None else n, concurrency, maxtasksperchild, grace)
-
-    def _attach(
-        self,
-        kind: WorkerKind,
-        processes: int,
-        concurrency: int,
-        maxtasksperchild: int | None,
-        grace: float,
-    ) -> None:
-        """Run this pool's workers as ``kind`` (each constructor's last step: a pool of
-        another kind, ``aiomp.ray.Pool``, calls it with its own)."""
-        self._engine = engine = Engine(kind, processes, concurrency, maxtasksperchild, grace)
-        # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the
-        # round trip (hot path: tests/budgets).
-        self.__dict__["apply"] = functools.partial(_calls.apply, engine)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
+        n = _cpu_count() if n is None else n
+        attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:
         e = self._engine
@@ -226,71 +346,18 @@ class Pool:
 
     # -- public calls ------------------------------------------------------------------
     if TYPE_CHECKING:
-
-        @overload
-        async def apply(
-            self,
-            fn: Callable[..., Awaitable[T]],
-            args: Iterable[object] = (),
-            kwds: dict[str, object] | None = None,
-            *,
-            timeout: float | None = None,
-        ) -> T: ...
-
-        @overload
-        async def apply(
-            self,
-            fn: Callable[..., T],
-            args: Iterable[object] = (),
-            kwds: dict[str, object] | None = None,
-            *,
-            timeout: float | None = None,
-        ) -> T: ...
-
-        async def apply(
-            self,
-            fn: Callable[..., Any],
-            args: Iterable[object] = (),
-            kwds: dict[str, object] | None = None,
-            *,
-            timeout: float | None = None,
-        ) -> Any: ...
+        apply: ClassVar[_Apply]
     else:
 
         async def apply(self, *args: Any, **kwargs: Any) -> Any:
-            # Shadowed in each pool by calls.apply bound to its engine (see _attach).
+            # Shadowed in each pool by calls.apply bound to its engine (see attach).
             return await _calls.apply(self._engine, *args, **kwargs)
 
         apply.__doc__ = _calls.apply.__doc__
 
-    @overload
-    async def map(
-        self,
-        fn: Callable[[S], Awaitable[T]],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[T]: ...
-
-    @overload
-    async def map(
-        self,
-        fn: Callable[[S], T],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[T]: ...
-
-    async def map(
-        self,
-        fn: Callable[[Any], Any],
-        iterable: Iterable[Any] | AsyncIterable[Any],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[Any]:
+    map: ClassVar[_Map] = _map_method(
+        "map",
+        False,
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
 
         ``iterable`` may be sync or async; it is read whole first (use :meth:`imap` for
@@ -304,68 +371,14 @@ class Pool:
 
         On cancellation chunks not started never start, and running ones are stopped as
         for :meth:`apply`.
-        """
-        return await _calls.map_(self._engine, fn, iterable, chunksize, False, on_progress)
-
-    @overload
-    async def starmap(
-        self,
-        fn: Callable[..., Awaitable[T]],
-        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[T]: ...
-
-    @overload
-    async def starmap(
-        self,
-        fn: Callable[..., T],
-        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[T]: ...
-
-    async def starmap(
-        self,
-        fn: Callable[..., Any],
-        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
-        chunksize: int | None = None,
-        *,
-        on_progress: Callable[[int, int], object] | None = None,
-    ) -> list[Any]:
-        """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
-        return await _calls.map_(self._engine, fn, iterable, chunksize, True, on_progress)
-
-    @overload
-    def imap(
-        self,
-        fn: Callable[[S], Awaitable[T]],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
-
-    @overload
-    def imap(
-        self,
-        fn: Callable[[S], T],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
-
-    def imap(
-        self,
-        fn: Callable[[Any], Any],
-        iterable: Iterable[Any] | AsyncIterable[Any],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[Any]:
+        """,
+    )
+    starmap: ClassVar[_Starmap] = _map_method(
+        "starmap", True, """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
+    )
+    imap: ClassVar[_Imap] = _imap_method(
+        "imap",
+        True,
         """An async iterator of ``fn(x)`` for each ``x`` of ``iterable``, in order.
 
         ``iterable`` may be sync or async, and endless: at most ``buffersize`` chunks
@@ -381,39 +394,22 @@ class Pool:
         stop early: queued chunks are dropped (running ones finish; their results are
         discarded) and an async input is closed. Cancelling a task waiting for the next
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
-        """
-        return ResultIterator(self._engine, fn, iterable, chunksize, False, True, buffersize)
+        """,
+    )
+    imap_unordered: ClassVar[_Imap] = _imap_method(
+        "imap_unordered",
+        False,
+        """As :meth:`imap`, but each chunk's results come as soon as the chunk is done.""",
+    )
 
-    @overload
-    def imap_unordered(
-        self,
-        fn: Callable[[S], Awaitable[T]],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
 
-    @overload
-    def imap_unordered(
-        self,
-        fn: Callable[[S], T],
-        iterable: Iterable[S] | AsyncIterable[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
-
-    def imap_unordered(
-        self,
-        fn: Callable[[Any], Any],
-        iterable: Iterable[Any] | AsyncIterable[Any],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[Any]:
-        """As :meth:`imap`, but each chunk's results come as soon as the chunk is done."""
-        return ResultIterator(self._engine, fn, iterable, chunksize, False, False, buffersize)
+def attach(pool: Pool, engine: Engine) -> None:
+    """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
+    engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
+    pool._engine = engine
+    # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round
+    # trip (hot path: tests/budgets).
+    pool.__dict__["apply"] = functools.partial(_calls.apply, engine)
 
 
 for _cls in (Pool, PoolStatistics):

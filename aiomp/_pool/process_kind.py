@@ -26,9 +26,8 @@ from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
 from . import worker_main
-from .kinds import Events, Options, WorkerKind
+from .kinds import Call, Events, InitCall, Options, WorkerKind
 from .process_handle import ProcessHandle
-from .tasks import FnInfo
 
 _BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
 
@@ -38,18 +37,11 @@ class ProcessKind(WorkerKind):
 
     chunks_per_slot = 4
 
-    def __init__(
-        self,
-        start_method: str,
-        initializer: Callable[..., object] | None,
-        initargs: tuple[object, ...],
-        output: _output.Output,
-    ) -> None:
+    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
         self.start_method = start_method
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
-        self._initializer = initializer
-        self._initargs = initargs
+        self._init_call = init
         self._output = output
         self._init: _reduction.Message | None = None
         self._init_sends = 0
@@ -59,9 +51,7 @@ class ProcessKind(WorkerKind):
         return f"start_method={self.start_method!r}"
 
     async def prepare(self, processes: int) -> int:
-        self._init = _reduction.dumps(
-            (self._initializer, self._initargs), P.header(P.OP_INIT, 0, 0)
-        )
+        self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
         elif self.start_method == "forkserver":
@@ -116,20 +106,12 @@ class ProcessKind(WorkerKind):
         h.send_control(*self._init.framed())
         return h
 
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> Any:
+    def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
         here, in the caller, if it cannot be pickled or if the workers could not import
         ``fn`` (a lambda, a function of an interactive ``__main__``): the same check as
         ``spawn``'s, once per function and start method."""
+        tid, fn, info, flags, items, kwds, _ = call
         method = self.start_method
         if method not in info.checked:
             _checks.check_function(fn, method)

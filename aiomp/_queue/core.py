@@ -38,6 +38,11 @@ _SENT = SENT
 _RECEIVED = RECEIVED
 
 
+#: What :meth:`QueueCore._put_step` returns once the item is in, and while the overflow's
+#: lock is held elsewhere (an fd is never negative).
+PUT, BUSY = -1, -2
+
+
 class QueueCore:
     """A queue's state in this process, and the calls that never wait (see the module
     docstring). :class:`~aiomp.Queue` sets every attribute in its ``_setup``."""
@@ -127,13 +132,24 @@ class QueueCore:
         if used:
             self._used_socket = True
 
+    def _put_step(self, msg: Message) -> int:
+        """One try of a put that may wait: :data:`PUT` once ``msg`` is in, :data:`BUSY`
+        while the overflow's lock is held elsewhere (wait for it), else the fd to wait on
+        before the next try. The async and the sync put differ only in how they wait."""
+        try:
+            if self._try_put(msg):
+                return PUT
+            return self._put_wait_fd(msg)
+        except Busy:
+            return BUSY
+
     def _put_wait_fd(self, msg: Message) -> int:
-        """After a failed put: the fd to wait on, or -1 if a retry just succeeded."""
+        """After a failed put: the fd to wait on, or :data:`PUT` if a retry just succeeded."""
         # Reset ``room`` first and try once more, so that a get between the failed put
         # and the wait is not missed.
         take_token(self._room)
         if self._try_put(msg):
-            return -1
+            return PUT
         return self._room
 
     def _try_get(self, blocking: bool = False, peek: bool = False) -> object:

@@ -46,7 +46,7 @@ from .._loop.waiters import FdWaiters
 from .._wire import datagram as _datagram
 from .._wire import pickling as _pickling
 from . import overflow as _overflow
-from .core import QueueCore
+from .core import BUSY, PUT, QueueCore
 from .items import MISSING, message
 from .mutex import Busy
 from .sync import SyncQueue, no_loop
@@ -214,18 +214,12 @@ class Queue(QueueCore):
             return
         with message(obj) as msg:
             turn = 0
-            while True:
-                try:
-                    if self._try_put(msg):
-                        return
-                    fd = self._put_wait_fd(msg)
-                except Busy:
+            while (fd := self._put_step(msg)) != PUT:
+                if fd == BUSY:
                     await _pause(turn)
                     turn += 1
-                    continue
-                if fd < 0:
-                    return
-                await self._waiters.wait(fd)
+                else:
+                    await self._waiters.wait(fd)
 
     def get(self) -> Coroutine[Any, Any, Any]:
         """Remove and return an item (``await q.get()``), waiting while the queue is empty.

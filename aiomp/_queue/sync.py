@@ -12,6 +12,7 @@ import time
 
 from .._errors import QueueClosed
 from .._wire.datagram import wait_fd_sync
+from .core import BUSY, PUT
 from .items import MISSING, message
 from .mutex import Busy
 
@@ -46,18 +47,11 @@ class SyncQueue:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         with message(obj) as msg:
-            while True:
-                try:
-                    if q._try_put(msg):
-                        return
-                    fd = q._put_wait_fd(msg)
-                except Busy:
+            while (fd := q._put_step(msg)) != PUT:
+                if fd == BUSY:
                     if not q._ovf.wait_unlocked(deadline):
                         raise _stdqueue.Full from None
-                    continue
-                if fd < 0:
-                    return
-                if not wait_fd_sync(fd, deadline=deadline):
+                elif not wait_fd_sync(fd, deadline=deadline):
                     raise _stdqueue.Full
 
     def get(self, timeout: float | None = None) -> Any:

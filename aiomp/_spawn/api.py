@@ -138,17 +138,9 @@ class SpawnHandle:
     ``_output.LINGER`` seconds for streams their own children still hold.
     """
 
-    def __init__(
-        self,
-        fn: object,
-        nprocs: int,
-        args: tuple[object, ...],
-        start_method: str,
-        daemon: bool,
-        grace_period: float,
-        output: Output,
-    ) -> None:
-        self._params = (fn, nprocs, args, start_method, daemon, grace_period, output)
+    def __init__(self, start: Callable[[], Awaitable[ProcessContext]]) -> None:
+        #: :func:`start_children` with spawn's arguments (a partial: no frame of its own).
+        self._start_children = start
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._task: object = None  # the asyncio task that entered the block
@@ -159,10 +151,10 @@ class SpawnHandle:
     async def _start(self) -> ProcessContext:
         # The same frame depth as __aenter__, so that a warning's stacklevel points at the
         # caller's line for `await spawn(...)` as it does for `async with spawn(...)`.
-        return await start_children(*self._params)
+        return await self._start_children()
 
     async def __aenter__(self) -> ProcessContext:
-        ctx = self._ctx = await start_children(*self._params)
+        ctx = self._ctx = await self._start_children()
         tg = self._tg = anyio.create_task_group()
         await tg.__aenter__()
         tg.start_soon(self._supervise, ctx, tg.cancel_scope)
@@ -252,7 +244,11 @@ def spawn(
     read on the event loop (see ``aiomp._output.forwarder``); ``"inherit"`` leaves the children
     the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
     """
-    return SpawnHandle(fn, nprocs, args, start_method, daemon, grace_period, output)
+    return SpawnHandle(
+        functools.partial(
+            start_children, fn, nprocs, args, start_method, daemon, grace_period, output
+        )
+    )
 
 
 start_processes = spawn  # the torch-compatible name

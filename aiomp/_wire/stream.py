@@ -150,7 +150,8 @@ class Stream:
         if self._pos == len(self._buf):
             # Nothing buffered: read once. The common case, one whole frame without fds,
             # is returned as it came, past the buffer (msg_flags echoes MSG_CMSG_CLOEXEC
-            # on Linux: only truncation matters). hot path: tests/budgets
+            # on Linux: only truncation matters); _fill's read, inlined.
+            # hot path: tests/budgets
             try:
                 data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, RECV_FLAGS)
             except BlockingIOError:

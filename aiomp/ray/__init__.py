@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from .._pool import pool as _pool
+from .._pool.engine import Engine
 from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
 from ._session import PROBE_TIMEOUT
 
@@ -122,10 +123,10 @@ class Pool(_pool.Pool):
             options["resources"] = dict(resources)
         if runtime_env:
             options["runtime_env"] = dict(runtime_env)
-        self._ray_kind = kind = RayKind(
-            initializer, tuple(initargs), n is None, address, num_cpus, num_gpus, options
-        )
-        self._attach(kind, 1 if n is None else n, concurrency, maxtasksperchild, grace)
+        init = (initializer, tuple(initargs))
+        self._ray_kind = kind = RayKind(init, n is None, address, options)
+        n = 1 if n is None else n
+        _pool.attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def actors(self) -> list[ActorInfo]:
         """The live actors that take tasks: their ids, nodes and process ids."""

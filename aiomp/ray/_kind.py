@@ -23,8 +23,8 @@ import anyio
 
 from .._loop import running_asyncio_loop
 from .._pool import protocol as P
-from .._pool.kinds import Events, Options, WorkerKind
-from .._pool.tasks import FnInfo, fresh
+from .._pool.kinds import Call, Events, InitCall, Options, WorkerKind
+from .._pool.tasks import fresh
 from . import _session
 from ._handle import ActorHandle
 
@@ -161,21 +161,12 @@ class RayKind(WorkerKind):
     chunks_per_slot = 1
 
     def __init__(
-        self,
-        initializer: Callable[..., object] | None,
-        initargs: tuple[object, ...],
-        auto_processes: bool,
-        address: str | None,
-        num_cpus: float,
-        num_gpus: float,
-        options: dict[str, Any],
+        self, init: InitCall, auto_processes: bool, address: str | None, options: dict[str, Any]
     ) -> None:
-        self._initializer = initializer
-        self._initargs = initargs
+        self._init_call = init
         self._auto_processes = auto_processes
         self._address = address
-        self.num_cpus = num_cpus
-        self.num_gpus = num_gpus
+        #: ``ray.remote``'s options for each actor (``num_cpus`` and ``num_gpus`` included).
         self._options = options
         self._ray: Any = None
         self._actor_cls: Any = None
@@ -196,7 +187,7 @@ class RayKind(WorkerKind):
         return [h for h in self.handles if h in live]
 
     def describe(self) -> str:
-        return f"num_cpus={self.num_cpus} num_gpus={self.num_gpus}"
+        return f"num_cpus={self._options['num_cpus']} num_gpus={self._options['num_gpus']}"
 
     async def close(self, linger: bool) -> None:
         """Shut down the Ray session this pool started (Ray bounds it)."""
@@ -217,7 +208,7 @@ class RayKind(WorkerKind):
             )
         ray = self._ray = _session.import_ray()
         try:
-            self._init_blob = _cloudpickle((self._initializer, self._initargs))
+            self._init_blob = _cloudpickle(self._init_call)
         except Exception as exc:
             exc.add_note("(while pickling the pool's initializer and initargs for Ray)")
             raise
@@ -230,8 +221,8 @@ class RayKind(WorkerKind):
         demand = {
             k: float(v)
             for k, v in {
-                "CPU": self.num_cpus,
-                "GPU": self.num_gpus,
+                "CPU": self._options["num_cpus"],
+                "GPU": self._options["num_gpus"],
                 **self._options.get("resources", {}),
             }.items()
             if v
@@ -352,16 +343,7 @@ class RayKind(WorkerKind):
             pass
         return key
 
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> _Call:
+    def encode(self, call: Call) -> _Call:
         """A task's message, made in the caller: raises here if it cannot be pickled."""
         if not self._ray.is_initialized():  # ray.put would start a local Ray of its own
             self._session_lost()
@@ -369,6 +351,7 @@ class RayKind(WorkerKind):
             if broken is None:
                 raise RuntimeError("Ray was shut down (ray.shutdown()) while the pool was open")
             raise fresh(broken)
+        tid, fn, info, flags, items, kwds, group = call
         try:
             key = self._fn_key(fn)
             task = (tid, flags, key, items, kwds)

@@ -31,7 +31,10 @@ import os
 import socket
 import types
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiomp._cuda.driver import Memory, View
 
 GRANULE = 2 << 20  # the driver's large-allocation unit; IPC-safe below this: nothing
 _SMALL_UNIT = 512
@@ -473,19 +476,11 @@ class FakeBackend:
         self.calls.append(("close", dev, ptr))
         self.gpu.close(ptr)
 
-    def wrap(
-        self,
-        ptr: int,
-        size: int,
-        owner: object,
-        dev: int,
-        offset: int,
-        shape: tuple[int, ...],
-        strides: tuple[int, ...],
-        dtype: str,
-    ) -> FakeArray:
+    def wrap(self, memory: Memory, view: View) -> FakeArray:
+        ptr, dev = memory.ptr, memory.device
+        mem = FakeUnowned(ptr, memory.size, memory, dev)
         return FakeArray(
-            self.gpu, FakeUnowned(ptr, size, owner, dev), ptr + offset, shape, dtype, strides, dev
+            self.gpu, mem, ptr + view.offset, view.shape, view.dtype, view.strides, dev
         )
 
     def empty(self, shape: tuple[int, ...], dtype: str, dev: int) -> FakeArray:

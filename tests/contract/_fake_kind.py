@@ -14,9 +14,11 @@ import anyio
 
 from aiomp._loop import running_asyncio_loop
 from aiomp._loop.wakeup import Signal, Wakeup
-from aiomp._pool.kinds import Events, Handle, Options, WorkerKind
+from aiomp._pool.engine import Engine
+from aiomp._pool.kinds import Call, Events, Handle, Options, WorkerKind
+from aiomp._pool.pool import attach
 from aiomp._pool.protocol import RemoteTraceback
-from aiomp._pool.tasks import FnInfo, Task
+from aiomp._pool.tasks import Task
 from tests.children import contract as funcs
 
 _pids = itertools.count(900_000)
@@ -133,16 +135,8 @@ class FakeKind(WorkerKind):
     def start(self, slot: int, events: Events, options: Options) -> Handle:
         return FakeHandle(slot, events)
 
-    def encode(
-        self,
-        tid: int,
-        fn: Callable[..., object],
-        info: FnInfo,
-        flags: int,
-        items: Any,
-        kwds: dict[str, object] | None,
-        group: object,
-    ) -> Any:
+    def encode(self, call: Call) -> Any:
+        _, fn, _, flags, items, kwds, _ = call
         return _Call(fn, flags, items, kwds)
 
     async def close(self, linger: bool) -> None:
@@ -154,5 +148,5 @@ def fake_pool(processes: int, grace_period: float) -> Any:
     import aiomp
 
     pool = aiomp.Pool.__new__(aiomp.Pool)
-    pool._attach(FakeKind(), processes, 1, None, grace_period)
+    attach(pool, Engine(FakeKind(), processes, 1, None, grace_period))
     return pool
