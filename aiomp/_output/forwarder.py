@@ -138,10 +138,7 @@ class Forwarder:
         wrote is queued now, and is what :func:`forwarded` waits for. Never reads."""
         if self._owed is None:
             self._owed = [self._got[i] + self._queued(i) for i in (0, 1)]
-        if self._ended():
-            self._finish()
-        else:
-            self._wake()
+        self._finish_or_wake()
 
     def _queued(self, i: int) -> int:
         """Bytes waiting in socket ``i`` (of a datagram socket: the next datagram's)."""
@@ -252,7 +249,14 @@ class Forwarder:
         """Stream ``i`` has ended: its last partial line goes, its socket is released."""
         self._lines.emit(i, b"", final=True)
         self._detach(i)
-        if self._owed is not None and self._ended():
+        if self._owed is not None:
+            self._finish_or_wake()
+        else:
+            self._wake()
+
+    def _finish_or_wake(self) -> None:
+        """Finish once both streams have given what the child owed; else wake the waiters."""
+        if self._ended():
             self._finish()
         else:
             self._wake()
