@@ -16,10 +16,16 @@ from aiomp._pool.protocol import RemoteTraceback
 from tests.children import contract as funcs
 from tests.contract._fake_kind import fake_pool
 
+#: The fake kind's worker threads, and the thread caches of trio and anyio that other
+#: tests filled, linger in this process: the fork kind's start would warn of them (a
+#: warning tests/spawn and tests/pool check where it matters).
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning"),
+]
+
 TIMEOUT = 60
 GRACE = 0.3
-
-pytestmark = pytest.mark.anyio
 
 
 def _process(method: str) -> Callable[[], Any]:
@@ -39,8 +45,6 @@ def make_pool(request: pytest.FixtureRequest, anyio_backend: Any) -> Callable[[]
     kind = request.param
     if kind != "fake" and anyio_backend[0] != "asyncio":
         pytest.skip("the process kinds run under every loop in tests/test_pool*.py")
-    if kind == "fork":  # the fake kind's worker threads linger in this process
-        request.applymarker(pytest.mark.filterwarnings("ignore:start_method='fork'"))
     return KINDS[kind]
 
 
