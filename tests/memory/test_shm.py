@@ -1351,8 +1351,8 @@ _TREE_OF_A_CHILD = textwrap.dedent("""
 def test_a_parent_that_makes_no_segment_names_the_tree_and_sweeps() -> None:
     """A process launched with the ``AIOMP_TREE`` of another live tree in its
     environment (this one's) starts a child before it makes any array. The names the child
-    makes record the child's own tree, rooted at that process: recording the stale tree
-    kept them from being swept once their tree was gone (SIGKILL or Ctrl-C to its root).
+    makes record the child's own tree, rooted at that process (a stale tree would keep
+    them from being swept once their tree is gone: SIGKILL or Ctrl-C to its root).
     And once the child is SIGKILLed, reaping it sweeps its names (R5), though the parent
     never made a segment itself."""
     env = dict(os.environ, AIOMP_TREE=f"{os.getpid()}:{_lifecycle.start_time(os.getpid())}")
