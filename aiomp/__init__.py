@@ -1,7 +1,7 @@
 """aiomp: torch.multiprocessing rebuilt async-first.
 
 Only this module is public. Names resolve lazily (PEP 562): a child process imports this
-package before ``aiomp._child`` and must load neither anyio nor numpy unless it needs them
+package before ``aiomp._child.bootstrap`` and must load neither anyio nor numpy unless it needs them
 (see *Light children* in docs/architecture.md).
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os as _os
 import sys as _sys
+
+from . import _lifecycle  # the standard library only, as a child needs
 
 # Not `from typing import TYPE_CHECKING`: children must not pay for importing typing.
 TYPE_CHECKING = False
@@ -73,22 +75,22 @@ _WHERE = {
     "QueueItemError": "_errors",
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
-    "ProcessContext": "_context",
-    "spawn": "_context",
-    "start_processes": "_context",
-    "Queue": "_queue",
-    "Event": "_queue",
-    "Full": "_queue",
-    "Empty": "_queue",
-    "Pool": "_pool",
-    "PoolStatistics": "_pool",
-    "share_memory": "_numpy",
-    "is_shared": "_numpy",
-    "empty": "_numpy",
-    "zeros": "_numpy",
-    "get_all_sharing_strategies": "_shm",
-    "get_sharing_strategy": "_shm",
-    "set_sharing_strategy": "_shm",
+    "ProcessContext": "_spawn.context",
+    "spawn": "_spawn.api",
+    "start_processes": "_spawn.api",
+    "Queue": "_queue.queue",
+    "Event": "_queue.event",
+    "Full": "_queue.queue",
+    "Empty": "_queue.queue",
+    "Pool": "_pool.pool",
+    "PoolStatistics": "_pool.pool",
+    "share_memory": "_arrays.shared",
+    "is_shared": "_arrays.shared",
+    "empty": "_arrays.shared",
+    "zeros": "_arrays.shared",
+    "get_all_sharing_strategies": "_memory.strategy",
+    "get_sharing_strategy": "_memory.strategy",
+    "set_sharing_strategy": "_memory.strategy",
     "cuda": "cuda",
 }
 
@@ -97,9 +99,10 @@ if TYPE_CHECKING:
     from queue import Full as Full
 
     from . import cuda as cuda
-    from ._context import ProcessContext as ProcessContext
-    from ._context import spawn as spawn
-    from ._context import start_processes as start_processes
+    from ._arrays.shared import empty as empty
+    from ._arrays.shared import is_shared as is_shared
+    from ._arrays.shared import share_memory as share_memory
+    from ._arrays.shared import zeros as zeros
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
@@ -109,17 +112,49 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
-    from ._numpy import empty as empty
-    from ._numpy import is_shared as is_shared
-    from ._numpy import share_memory as share_memory
-    from ._numpy import zeros as zeros
-    from ._pool import Pool as Pool
-    from ._pool import PoolStatistics as PoolStatistics
-    from ._queue import Event as Event
-    from ._queue import Queue as Queue
-    from ._shm import get_all_sharing_strategies as get_all_sharing_strategies
-    from ._shm import get_sharing_strategy as get_sharing_strategy
-    from ._shm import set_sharing_strategy as set_sharing_strategy
+    from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
+    from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
+    from ._memory.strategy import set_sharing_strategy as set_sharing_strategy
+    from ._pool.pool import Pool as Pool
+    from ._pool.pool import PoolStatistics as PoolStatistics
+    from ._queue.event import Event as Event
+    from ._queue.queue import Queue as Queue
+    from ._spawn.api import spawn as spawn
+    from ._spawn.api import start_processes as start_processes
+    from ._spawn.context import ProcessContext as ProcessContext
+
+
+def _import_spawn() -> None:
+    """At the first shared segment of a tree's root: import the spawn API now. Messages in
+    flight may then take every fd the process can open, and an import needs one, so that
+    a consumer can still be started to drain them."""
+    import aiomp._spawn.api  # noqa: F401
+
+
+_lifecycle.on_first_segment(_import_spawn)
+
+
+def _publish_tree() -> None:
+    """Before each start of a child: name this process's tree in the environment the
+    child inherits, so that the names it makes under ``/dev/shm`` record the tree they
+    belong to (and the janitor can tell when nothing can read them any more)."""
+    from ._memory import tree
+
+    tree.publish()
+
+
+_lifecycle.on_start_check(_publish_tree)
+
+
+def _sweep_names() -> None:
+    """After a child exited abnormally: remove the ``/dev/shm`` names it left that nobody
+    can need any more (the janitor), whether or not this process made a segment itself."""
+    from ._memory import janitor
+
+    janitor.sweep()
+
+
+_lifecycle.on_failed_exit(_sweep_names)
 
 
 def __getattr__(name: str) -> object:

@@ -1,10 +1,11 @@
-"""Whether a process is alive, the hooks other layers hang on process events, and the
-mark of a finalizer that Ctrl-C must not interrupt.
+"""Whether a process is alive, and the hooks other layers hang on process events.
 
-The lowest layer of the process toolkit: standard library only, imported by children
-(``_child``, ``_worker``), by ``_shm`` and ``_cuda`` (which register hooks here when they
-are imported) and by ``_process`` (which runs them). See
-docs/decisions/0016-process-hooks.md.
+The lowest layer of the process toolkit; owns the hook lists. Standard library only,
+imported by children (``_child``, the Pool's worker), by ``_memory`` and ``_cuda`` (which
+register hooks here when they are imported) and by ``_process`` (which runs them), so
+that ``_process`` runs checks it does not know: ``_cuda``'s refusal to fork with CUDA
+initialised, ``_memory``'s sweep of a failed child's names, the child bootstrap's refusal
+to start children while a spawn child re-runs its parent's unguarded main module.
 """
 
 from __future__ import annotations
@@ -14,25 +15,22 @@ import os
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import TypeVar
 
-    F = TypeVar("F", bound=Callable[..., None])
 
+#: Run before every start of a child; each raises (or exits) to refuse it.
+_start_checks: list[Callable[[], None]] = []
 #: Run before a ``fork`` start; each raises to refuse it (CUDA initialised, say).
 _fork_checks: list[Callable[[], None]] = []
 #: Run after a child aiomp started was seen to exit abnormally (a non-zero exit code).
 _failed_exits: list[Callable[[], None]] = []
+#: Run once, in the root of a process tree, when it makes its first shared segment.
+_first_segments: list[Callable[[], None]] = []
 
 
-def finalizer(fn: F) -> F:
-    """Mark ``fn``, run by the garbage collector (a ``weakref`` callback, a ``finalize``),
-    so that trio does not raise KeyboardInterrupt inside it: Python reports an exception
-    raised in a finalizer ("Exception ignored in") and drops it, so a Ctrl-C landing there
-    would be lost, and the finalizer cut short. trio protects every frame whose code is
-    named ``__del__`` and delivers the interrupt at its next checkpoint instead; the
-    function keeps its qualified name. See docs/decisions/0022-finalizers-and-ctrl-c.md.
-    """
-    fn.__code__ = fn.__code__.replace(co_name="__del__")
+def on_start_check(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` before every start of a child; it raises (or exits) to refuse it."""
+    if fn not in _start_checks:
+        _start_checks.append(fn)
     return fn
 
 
@@ -47,6 +45,17 @@ def on_failed_exit(fn: Callable[[], None]) -> Callable[[], None]:
     """Run ``fn()`` once a child has been reaped after it exited abnormally."""
     if fn not in _failed_exits:
         _failed_exits.append(fn)
+    return fn
+
+
+def on_first_segment(fn: Callable[[], None]) -> Callable[[], None]:
+    """Run ``fn()`` when the root of a process tree makes its first shared segment.
+
+    From then on messages in flight may take every fd the process can open, and an
+    import needs one: a layer that starts consumers imports up front what that needs.
+    """
+    if fn not in _first_segments:
+        _first_segments.append(fn)
     return fn
 
 
@@ -96,4 +105,16 @@ def fork_checks() -> list[Callable[[], None]]:
 def failed_exit() -> None:
     """Run the hooks for a child that was reaped after it exited abnormally."""
     for fn in _failed_exits:
+        fn()
+
+
+def first_segment() -> None:
+    """Run the hooks for the first shared segment of a process tree's root."""
+    for fn in _first_segments:
+        fn()
+
+
+def run_start_checks() -> None:
+    """Run the start checks, before a child starts."""
+    for fn in _start_checks:
         fn()

@@ -54,17 +54,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._cuda import (
-    DEFAULT_IPC_LIMIT,
+from ._cuda.ipc import (
     IPC_BLOCK,
     MAX_IPC_EVENTS,
     IpcStatistics,
 )
-from ._cuda import empty as _empty
-from ._cuda import get_ipc_limit as _get_ipc_limit
-from ._cuda import ipc_collect as _ipc_collect
-from ._cuda import set_ipc_limit as _set_ipc_limit
-from ._cuda import statistics as _statistics
+from ._cuda.ipc import empty as _empty
+from ._cuda.ipc import get_ipc_limit as _get_ipc_limit
+from ._cuda.ipc import ipc_collect as _ipc_collect
+from ._cuda.ipc import set_ipc_limit as _set_ipc_limit
+from ._cuda.ipc import statistics as _statistics
+from ._cuda.slots import DEFAULT_IPC_LIMIT
 from ._errors import CudaIpcError, IpcLimitError
 
 if TYPE_CHECKING:

@@ -83,7 +83,7 @@ def echo_socket(sock: socket.socket) -> None:
 def echo_socket_async(sock: socket.socket, kept_reader: bool = False) -> None:
     """Raw floor with an async child: :func:`echo_socket` awaiting the loop's
     ``sock_recv``/``sock_sendall``, on the loop kind aiomp's async children run (uvloop
-    when installed, else asyncio: ``aiomp._child.new_runner``; not imported from there, so
+    when installed, else asyncio: ``aiomp._child.bootstrap.new_runner``; not imported from there, so
     the floor's child loads no aiomp).
 
     ``kept_reader``: the leanest async child instead, as aiomp's own waits are: one reader

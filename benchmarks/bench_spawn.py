@@ -137,7 +137,7 @@ async def main() -> None:
     else:
         notes.append("torch not installed: torch rows skipped")
     if missing is None:
-        import aiomp._context  # noqa: F401
+        import aiomp._spawn.context  # noqa: F401
 
     # -- spawn 4, unpinned -------------------------------------------------------------
     c.unpin_parent()

@@ -9,7 +9,7 @@ and with it keeping every array, with the producer's interprocess events recycle
 of 64) and not; and, for each side, the mean time of every CUDA call aiomp makes (its
 backend's methods, timed in place).
 
-It imports ``aiomp._cuda`` to wrap its backend's calls: the one script here that reaches
+It imports ``aiomp._cuda.ipc`` to wrap its backend's calls: the one script here that reaches
 past the public API, because the CUDA calls are what it times (it is run by
 ``gpu_check.sh`` on a GPU machine, and a rename inside ``aiomp/`` must update it).
 """
@@ -29,7 +29,7 @@ ROUNDS = 200
 
 def instrument() -> dict[str, list[float]]:
     """Time every call of aiomp's CUDA backend in this process."""
-    from aiomp import _cuda
+    from aiomp._cuda import ipc as _cuda
 
     backend = _cuda.get_backend()
     spent: dict[str, list[float]] = defaultdict(list)
@@ -94,7 +94,7 @@ async def rounds(qin: aiomp.Queue, qout: aiomp.Queue, item: object, n: int) -> f
 async def main() -> None:
     import cupy
 
-    from aiomp import _cuda
+    from aiomp._cuda import ipc as _cuda
 
     spent = instrument()
     qin, qout = aiomp.Queue(), aiomp.Queue()

@@ -127,7 +127,7 @@ def _build(
         except aiomp.QueueClosed:
             return built
         # Drop our view now, not at the next allocation: the block can then be reused as
-        # soon as the consumer drops it (leases: see aiomp/_shm.py).
+        # soon as the consumer drops it (leases: see aiomp/_memory/).
         del images, labels
         built += 1
 

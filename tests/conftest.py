@@ -1,11 +1,14 @@
 """Shared fixtures: every async test runs on asyncio, uvloop and trio; every test is
 checked for leaked children, file descriptors and ``/dev/shm`` names.
 
+The checks are per process (this pid's children and fds, the shm names of this pid's
+tree), so they hold under pytest-xdist, whose workers are separate processes.
+
 Async tests run the way users run their programs, not under anyio's test runner:
 ``asyncio`` is a plain ``asyncio.run`` loop (what uvicorn and FastAPI run), ``uvloop``
 is the same runner with uvloop's loop, ``trio`` is ``trio.run``. anyio's runner marks
 its loop for anyio in a way a plain loop does not, so code that wrongly reaches anyio
-from a loop callback passes under it and fails for users (issue 8).
+from a loop callback passes under it and fails for users.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gc
 import inspect
 import multiprocessing
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -59,9 +63,37 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = pyfuncitem.funcargs.get("anyio_backend")
     if backend is None or not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
-    names = pyfuncitem._fixtureinfo.argnames
-    run_plain(backend, pyfuncitem.obj, **{n: pyfuncitem.funcargs[n] for n in names})
+    # The test's own arguments: funcargs also holds the fixtures it only uses indirectly.
+    names = inspect.signature(pyfuncitem.obj).parameters
+    args = pyfuncitem.funcargs
+    run_plain(backend, pyfuncitem.obj, **{n: args[n] for n in names if n in args})
     return True
+
+
+#: Tests that must share one pytest-xdist worker (``-n 2 --dist loadgroup``): the Ray tests
+#: share one local Ray cluster; mypy and ruff share their caches.
+_XDIST_GROUPS = {
+    "tests/ray/": "ray",
+    "tests/meta/test_lint.py": "tools",
+    "tests/meta/test_typing.py": "tools",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The chaos suite's random seed is part of its test ids: chosen once, here, so that
+    # every pytest-xdist worker (started after this, with this environment) collects the
+    # same ids.
+    os.environ.setdefault("AIOMP_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 32)))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        for prefix, group in _XDIST_GROUPS.items():
+            if path.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(params=["file_descriptor", "file_system"])
@@ -121,7 +153,7 @@ def open_fds() -> dict[str, str]:
 
 def _tree_root(name: str) -> int:
     """The pid of the process tree that made ``/dev/shm/<name>`` (0: unknown), from the
-    header page aiomp writes (``_shm._H_CREATOR``: creator pid and start, then the tree's)."""
+    header page aiomp writes (``segment.H_CREATOR``: creator pid and start, then the tree's)."""
     try:
         with open(f"/dev/shm/{name}", "rb") as f:
             header = f.read(64)
@@ -160,13 +192,13 @@ def _warm_up() -> None:
 
     resource_tracker.ensure_running()
     forkserver.ensure_running()
-    # aiomp._shm keeps one fd in reserve for its fd-limit error path, for the process's
+    # aiomp._memory.fdlimit keeps one fd in reserve for its fd-limit error path, for the process's
     # life: opened here, before any test counts fds.
-    import aiomp._shm  # noqa: F401
+    import aiomp._memory.blocks  # noqa: F401
 
     # aiomp's keeper (one per process, started with its first child) holds a socket of
     # this process for the process's life.
-    from aiomp import _groups
+    from aiomp._process import groups as _groups
 
     _groups.start_keeper()
     _PERSISTENT.update(child_pids())
@@ -182,7 +214,7 @@ def _warm_up() -> None:
 def _settle() -> None:
     multiprocessing.active_children()  # reaps finished multiprocessing children
     gc.collect()
-    shm = sys.modules.get("aiomp._shm")
+    shm = sys.modules.get("aiomp._memory.blocks")
     if shm is not None:
         shm.purge_pool()
 

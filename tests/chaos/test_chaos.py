@@ -1,5 +1,5 @@
 """Chaos: many producers and consumers, cancellation storms, SIGKILL and SIGINT, fd
-exhaustion (issue 9). Each scenario is bounded (well under a minute), runs with a fixed seed
+exhaustion. Each scenario is bounded (well under a minute), runs with a fixed seed
 and the session's random seed (printed; ``AIOMP_CHAOS_SEED=<n>`` replays it), and asserts:
 
 - exactly-once delivery: every item put arrives once (a put that was cancelled put
@@ -33,7 +33,8 @@ import numpy as np
 import pytest
 
 import aiomp
-from aiomp import _lifecycle, _shm
+from aiomp import _lifecycle
+from aiomp._memory.registry import REGISTRY
 from tests._run import run_python
 from tests.chaos import _chaos
 
@@ -95,8 +96,8 @@ PRODUCERS, PER_PRODUCER = 3, 400
 async def test_many_producers_and_consumers(strategy: str, seed: int) -> None:
     """3 producers x 400 mixed items (ints, bytes, 100 B / 100 KiB / 2 MiB arrays) through
     one bounded queue to 2 consumer processes and the parent at once. Every item arrives
-    once and intact; once every process has exited no name of theirs is left (issue 9
-    item 1a: a producer's exit clean-up racing a consumer's release left segments)."""
+    once and intact; once every process has exited no name of theirs is left (a
+    producer's exit clean-up races a consumer's release of the same segments)."""
     q, out = aiomp.Queue(maxsize=32), aiomp.Queue()
     keys: list[tuple[int, int]] = []
 
@@ -295,7 +296,7 @@ async def test_sigkilled_consumers_holding_arrays(strategy: str, seed: int) -> N
             with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):
                 await ctx.join()
         gc.collect()
-        marks.append((fds(), rss(), sum(len(s) for s in _shm._pool.segments.values())))
+        marks.append((fds(), rss(), sum(len(s) for s in REGISTRY.pool.segments.values())))
     lost, duplicated = exactly_once(put, taken)
     # flat: the second half of the rounds needs no more than the first half did
     half = ROUNDS // 2
@@ -460,7 +461,7 @@ _FD = textwrap.dedent("""
     import numpy as np
     import aiomp
     from tests.chaos import _chaos
-    from tests import _funcs_shm
+    from tests.children import memory as memory_funcs
 
     loop, strategy, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 
@@ -482,7 +483,7 @@ _FD = textwrap.dedent("""
         del keep, arr
         gc.collect()
         with anyio.fail_after(60):
-            async with aiomp.spawn(_funcs_shm.drain, 1, args=(q, sent, strategy)) as ctx:
+            async with aiomp.spawn(memory_funcs.drain, 1, args=(q, sent, strategy)) as ctx:
                 pass
         assert ctx.results[0] == [i % 251 for i in range(sent)]
         assert q.qsize() == 0

@@ -1,0 +1,417 @@
+"""``aiomp.Pool``: a process pool for asyncio, uvloop and trio.
+
+::
+
+    async with aiomp.Pool(4) as pool:
+        y = await pool.apply(f, (x,))
+        ys = await pool.map(f, xs)
+        async for y in pool.imap(f, endless_source()):
+            ...
+
+The parts, and who owns what
+----------------------------
+::
+
+    Pool (here: options, async with, typed faces, statistics)
+      |  apply / map (calls), imap (iterators): pickle in the caller, wait, abandon
+      v
+    Engine (engine: task group, supervisor, lifetime) -- Scheduler (pure: which task where)
+      |  start / encode                                  |  send / send_exit / cancel / kill
+      v                                                  v
+    WorkerKind (kinds) ------------- starts -----------> Handle: decodes, reports on_result
+      ProcessKind (process_kind)                          ProcessHandle (process_handle)
+      RayKind (aiomp.ray)                                 ActorHandle (aiomp.ray)
+
+A process worker (``worker_main``) speaks the frames of ``protocol`` over two stream
+sockets. Nothing reached from a loop callback (a handle's reader) creates an anyio object
+or awaits: the scheduler is synchronous, and wake-ups are ``aiomp._loop.wakeup``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
+
+from .._output import forwarder as _output
+from .._process import checks as _process
+from . import calls as _calls
+from .engine import Engine
+from .iterators import ResultIterator
+from .process_kind import ProcessKind
+
+__all__ = ("Pool", "PoolStatistics")
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStatistics:
+    """A snapshot of a :class:`Pool`, from :meth:`Pool.statistics`.
+
+    A "task" is one ``apply`` call or one chunk of a ``map`` / ``imap``.
+    """
+
+    #: Worker processes that take tasks (starting ones included; retiring ones not).
+    workers: int
+    #: Workers that are ready and hold no task.
+    idle: int
+    #: Workers that hold at least one task.
+    busy: int
+    #: Tasks held by workers.
+    running: int
+    #: Tasks waiting in the pool for a worker.
+    queued: int
+    #: Tasks finished, successfully or not.
+    completed: int
+    #: Workers started to replace one that died, was killed or retired.
+    replaced: int
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def check_options(
+    processes: int | None, concurrency: int, maxtasksperchild: int | None, grace_period: float
+) -> tuple[int | None, int, int | None, float]:
+    """The options every kind of pool takes, checked: a wrong type is a TypeError, a
+    number below 1 a ValueError, as Python's pools raise."""
+    if processes is not None:
+        processes = _process.count("processes", processes)
+    concurrency = _process.count("concurrency", concurrency)
+    if maxtasksperchild is not None:
+        maxtasksperchild = _process.count("maxtasksperchild", maxtasksperchild)
+    if grace_period < 0:
+        raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
+    return processes, concurrency, maxtasksperchild, float(grace_period)
+
+
+class _Apply(Protocol):
+    """The typed face of :meth:`Pool.apply`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., T],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+
+
+class _Map(Protocol):
+    """The typed face of :meth:`Pool.map`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+
+class _Starmap(Protocol):
+    """The typed face of :meth:`Pool.starmap`, bound."""
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+    @overload
+    async def __call__(
+        self,
+        fn: Callable[..., T],
+        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[T]: ...
+
+
+def _map_method(name: str, star: bool, doc: str) -> Any:
+    """``Pool.map`` or (``star``) ``Pool.starmap``: one body, typed by :class:`_Map` or
+    :class:`_Starmap` where the class binds it."""
+
+    async def method(
+        self: Pool,
+        fn: Callable[..., Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int | None = None,
+        *,
+        on_progress: Callable[[int, int], object] | None = None,
+    ) -> list[Any]:
+        return await _calls.map_(self._engine, fn, iterable, chunksize, star, on_progress)
+
+    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
+    return method
+
+
+class _Imap(Protocol):
+    """The typed face of :meth:`Pool.imap` and :meth:`Pool.imap_unordered`, bound."""
+
+    @overload
+    def __call__(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+
+    @overload
+    def __call__(
+        self,
+        fn: Callable[[S], T],
+        iterable: Iterable[S] | AsyncIterable[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+
+
+def _imap_method(name: str, ordered: bool, doc: str) -> Any:
+    """``Pool.imap`` (``ordered``) or ``Pool.imap_unordered``: one body, typed by
+    :class:`_Imap` where the class binds it."""
+
+    def method(
+        self: Pool,
+        fn: Callable[[Any], Any],
+        iterable: Iterable[Any] | AsyncIterable[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[Any]:
+        return ResultIterator(self._engine, fn, iterable, chunksize, False, ordered, buffersize)
+
+    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
+    return method
+
+
+class Pool:
+    """A pool of worker processes serving sync and async functions to async code.
+
+    ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
+    this process may run on) concurrently, without blocking the event loop, and returns
+    at once; tasks wait for the first worker to be ready.
+
+    - ``initializer(*initargs)`` runs once in each worker before its first task (an
+      ``async def`` initializer runs on the worker's event loop, which its async tasks
+      then share). If it raises, the pool is broken: pending and later tasks raise
+      :class:`aiomp.BrokenPoolError` with the cause.
+    - ``maxtasksperchild``: a worker retires after that many tasks (a ``map`` chunk counts
+      as one); its replacement starts at once.
+    - ``start_method``: ``"spawn"``, ``"forkserver"`` or ``"fork"``.
+    - ``concurrency``: how many async tasks run at once in each worker. A sync task always
+      has its worker to itself.
+    - ``grace_period``: seconds between SIGTERM and SIGKILL whenever a worker is
+      terminated, and the longest a cancelled async task may take to finish.
+    - ``output``: ``"prefix"`` (each line a worker writes to fd 1 or 2 appears on the
+      parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
+      records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
+      (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
+
+    Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
+    (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
+    share one. A task's exception is raised in its caller alone, ``SystemExit`` and
+    ``KeyboardInterrupt`` too (as ``concurrent.futures`` raises them; the worker serves
+    on). A worker that dies fails only the tasks it had started
+    (:class:`aiomp.BrokenWorkerError`) and is replaced; tasks it had not started go to
+    another. A worker that cannot be started (fork's EAGAIN) is tried again with growing
+    delays; only a start that keeps failing breaks the pool. Cancelling a call (or its
+    ``timeout``) drops a task that has not started and stops a running one, terminating
+    its worker if need be. Leaving ``async with`` normally waits for the submitted tasks;
+    leaving by an exception or cancellation terminates the workers (a second
+    cancellation: SIGKILL at once), and they are always reaped first. The design:
+    ``docs/architecture.md`` in the source repository.
+    """
+
+    #: What serves the calls (set by :func:`attach`).
+    _engine: Engine
+
+    def __init__(
+        self,
+        processes: int | None = None,
+        *,
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[object] = (),
+        maxtasksperchild: int | None = None,
+        start_method: str = "spawn",
+        concurrency: int = 1,
+        grace_period: float = 5.0,
+        output: _output.Output = "prefix",
+    ) -> None:
+        n, concurrency, maxtasksperchild, grace = check_options(
+            processes, concurrency, maxtasksperchild, grace_period
+        )
+        _process.check_start_method(start_method)
+        _output.check_output(output)
+        if initializer is not None:
+            _process.check_function(initializer, start_method, "initializer")
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
+        n = _cpu_count() if n is None else n
+        attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
+
+    def __repr__(self) -> str:
+        e = self._engine
+        state = ("new", "open", "closing", "closed")[e.state]
+        cls = type(self)
+        return (
+            f"<{cls.__module__}.{cls.__qualname__} {state} processes={e.processes} "
+            f"concurrency={e.concurrency} {e.kind.describe()}>"
+        )
+
+    @property
+    def processes(self) -> int:
+        """The number of worker processes the pool keeps."""
+        return self._engine.processes
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers that take tasks (known once they are ready)."""
+        return [pid for h in self._engine.live_handles() if (pid := h.pid) is not None]
+
+    def statistics(self) -> PoolStatistics:
+        """A :class:`PoolStatistics` snapshot (never blocks)."""
+        s = self._engine.sched
+        return PoolStatistics(
+            workers=len(s.live_workers()),
+            idle=len(s.idle),
+            busy=sum(1 for w in s.workers.values() if w.running),
+            running=sum(len(w.running) for w in s.workers.values()),
+            queued=s.queued,
+            completed=s.completed,
+            replaced=s.replaced,
+        )
+
+    # -- lifetime ----------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        """Start the workers (concurrently; returns before they are ready).
+
+        On cancellation or failure, the workers started so far are killed and reaped.
+        """
+        await self._engine.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Leaving normally waits for every submitted task, then lets the workers exit.
+
+        Leaving by an exception, or being cancelled while waiting, terminates the
+        workers (SIGTERM, ``grace_period``, SIGKILL; shielded and bounded), fails the tasks
+        still pending, and re-raises what the body raised, as it was.
+        """
+        return await self._engine.close(exc)
+
+    # -- public calls ------------------------------------------------------------------
+    if TYPE_CHECKING:
+        apply: ClassVar[_Apply]
+    else:
+
+        async def apply(self, *args: Any, **kwargs: Any) -> Any:
+            # Shadowed in each pool by calls.apply bound to its engine (see attach).
+            return await _calls.apply(self._engine, *args, **kwargs)
+
+        apply.__doc__ = _calls.apply.__doc__
+
+    map: ClassVar[_Map] = _map_method(
+        "map",
+        False,
+        """``[fn(x) for x in iterable]``, computed by the workers in chunks.
+
+        ``iterable`` may be sync or async; it is read whole first (use :meth:`imap` for
+        streams). ``chunksize`` defaults to ``ceil(n / (4 * processes))`` (times
+        ``concurrency`` for an async ``fn``). The first task to fail makes this raise its
+        exception (never an exception group); the chunks not started yet are dropped.
+
+        ``on_progress(done, total)``, if given, is called from this task (not from the
+        event loop's internals) as chunks finish, with the number of inputs done so far:
+        ``tqdm``'s ``update`` or a log line fit there.
+
+        On cancellation chunks not started never start, and running ones are stopped as
+        for :meth:`apply`.
+        """,
+    )
+    starmap: ClassVar[_Starmap] = _map_method(
+        "starmap", True, """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
+    )
+    imap: ClassVar[_Imap] = _imap_method(
+        "imap",
+        True,
+        """An async iterator of ``fn(x)`` for each ``x`` of ``iterable``, in order.
+
+        ``iterable`` may be sync or async, and endless: at most ``buffersize`` chunks
+        (default: twice the pool's slots) are submitted and not yet consumed, so the input
+        is read only as fast as results are consumed. Results come as soon as each is
+        ready and all before it have come. A failed chunk raises its exception when
+        reached; iteration may go on after it. An error reading the input is raised after
+        the results of the items read before it. If the pool breaks, the iterator raises
+        :class:`aiomp.BrokenPoolError` (saying how many inputs were not run) on this and
+        every later step: it never ends with inputs unaccounted for.
+
+        Use it with ``async with pool.imap(...) as it:`` or call ``await it.aclose()`` to
+        stop early: queued chunks are dropped (running ones finish; their results are
+        discarded) and an async input is closed. Cancelling a task waiting for the next
+        item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
+        """,
+    )
+    imap_unordered: ClassVar[_Imap] = _imap_method(
+        "imap_unordered",
+        False,
+        """As :meth:`imap`, but each chunk's results come as soon as the chunk is done.""",
+    )
+
+
+def attach(pool: Pool, engine: Engine) -> None:
+    """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
+    engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
+    pool._engine = engine
+    # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round
+    # trip (hot path: tests/budgets).
+    pool.__dict__["apply"] = functools.partial(_calls.apply, engine)
+
+
+for _cls in (Pool, PoolStatistics):
+    _cls.__module__ = "aiomp"
+_calls.apply.__module__, _calls.apply.__qualname__ = "aiomp", "Pool.apply"

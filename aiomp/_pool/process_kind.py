@@ -1,0 +1,157 @@
+"""The process kind of worker: what :class:`aiomp.Pool` starts for each slot.
+
+A :class:`ProcessKind` starts one worker process per call (``_process.launch`` with
+:func:`aiomp._pool.worker_main.main`), with two stream socket pairs (tasks out, results
+in) and, unless the output is inherited, a forwarder of its output; it hands each to a
+:class:`~aiomp._pool.process_handle.ProcessHandle`. It turns calls into frames of the
+process wire (:mod:`aiomp._pool.protocol`), checking in the caller that the workers can
+import the function. Owns the pickled initializer (sent to every worker) and the
+forwarders of workers that have not ended yet: a worker's own children may hold its
+output after it exits.
+"""
+
+from __future__ import annotations
+
+import pickle
+import types
+from collections.abc import Callable
+from typing import Any
+
+from .._loop import running_asyncio_loop
+from .._output import forwarder as _output
+from .._process import checks as _checks
+from .._process import launch as _launch
+from .._process.child import Child
+from .._wire import pickling as _reduction
+from .._wire import stream as _stream
+from . import protocol as P
+from . import worker_main
+from .kinds import Call, Events, InitCall, Options, WorkerKind
+from .process_handle import ProcessHandle
+
+_BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
+
+
+class ProcessKind(WorkerKind):
+    """See the module docstring."""
+
+    chunks_per_slot = 4
+
+    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
+        self.start_method = start_method
+        #: Frames of the process wire, checked per start method.
+        self.wire = start_method
+        self._init_call = init
+        self._output = output
+        self._init: _reduction.Message | None = None
+        self._init_sends = 0
+        self._forwarders: list[_output.Forwarder] = []
+
+    def describe(self) -> str:
+        return f"start_method={self.start_method!r}"
+
+    async def prepare(self, processes: int) -> int:
+        self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
+        if self.start_method == "fork":
+            _checks.check_fork_safe()
+        elif self.start_method == "forkserver":
+            await _launch.prepare_forkserver()
+        return processes
+
+    def start(self, slot: int, events: Events, options: Options) -> ProcessHandle:
+        """Launch a worker for ``slot``; a start that fails (EMFILE here, EAGAIN in
+        launch) closes whatever it made, and the engine tries again."""
+        assert self._init is not None
+        fw = None
+        if self._output != "inherit":
+            fw = _output.Forwarder(slot, self._output, label="worker")
+            self._forwarders = [f for f in self._forwarders if not f.closed]
+            self._forwarders.append(fw)
+        try:
+            sock, theirs = _stream.stream_socketpair()
+        except BaseException:
+            if fw is not None:
+                fw.close()
+            raise
+        try:
+            results, their_results = _stream.stream_socketpair()
+        except BaseException:
+            sock.close()
+            theirs.close()
+            if fw is not None:
+                fw.close()
+            raise
+        try:
+            child = _launch.launch(
+                Child,
+                worker_main.main,
+                slot,
+                self.start_method,
+                True,
+                theirs,
+                extra=(their_results,),
+                name=f"aiomp-pool-{slot}",
+                output=fw,
+            )
+        except BaseException:
+            sock.close()
+            results.close()
+            raise
+        finally:
+            their_results.close()
+        h = ProcessHandle(slot, child, sock, results, running_asyncio_loop(), options.grace, events)
+        if self._init_sends:
+            self._init.sent_again()
+        self._init_sends += 1
+        h.send_control(*self._init.framed())
+        return h
+
+    def encode(self, call: Call) -> Any:
+        """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
+        here, in the caller, if it cannot be pickled or if the workers could not import
+        ``fn`` (a lambda, a function of an interactive ``__main__``): the same check as
+        ``spawn``'s, once per function and start method."""
+        tid, fn, info, flags, items, kwds, _ = call
+        method = self.start_method
+        if method not in info.checked:
+            _checks.check_function(fn, method)
+            info.checked.add(method)
+        try:
+            return task_message(tid, fn, info.fid, flags, items, kwds)
+        except Exception as exc:
+            _checks.check_function(fn, method)  # a clearer error when fn is the problem
+            exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
+            raise
+
+    async def close(self, linger: bool) -> None:
+        init, self._init = self._init, None
+        if init is not None:
+            init.close()
+        forwarders, self._forwarders = self._forwarders, []
+        await _output.close_all(forwarders, _output.LINGER if linger else 0)
+
+
+def task_message(
+    tid: int,
+    fn: Callable[..., object],
+    fid: int,
+    flags: int,
+    items: Any,
+    kwds: dict[str, object] | None,
+) -> Any:
+    """A task's message: a small frame (bytes), or a :class:`P.TaskMessage`."""
+    if flags & P.F_APPLY and not kwds:
+        # apply(f, (1, "a")): nothing in it can carry an fd or an array. (Not for a map's
+        # chunk: looking at each of thousands of items costs more than the pickler does.)
+        if fid and not items:
+            return P.noargs_task(tid, flags | P.F_NOARGS, fid)
+        if (fid or type(fn) in _BUILTIN_FUNCTIONS) and all(type(x) in P.PLAIN for x in items):
+            body = pickle.dumps((items, None) if fid else (fn, items, None), protocol=5)
+            if P.fits_inline(body):
+                return P.task_frame(tid, flags, fid, body)
+    elif fid and type(items) is range and not kwds:
+        # A chunk of map(f, range(n)): a few bytes, and no fd or array can be in it.
+        return P.task_frame(tid, flags, fid, pickle.dumps((items, None), protocol=5))
+    return P.TaskMessage(
+        P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
+    )

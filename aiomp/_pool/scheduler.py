@@ -1,0 +1,496 @@
+"""The Pool's scheduler: which task runs on which worker, and when workers come and go.
+
+Synchronous and pure: no sockets, no processes, no anyio, no awaits. Every method runs to
+completion and may be called from a task or from an event loop's reader callback. It
+talks to workers through :class:`~aiomp._pool.kinds.Handle` (a fake in the unit tests)
+and hands back the one decision it cannot carry out itself, starting a worker, as a slot
+in :attr:`Scheduler.to_spawn` plus a call of ``on_spawn``; the engine starts it.
+
+The rules (the why is in ``aiomp.Pool``'s docstring):
+
+* A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
+  worker's outbox), *done* or *dropped* (its caller left before it started: it never
+  starts).
+* Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
+  goes to the least loaded worker with a free slot; a sync task needs a whole worker
+  (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
+  wait behind a running sync chunk of the same call.
+* The head of the queue is never overtaken.
+* A send that fails because the worker has gone did not start the task: it goes back to
+  the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
+  so do the sync tasks that waited in it behind another (a worker whose handle is
+  ``in_order`` runs its sync tasks one at a time in the order sent, so those had not
+  started), unless their caller has gone: then they are dropped.
+* A worker that dies fails the tasks it held (those it may have started) with
+  :class:`BrokenWorkerError` and is replaced. One that dies before it is ready is
+  replaced too, unless that slot's workers died during start-up
+  :data:`MAX_START_FAILURES` times in a row: then, as when the initializer raises, the
+  pool is *broken* and every pending and later task fails with :class:`BrokenPoolError`.
+* A worker that could not be started at all (fork's EAGAIN under a pids limit, ENOMEM,
+  EMFILE: an ``OSError``) is tried again after each delay of :data:`START_RETRY_DELAYS`
+  in turn; only when every retry has failed too does the pool break.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
+
+from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
+from .kinds import Handle
+from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
+
+#: Start-up deaths in a row of one slot's workers that break the pool.
+MAX_START_FAILURES = 3
+#: Seconds to wait before each retry of a slot's worker start that failed with an OSError
+#: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
+#: pool. About 6 s in all, so that a shortage of a few seconds does not.
+START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+#: Sync chunks of one map that may wait in a worker behind the one it runs.
+CHUNKS_AHEAD = 2
+
+
+class WorkerSlot:
+    """The scheduler's record of one worker."""
+
+    __slots__ = (
+        "dispatched",
+        "exit_sent",
+        "gone",
+        "handle",
+        "killed",
+        "load",
+        "ready",
+        "reason",
+        "replaced",
+        "retiring",
+        "running",
+        "slot",
+    )
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+        self.slot = handle.slot
+        self.ready = False
+        self.load = 0  # slots in use: 1 per async task, `concurrency` for a sync one
+        self.running: dict[int, Task] = {}
+        self.dispatched = 0
+        self.retiring = False  # maxtasksperchild reached: no new tasks, exit when empty
+        self.killed = False  # being terminated by the pool
+        self.gone = False  # a send found it dead: its exit is on its way
+        self.exit_sent = False
+        self.replaced = False  # a worker has been asked for in its place
+        self.reason = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.ready and not (self.retiring or self.killed or self.gone)
+
+
+_OPEN, _CLOSING, _CLOSED = range(3)
+
+
+class Scheduler:
+    """Tasks, workers and the decisions between them. See the module docstring."""
+
+    def __init__(
+        self,
+        concurrency: int,
+        maxtasks: int | None,
+        on_spawn: Callable[[], None] = lambda: None,
+        on_drained: Callable[[], None] | None = None,
+    ) -> None:
+        self.concurrency = concurrency
+        self.maxtasks = maxtasks
+        self.on_spawn = on_spawn  # to_spawn grew
+        # No task is queued or running any more (None: nobody is waiting for that).
+        self.on_drained = on_drained
+        self.to_spawn: collections.deque[int] = collections.deque()
+        self.workers: dict[Handle, WorkerSlot] = {}
+        self.idle: dict[WorkerSlot, None] = {}  # insertion order: popitem() is LIFO
+        #: ``take_idle()``: the worker :meth:`submit` would pick while no task is queued
+        #: (the most recently idle), for a send made before its task is submitted; then
+        #: :meth:`started` or :meth:`untake`. A C method: hot path: tests/budgets.
+        self.take_idle = self.idle.popitem
+        self.queue: collections.deque[Task] = collections.deque()
+        self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
+        self.unfinished = 0  # tasks queued or running
+        self.completed = 0
+        self.replaced = 0
+        self.start_failures: dict[int, int] = {}
+        self.start_errors: dict[int, int] = {}  # failed starts in a row, by slot
+        self.broken: BrokenPoolError | None = None
+        self._state = _OPEN
+
+    # -- workers ---------------------------------------------------------------------
+    def add(self, handle: Handle) -> None:
+        """A worker process has been started for ``handle.slot``; it is not ready yet."""
+        self.workers[handle] = WorkerSlot(handle)
+        self.start_errors.pop(handle.slot, None)
+
+    def ready(self, handle: Handle) -> None:
+        w = self.workers.get(handle)
+        if w is None or w.ready:
+            return
+        w.ready = True
+        self.start_failures[w.slot] = 0
+        self._make_available(w)
+
+    def kill(self, handle: Handle, reason: str) -> None:
+        """Terminate ``handle``'s worker (its tasks fail once it has exited); replace it."""
+        w = self.workers.get(handle)
+        if w is None:
+            return
+        if not w.killed:
+            w.killed = True
+            w.reason = w.reason or reason
+            self.idle.pop(w, None)
+            self._replace(w)
+        handle.kill()
+
+    def exited(
+        self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""
+    ) -> None:
+        """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL; ``why``:
+        its kind's reason, when it died on its own).
+
+        ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
+        tasks it had been sent but had not started (see :func:`not_started`), go back to
+        the head of the queue, in order; those whose caller has gone are dropped. The rest
+        it held fail with :class:`BrokenWorkerError`.
+        """
+        w = self.workers.pop(handle, None)
+        if w is None:
+            return
+        if why and not w.reason:
+            w.reason = f" ({why})"
+        self.idle.pop(w, None)
+        tasks = w.running
+        w.running = {}
+        w.load = 0
+        back = [tasks.pop(tid) for tid in not_started(w.handle.in_order, tasks, unsent)]
+        for task in reversed(back):
+            task.worker = None
+            if task.abandoned:
+                self.unfinished -= 1
+                task.drop()
+                continue
+            task.state = QUEUED
+            self.queue.appendleft(task)
+            self.queued += 1
+        for task in tasks.values():
+            self._finish(task, False, death_error(w, exitcode, task))
+        if exitcode is not None:
+            what, sig = exit_description(exitcode)
+            if not (w.ready or w.killed or w.retiring) and self.broken is None:
+                failures = self.start_failures.get(w.slot, 0) + 1
+                self.start_failures[w.slot] = failures
+                if failures >= MAX_START_FAILURES:
+                    err = BrokenWorkerError(
+                        f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
+                    )
+                    self.break_pool(
+                        BrokenPoolError(
+                            f"the pool's worker {w.slot} died during start-up {failures} times "
+                            f"in a row, the last time: {err}"
+                        ),
+                        cause=err,
+                    )
+        self._replace(w)
+        self._dispatch()
+        self._check_drained()
+
+    # -- tasks -------------------------------------------------------------------------
+    def submit(self, task: Task) -> None:
+        """Start ``task`` on a worker, or queue it. On a broken pool it fails at once."""
+        if self.broken is not None:
+            task.finish(False, fresh(self.broken))
+            return
+        self.unfinished += 1
+        if not self.queued:
+            idle = self.idle
+            w = idle.popitem()[0] if idle else self._pick(task)
+            while w is not None:
+                if self._start(w, task):
+                    return
+                w = self._pick(task)  # that one had gone: the next
+        self.queue.append(task)
+        self.queued += 1
+
+    def untake(self, w: WorkerSlot) -> None:
+        """``w``, taken with :attr:`take_idle`, was sent nothing: the next one picked."""
+        self.idle[w] = None
+
+    def started(self, w: WorkerSlot, task: Task) -> None:
+        """``task`` was sent to ``w``, taken with :attr:`take_idle` before the task was
+        submitted: recorded as :meth:`submit` would have (``apply``'s hot path)."""
+        self.unfinished += 1
+        self._running(w, task)
+
+    def drop(self, task: Task) -> None:
+        """A queued task's caller has gone: it never starts."""
+        if task.state == QUEUED:
+            task.drop()
+            self.queued -= 1
+            self.unfinished -= 1
+            self._check_drained()
+
+    def recall(self, task: Task) -> bool:
+        """A running task's caller has gone: if the task never left the pool (it waits in
+        its worker's outbox), drop it as if it had been queued. False: it has left (the
+        caller stops it or its worker); should that worker die before starting it, it is
+        dropped then rather than sent to another."""
+        w = task.worker
+        if task.state != RUNNING or w is None or not w.handle.unsend(task):
+            task.abandoned = True
+            return False
+        del w.running[task.tid]
+        w.load -= task.weight
+        w.dispatched -= 1
+        task.state = QUEUED
+        task.worker = None
+        self.queued += 1  # drop() counts it out
+        self.drop(task)
+        self._make_available(w)
+        return True
+
+    def task(self, handle: Handle, tid: int) -> Task | None:
+        w = self.workers.get(handle)
+        return None if w is None else w.running.get(tid)
+
+    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
+        """A result (or an error) for task ``tid`` came from ``handle``'s worker; False if
+        no such task is running there (it failed or was given up already)."""
+        w = self.workers.get(handle)
+        task = None if w is None else w.running.pop(tid, None)
+        if task is None:
+            return False
+        assert w is not None
+        w.load -= task.weight
+        self.unfinished -= 1
+        self.completed += 1
+        task.finish(ok, value)
+        if (
+            w.load
+            or self.queue
+            or not w.ready
+            or w.retiring
+            or w.killed
+            or w.gone
+            or self._state == _CLOSED
+        ):
+            self._make_available(w)
+        else:  # idle again, nothing waits. hot path: tests/budgets
+            self.idle[w] = None
+        if not self.unfinished and self.on_drained is not None:
+            self.on_drained()
+        return True
+
+    def close(self) -> None:
+        """No new calls; queued tasks still run (replacing workers as needed)."""
+        self._state = max(self._state, _CLOSING)
+
+    def terminate(self, error: BaseException) -> None:
+        """Shut down: queued tasks fail with ``error``; no worker is started again."""
+        self._state = _CLOSED
+        self._fail_queued(error)
+
+    # -- internals ---------------------------------------------------------------------
+    def _finish(self, task: Task, ok: bool, value: object) -> None:
+        self.unfinished -= 1
+        self.completed += 1
+        task.finish(ok, value)
+
+    def _check_drained(self) -> None:
+        if self.unfinished == 0 and self.on_drained is not None:
+            self.on_drained()
+
+    def _replace(self, w: WorkerSlot) -> None:
+        """Start a worker in ``w``'s place, if the pool still wants one (once per worker)."""
+        if w.replaced or self.broken is not None:
+            return
+        if self._state == _CLOSED or (self._state == _CLOSING and not self.queued):
+            return
+        w.replaced = True
+        self.to_spawn.append(w.slot)
+        self.replaced += 1
+        self.on_spawn()
+
+    def spawn_failed(self, slot: int, error: BaseException) -> float | None:
+        """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
+        ENOMEM, EMFILE...). Returns the seconds to wait before :meth:`respawn` tries again,
+        or None: the pool is broken (an error that is not an OSError, or the retries of
+        :data:`START_RETRY_DELAYS` are spent)."""
+        failures = self.start_errors.get(slot, 0) + 1
+        self.start_errors[slot] = failures
+        delays = START_RETRY_DELAYS
+        if isinstance(error, OSError) and failures <= len(delays):
+            return delays[failures - 1]
+        more = f" ({failures} times in a row)" if failures > 1 else ""
+        err = BrokenPoolError(f"the pool could not start a worker for slot {slot}{more}: {error}")
+        self.break_pool(err, cause=error)
+        return None
+
+    def respawn(self, slot: int) -> None:
+        """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
+        if self.broken is not None or self._state == _CLOSED:
+            return
+        if self._state == _CLOSING and not self.queued:
+            return
+        self.to_spawn.appendleft(slot)
+        self.on_spawn()
+
+    def break_pool(self, error: BaseException, cause: BaseException | None = None) -> None:
+        """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``
+        (the initializer raised, workers cannot start, its Ray session ended)."""
+        if self.broken is None:
+            if isinstance(error, BrokenPoolError):
+                self.broken = error
+            else:
+                self.broken = BrokenPoolError(f"the pool is broken: {error}")
+                cause = error
+            if cause is not None:
+                self.broken.__cause__ = cause
+        self._fail_queued(self.broken)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        queue = self.queue
+        while queue:
+            task = queue.popleft()
+            if task.state == QUEUED:
+                self.queued -= 1
+                self._finish(task, False, fresh(error))
+        self._check_drained()
+
+    def _make_available(self, w: WorkerSlot) -> None:
+        """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
+        if w.killed or w.gone or not w.ready:
+            return
+        if w.retiring:
+            if not w.running and not w.exit_sent:
+                w.exit_sent = True
+                w.handle.send_exit()
+            return
+        if w.load == 0 and self._state != _CLOSED:
+            self.idle[w] = None
+        if self.queue:
+            self._dispatch()
+
+    def _pick(self, task: Task) -> WorkerSlot | None:
+        if self.idle:
+            return self.idle.popitem()[0]
+        if task.weight < self.concurrency:  # async: the least loaded with a free slot
+            best: WorkerSlot | None = None
+            for w in self.workers.values():
+                if (
+                    w.usable
+                    and w.load + task.weight <= self.concurrency
+                    and (best is None or w.load < best.load)
+                ):
+                    best = w
+            return best
+        if task.group is None or task.is_async:
+            return None
+        # A sync chunk: behind chunks of its own call only, to the worker holding fewest.
+        group = task.group
+        best = None
+        fewest = CHUNKS_AHEAD + 1
+        for w in self.workers.values():
+            n = len(w.running)
+            if 0 < n < fewest and w.usable:
+                for other in w.running.values():
+                    if other.group is not group or other.is_async:
+                        break
+                else:
+                    best, fewest = w, n
+        return best
+
+    def _dispatch(self) -> None:
+        if self._state == _CLOSED:
+            return
+        queue = self.queue
+        while queue:
+            task = queue[0]
+            if task.state != QUEUED:
+                queue.popleft()
+                continue
+            w = self._pick(task)
+            if w is None:
+                return
+            queue.popleft()
+            self.queued -= 1
+            if not self._start(w, task):
+                queue.appendleft(task)
+                self.queued += 1
+
+    def _start(self, w: WorkerSlot, task: Task) -> bool:
+        """Send ``task`` to ``w``. False: ``w`` has gone, the task is still queued.
+
+        The send comes first and the bookkeeping after it, while the worker wakes; nothing
+        can complete the task in between: a result is read by a later loop callback.
+        """
+        try:
+            sent = w.handle.send(task)
+        except OSError as exc:  # its fds cannot travel (fd limit): that task's failure
+            self._finish(task, False, exc)
+            if w.load == 0 and w.usable:
+                self.idle[w] = None
+            return True
+        if not sent:
+            w.gone = True
+            self.idle.pop(w, None)
+            return False
+        self._running(w, task)
+        return True
+
+    def _running(self, w: WorkerSlot, task: Task) -> None:
+        """``task`` has been sent to ``w`` (or waits in its outbox)."""
+        task.state = RUNNING
+        task.worker = w
+        w.running[task.tid] = task
+        w.load += task.weight
+        w.dispatched += 1
+        if self.maxtasks is not None and w.dispatched >= self.maxtasks and not w.retiring:
+            w.retiring = True
+            self.idle.pop(w, None)
+            self._replace(w)
+
+    # -- statistics --------------------------------------------------------------------
+    def live_workers(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
+
+
+def not_started(in_order: bool, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
+    """Ids of the tasks that a dead worker held and never started, in the order sent.
+
+    ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
+    ``in_order`` worker runs its sync tasks one at a time in that order, so of those it was
+    sent only the first can have started; an async task starts as it arrives.
+    """
+    unsent = set(unsent)
+    out: list[int] = []
+    behind = False  # past the sync task it may have been running
+    for tid, task in tasks.items():
+        if tid in unsent:
+            out.append(tid)
+        elif in_order and not task.is_async:
+            if behind:
+                out.append(tid)
+            behind = True
+    return out
+
+
+def death_error(w: WorkerSlot, exitcode: int | None, task: Task) -> BaseException:
+    """What ``task`` fails with when ``w``'s worker dies while running it (``exitcode``
+    None: the worker survived SIGKILL, in uninterruptible sleep, and the pool gives up)."""
+    handle = w.handle
+    if exitcode is None:
+        return RuntimeError(f"{handle.name} could not be terminated while it ran {task.name}")
+    what, sig = exit_description(exitcode)
+    return BrokenWorkerError(
+        f"{handle.name} {what} while it ran {task.name}{w.reason}",
+        w.slot,
+        handle.pid,
+        exitcode,
+        sig,
+    )

@@ -1,0 +1,103 @@
+"""Checks before a child starts: the start-method table, what children will run, fork.
+
+Owns nothing. Everything here raises before any process starts, so a caller's mistake
+(an unknown start method, a function children could not import, ``fork`` with CUDA
+initialised) surfaces in the parent, in the caller's frame.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import pickle
+import sys
+import threading
+import warnings
+from typing import SupportsIndex
+
+from .. import _lifecycle
+from .._wire import pickling as _reduction
+
+START_METHODS = ("spawn", "forkserver", "fork")
+
+
+def count(name: str, value: object) -> int:
+    """``value`` as an int >= 1 (anything with ``__index__``, a numpy integer too, but not a
+    bool): ``TypeError`` for another type, as Python's pools raise, ``ValueError`` below 1."""
+    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
+        raise TypeError(f"{name} must be an int >= 1, not {type(value).__name__} ({value!r})")
+    n = operator.index(value)
+    if n < 1:
+        raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+    return n
+
+
+def check_start_method(start_method: str) -> None:
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(map(repr, START_METHODS))}, "
+            f"not {start_method!r}"
+        )
+
+
+def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
+    """Validate a function children will run; return whether it is a coroutine function.
+
+    Raises ``TypeError`` for a non-callable or a coroutine object, and
+    ``pickle.PicklingError`` when spawn/forkserver children could not import it.
+    """
+    if inspect.iscoroutine(fn):
+        fn.close()
+        raise TypeError(
+            f"{what} must be a function, not a coroutine object: pass the async function "
+            "itself (aiomp calls it in the child)"
+        )
+    if not callable(fn):
+        raise TypeError(f"{what} must be callable, not {type(fn).__name__}")
+    if start_method != "fork":
+        if getattr(fn, "__module__", None) == "__main__" and not main_importable():
+            raise pickle.PicklingError(
+                f"{what}={fn!r} is defined in an interactive __main__ (a notebook, a REPL, "
+                f"`python -c` or a script read from stdin), which {start_method} children "
+                "cannot import: move it into a module, or use start_method='fork'"
+            )
+        try:
+            _reduction.dumps(fn).discard()  # a trial: undo what it promised
+        except Exception as exc:
+            raise pickle.PicklingError(
+                f"{what}={fn!r} cannot be pickled for start_method={start_method!r} ({exc}); "
+                "define it at module level (not a lambda or a local function), "
+                "or use start_method='fork'"
+            ) from exc
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    )
+
+
+def main_importable() -> bool:
+    """Whether spawn/forkserver children can import ``__main__``: it was run by module
+    name (``python -m``) or from a file. A notebook, a REPL and ``python -c`` have no
+    file; ``python -`` names ``<stdin>``, which a child cannot read again."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is not None:
+        return True
+    path = getattr(main, "__file__", None)
+    return isinstance(path, str) and os.path.isfile(path)
+
+
+def check_fork_safe() -> None:
+    """Refuse fork when a hook says so (``_cuda``: CUDA initialised); warn when other
+    threads are running (a lock one of them holds stays locked in the child)."""
+    _reduction.init_reductions()  # the aiomp module of each library imported: its hooks
+    for check in _lifecycle.fork_checks():
+        check()
+    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    if others:
+        warnings.warn(
+            f"start_method='fork' with {len(others)} other thread(s) running "
+            f"({', '.join(others[:3])}): a lock held by one of them stays locked forever "
+            "in the child; prefer 'spawn' or 'forkserver'",
+            RuntimeWarning,
+            stacklevel=4,
+        )

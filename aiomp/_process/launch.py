@@ -1,0 +1,144 @@
+"""Starting one child: :func:`launch`, the fork server's preparation, and hiding an
+unreadable ``__main__`` from the children.
+
+Owns the child's end of the caller's channel until the child has started (it is closed
+here, started or not), and the process until a :class:`~aiomp._process.child.Child`
+owns it. Nothing here waits on the event loop but the fork server's first start, which
+runs in a thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import anyio
+
+from .. import _lifecycle
+from .._output.forwarder import Forwarder
+from . import groups as _groups
+from . import mp_private
+from .child import Child
+
+#: What the fork server imports once, so that the children it forks start with it loaded:
+#: unpickling the sockets a child is given imports popen_forkserver; arming the
+#: parent-death signal loads ``_ctypes`` (a dlopen of libffi); the two child mains (the
+#: Pool's worker, spawn's child) import the child bootstrap.
+_FORKSERVER_PRELOAD = (
+    "multiprocessing.popen_forkserver",
+    "_ctypes",
+    "aiomp._pool.worker_main",
+    "aiomp._spawn.child_main",
+)
+
+
+@contextlib.contextmanager
+def unreadable_main_hidden() -> Iterator[None]:
+    """Hide a ``__main__.__file__`` that children cannot read while one is started.
+
+    multiprocessing's spawn and forkserver children (and the fork server itself) re-run
+    the parent's main script from its path. For ``python -`` that path is ``<stdin>``:
+    they die before running anything. Without the path they skip the main module, as
+    they do for ``python -c``; functions defined there are refused up front anyway
+    (:func:`aiomp._process.checks.check_function`)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if (
+        main is None
+        or getattr(main, "__spec__", None) is not None
+        or not isinstance(path, str)
+        or os.path.isfile(path)
+    ):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+async def prepare_forkserver() -> None:
+    """Start the fork server off the event loop (its first start waits for an interpreter).
+
+    Its preloads gain :data:`_FORKSERVER_PRELOAD`; the user's stay. Cancellation leaves
+    the server starting in its thread (anyio waits for the thread).
+    """
+    from multiprocessing import forkserver
+
+    if mp_private.forkserver_pid() is not None:
+        forkserver.ensure_running()  # already up: a non-blocking liveness check
+    else:
+        preload = list(mp_private.forkserver_preload() or ["__main__"])
+        ours = [m for m in _FORKSERVER_PRELOAD if m not in preload]
+        if ours:
+            forkserver.set_forkserver_preload([*preload, *ours])
+        with unreadable_main_hidden():
+            await anyio.to_thread.run_sync(forkserver.ensure_running)
+
+
+C = TypeVar("C", bound=Child)
+
+
+def launch(
+    make: Callable[[int, multiprocessing.process.BaseProcess, str, Forwarder | None], C],
+    target: Callable[..., object],
+    rank: int,
+    start_method: str,
+    daemon: bool,
+    channel: socket.socket,
+    *,
+    extra: tuple[object, ...] = (),
+    name: str | None = None,
+    output: Forwarder | None = None,
+) -> C:
+    """Start one process running ``target(rank, channel, parent_pid, *extra)``; return
+    ``make(rank, process, start_method, output)`` (:class:`Child` or a subclass).
+
+    ``channel`` is the child's end of a socket pair the caller made and keeps the other
+    end of; it is closed here, started or not. With ``output``, the target also gets
+    ``output=(stdout_end, stderr_end, ...)`` as a keyword, to hand to
+    :func:`aiomp._child.bootstrap.begin`; the returned child owns the forwarder from then
+    on (and it is closed here if the start fails). Returns at once (the child boots
+    concurrently). Call :func:`prepare_forkserver` first for ``"forkserver"``. Must run
+    on the event loop's thread, in a task.
+
+    The start checks registered with ``_lifecycle`` run first: ``target``'s module has
+    imported the child bootstrap, whose check stops a spawn child re-running its
+    parent's unguarded main module.
+    """
+    _lifecycle.run_start_checks()
+    # Up before the child runs, so that registering it (``Child``) is one message.
+    _groups.start_keeper()
+    mp: Any = multiprocessing.get_context(start_method)
+    try:
+        proc = mp.Process(
+            target=target,
+            args=(rank, channel, os.getpid(), *extra),
+            kwargs={} if output is None else {"output": output.child_ends()},
+            daemon=daemon,
+            name=name or f"aiomp-{rank}",
+        )
+        with unreadable_main_hidden():
+            proc.start()
+        if output is not None:
+            output.start()
+    except BaseException:
+        if output is not None:
+            output.close()
+        raise
+    finally:
+        channel.close()
+    try:
+        return make(rank, proc, start_method, output)
+    except BaseException:  # no pidfd (EMFILE): nothing may own a process nobody watches
+        proc.kill()
+        proc.join()
+        if output is not None:
+            output.close()
+        raise

@@ -1,0 +1,87 @@
+"""The private names of multiprocessing and atexit that aiomp uses, all read through
+``aiomp._process.mp_private``, checked against the running Python: each test fails
+loudly when Python moves one, where a caller would otherwise fall back in silence."""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import multiprocessing
+import multiprocessing.spawn
+import os
+import textwrap
+from multiprocessing import forkserver
+
+from aiomp._process import mp_private
+from tests._run import run_python
+
+
+def test_a_spawn_child_marks_itself_inheriting_while_it_prepares() -> None:
+    assert "_inheriting" in inspect.getsource(multiprocessing.spawn._main)
+    assert mp_private.inheriting() is False  # the parent: never preparing
+
+
+def test_a_process_keeps_its_status_in_its_popen() -> None:
+    proc = multiprocessing.get_context("spawn").Process(target=int)
+    proc.start()
+    try:
+        proc.join(60)
+        assert mp_private.popen_returncode(proc) == 0
+        mp_private.set_popen_returncode(proc, 3)
+        assert proc.exitcode == 3  # what Popen.poll finds
+    finally:
+        proc.kill()
+        proc.join()
+        proc.close()
+
+
+def test_a_reaped_process_closes_its_sentinel_and_keeps_its_status() -> None:
+    proc = multiprocessing.get_context("spawn").Process(target=int)
+    proc.start()
+    try:
+        proc.join(60)
+        sentinel = proc.sentinel
+        mp_private.close_sentinel(proc)
+        assert not os.path.exists(f"/proc/self/fd/{sentinel}")
+        assert proc.exitcode == 0
+    finally:
+        proc.close()
+
+
+def test_a_pool_retiring_workers_holds_no_fd_per_worker_until_collected() -> None:
+    """A worker retired after each task: the parent's fds stay level with the collector
+    off, so no fd waits for a reference cycle to be collected."""
+    out = run_python("-c", _RETIRING, timeout=120)
+    assert int(out.stdout.split("gained:")[1]) < 8, out.stdout
+
+
+_RETIRING = textwrap.dedent("""
+    import gc, os, anyio, aiomp
+
+    async def main():
+        async with aiomp.Pool(1, maxtasksperchild=1, start_method="fork") as pool:
+            await pool.apply(os.getpid)
+            gc.disable()
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(40):
+                await pool.apply(os.getpid)
+            print("gained:", len(os.listdir("/proc/self/fd")) - before)
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+def test_the_fork_server_keeps_its_pid_preloads_and_alive_fd() -> None:
+    server = forkserver._forkserver  # type: ignore[attr-defined]
+    assert hasattr(server, "_forkserver_pid")
+    assert hasattr(server, "_forkserver_alive_fd")  # taken only in children
+    assert isinstance(server._preload_modules, list)
+    pid = mp_private.forkserver_pid()
+    assert pid is None or isinstance(pid, int)
+    assert mp_private.forkserver_preload() == server._preload_modules
+    assert callable(forkserver.read_signed)  # type: ignore[attr-defined]
+
+
+def test_atexit_can_run_its_functions_now() -> None:
+    assert callable(atexit._run_exitfuncs)
