@@ -57,6 +57,7 @@ __all__ = (
     "empty",
     "get_all_sharing_strategies",
     "get_sharing_strategy",
+    "get_worker_info",
     "is_shared",
     "set_sharing_strategy",
     "share_memory",
@@ -66,6 +67,7 @@ __all__ = (
 )
 
 _WHERE = {
+    "get_worker_info": "_child.info",
     "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
     "ProcessException": "_errors",
@@ -103,6 +105,7 @@ if TYPE_CHECKING:
     from ._arrays.shared import is_shared as is_shared
     from ._arrays.shared import share_memory as share_memory
     from ._arrays.shared import zeros as zeros
+    from ._child.info import get_worker_info as get_worker_info
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
