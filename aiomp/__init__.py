@@ -137,6 +137,29 @@ def _import_spawn() -> None:
 _lifecycle.on_first_segment(_import_spawn)
 
 
+def _publish_tree() -> None:
+    """Before each start of a child: name this process's tree in the environment the
+    child inherits, so that the names it makes under ``/dev/shm`` record the tree they
+    belong to (and the janitor can tell when nothing can read them any more)."""
+    from ._memory import tree
+
+    tree.publish()
+
+
+_lifecycle.on_start_check(_publish_tree)
+
+
+def _sweep_names() -> None:
+    """After a child exited abnormally: remove the ``/dev/shm`` names it left that nobody
+    can need any more (the janitor), whether or not this process made a segment itself."""
+    from ._memory import janitor
+
+    janitor.sweep()
+
+
+_lifecycle.on_failed_exit(_sweep_names)
+
+
 def __getattr__(name: str) -> object:
     module = _WHERE.get(name)
     if module is None:

@@ -2,8 +2,9 @@
 
 Owns the names under ``/dev/shm`` that start with ``aiomp-``, as far as removing them
 goes (the allocator creates them). A name's header page (:mod:`.segment`) records its
-creator (pid and start time) and the root of the creator's *process tree*: only the
-tree's processes can hold the queues a message naming it sits in. A name is removed once
+creator (pid and start time) and the root of the creator's *process tree*
+(:mod:`.tree`): only the tree's processes can hold the queues a message naming it sits
+in. A name is removed once
 
 - its creator has let go of it (the ``ABANDONED`` flag: it exited, or gave the segment
   away) or died, SIGKILL included;
@@ -27,6 +28,7 @@ import time
 from .. import _lifecycle
 from .._lifecycle import pid_alive, start_time
 from . import lease as _lease
+from . import tree as _tree
 from .segment import ABANDONED, COUNTERS, H_CREATOR, H_FLAGS, H_TREE, HEADER
 
 SHM_DIR = "/dev/shm"
@@ -50,30 +52,6 @@ def _creator(name: str) -> int:
         return -1
 
 
-def _find_tree() -> tuple[int, int, bool]:
-    """(root pid, root start time, whether this process is the root) of this process tree.
-
-    The root is the process with no multiprocessing parent; its descendants learn it
-    from ``AIOMP_TREE`` in their environment (or take their parent, if it was not set when
-    they started). Only the tree's processes can hold its queues.
-    """
-    import multiprocessing
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        pid, start, root = os.getpid(), start_time(os.getpid()) or 0, True
-    else:
-        try:
-            pid, start = map(int, os.environ.get("AIOMP_TREE", "").split(":"))
-        except ValueError:
-            pid = parent.pid or 0
-            start = start_time(pid) or 0
-        root = False
-    os.environ["AIOMP_TREE"] = f"{pid}:{start}"
-    return pid, start, root
-
-
-_tree = _find_tree()
 _me = [os.getpid(), start_time(os.getpid()) or 0]  # read up front: no fd needed later
 _started = False
 
@@ -81,15 +59,16 @@ _started = False
 def header_identity() -> bytes:
     """The creator and tree fields of a new name's header page (from ``H_CREATOR``)."""
     me = os.getpid()
+    root = _tree.root()
     if _me[0] != me:  # a forked child
         _me[:] = [me, start_time(me) or 0]
     return (
         me.to_bytes(4, "little")
         + bytes(4)
         + _me[1].to_bytes(8, "little")
-        + _tree[0].to_bytes(4, "little")
+        + root[0].to_bytes(4, "little")
         + bytes(4)
-        + _tree[1].to_bytes(8, "little")
+        + root[1].to_bytes(8, "little")
     )
 
 
@@ -101,7 +80,7 @@ def first_segment() -> None:
     if _started:
         return
     _started = True
-    if _tree[2]:
+    if _tree.is_root():
         janitor()
         _lifecycle.first_segment()
 
@@ -188,10 +167,11 @@ def janitor(*, _ending: tuple[int, int] | None = None) -> list[str]:
     return [name for name in names if remove_if_orphan(name, ending=_ending, wait=False)]
 
 
-@_lifecycle.on_failed_exit
-def _sweep() -> None:
+def sweep() -> None:
     """A child that died abnormally may have left named segments (``file_system``
-    strategy): remove those whose creator is dead and that nobody holds."""
+    strategy): remove those whose creator is dead and that nobody holds. A ``_lifecycle``
+    failed-exit hook, which the package registers: a parent that never made a segment
+    itself (its children did) sweeps too."""
     try:
         janitor()
     except OSError:
@@ -214,13 +194,13 @@ def tree_ending() -> tuple[int, int] | None:
     process of the tree is left: none of its children lives but multiprocessing's helpers
     (their children, the fork server's, count). None otherwise, or when it cannot tell."""
     try:
-        return _tree[:2] if _tree_is_ending() else None
+        return _tree.root() if _tree_is_ending() else None
     except (OSError, ImportError):  # out of fds, say
         return None
 
 
 def _tree_is_ending() -> bool:
-    if not _tree[2]:
+    if not _tree.is_root():
         return False
     from multiprocessing import forkserver, resource_tracker
 
@@ -240,8 +220,7 @@ def _tree_is_ending() -> bool:
 
 def _after_fork_in_child() -> None:
     """A forked child is not its tree's root, and the root has swept already."""
-    global _tree, _started
-    _tree = (_tree[0], _tree[1], False)
+    global _started
     _started = True
 
 

@@ -1320,6 +1320,50 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
     assert not left, "the next start's first segment swept the dead tree's names"
 
 
+_TREE_OF_A_CHILD = textwrap.dedent("""
+    import os, signal
+    import anyio
+    import aiomp
+    from tests.children import common as funcs
+
+    async def main():
+        aiomp.set_sharing_strategy("file_system")
+        ready = aiomp.Queue()  # no array made here: this process makes no segment itself
+        with anyio.fail_after(20):
+            ctx = await aiomp.spawn(funcs.shm_hold_named_then_block, 1, args=(ready, 1000))
+            names = await ready.get()
+            from aiomp._memory.segment import H_TREE
+            for name in names:
+                with open(f"/dev/shm/{name}", "rb") as f:
+                    f.seek(H_TREE)
+                    print(os.getpid(), int.from_bytes(f.read(4), "little"), flush=True)
+            os.kill(ctx.pids()[0], signal.SIGKILL)
+            try:
+                await ctx.join()
+            except aiomp.ProcessExitedException:
+                pass
+        print("left", *[n for n in names if os.path.exists(f"/dev/shm/{n}")], flush=True)
+
+    anyio.run(main)
+""")
+
+
+def test_a_parent_that_makes_no_segment_names_the_tree_and_sweeps() -> None:
+    """A process launched with the ``AIOMP_TREE`` of another live tree in its
+    environment (this one's) starts a child before it makes any array. The names the child
+    makes record the child's own tree, rooted at that process (a stale tree would keep
+    them from being swept once their tree is gone: SIGKILL or Ctrl-C to its root).
+    And once the child is SIGKILLed, reaping it sweeps its names (R5), though the parent
+    never made a segment itself."""
+    env = dict(os.environ, AIOMP_TREE=f"{os.getpid()}:{_lifecycle.start_time(os.getpid())}")
+    *lines, left = run_python("-c", _TREE_OF_A_CHILD, env=env).stdout.splitlines()
+    assert left == "left", "reaping the SIGKILLed child swept its names"
+    assert lines  # per name: the parent's pid, then the tree root its header records
+    for line in lines:
+        parent, root = line.split()
+        assert root == parent, "the child's name records the parent as its tree's root"
+
+
 _FD_LIMIT = textwrap.dedent("""
     import gc, os, resource, sys
     import anyio, numpy as np
