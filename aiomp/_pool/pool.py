@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overlo
 
 from .._output import forwarder as _output
 from .._process import checks as _process
+from .._process import placement as _placement
 from . import calls as _calls
 from .engine import Engine
 from .iterators import ResultIterator
@@ -248,6 +249,12 @@ class Pool:
       parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
       records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
       (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
+    - ``env``: a dict of str to str merged over each worker's environment, or a callable
+      ``env(slot)`` giving one (called here, once per slot), e.g. ``lambda i:
+      {"CUDA_VISIBLE_DEVICES": str(i)}``: in place before the worker's interpreter
+      starts (``spawn``) or before any code runs in it (``forkserver``, ``fork``); a
+      replacement gets its slot's again. A worker's ``aiomp.get_worker_info().id`` is its
+      slot. A key or value that is not a str: ``TypeError`` here.
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
@@ -278,6 +285,7 @@ class Pool:
         concurrency: int = 1,
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
+        env: _placement.Env = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = check_options(
             processes, concurrency, maxtasksperchild, grace_period
@@ -286,8 +294,9 @@ class Pool:
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
         n = _cpu_count() if n is None else n
+        envs = _placement.slot_envs(env, n)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:

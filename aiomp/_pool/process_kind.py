@@ -37,8 +37,17 @@ class ProcessKind(WorkerKind):
 
     chunks_per_slot = 4
 
-    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
+    def __init__(
+        self,
+        start_method: str,
+        init: InitCall,
+        output: _output.Output,
+        envs: list[dict[str, str]] | None = None,
+    ) -> None:
         self.start_method = start_method
+        #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
+        self._envs = envs
+        self._processes = 0
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
         self._init_call = init
@@ -51,6 +60,7 @@ class ProcessKind(WorkerKind):
         return f"start_method={self.start_method!r}"
 
     async def prepare(self, processes: int) -> int:
+        self._processes = processes
         self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
@@ -92,6 +102,8 @@ class ProcessKind(WorkerKind):
                 extra=(their_results,),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
+                who=(slot, self._processes),
+                env=None if self._envs is None else self._envs[slot],
             )
         except BaseException:
             sock.close()
