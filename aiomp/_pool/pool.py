@@ -40,6 +40,7 @@ from .._output import forwarder as _output
 from .._process import checks as _process
 from .._process import placement as _placement
 from . import calls as _calls
+from .batching import Batched
 from .engine import Engine
 from .iterators import ResultIterator
 from .process_kind import ProcessKind
@@ -405,6 +406,35 @@ class Pool:
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
         """,
     )
+    def batched(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        max_batch_size: int = 32,
+        max_delay: float = 0.005,
+        stack: bool = False,
+    ) -> Batched[Any, Any]:
+        """An async callable ``b``: ``await b(x)`` from many tasks at once runs ``fn``
+        once per batch of calls.
+
+        Calls collect in an open batch, closed when ``max_batch_size`` calls are in it or
+        ``max_delay`` seconds after its first call; a closed batch is queued like any
+        task. The worker runs ``fn(xs)`` (sync or async), ``xs`` the batch's arguments in
+        arrival order; it returns a sequence of the same length, and each caller gets its
+        own element. ``stack=True``: every argument is a numpy array of the batch's first
+        shape and dtype (otherwise that call raises ``ValueError`` at once), stacked
+        along a new axis 0 straight into shared memory; ``fn`` gets that one array and
+        returns an array whose axis 0 is the batch size, given back as views.
+
+        Errors: ``fn``'s exception is raised in every caller of its batch, as
+        :meth:`apply` raises it; a worker that dies: :class:`aiomp.BrokenWorkerError` in
+        each; a result of the wrong length: ``ValueError`` in each. Cancellation: a call
+        cancelled before its batch goes to a worker is taken out of it (a batch left
+        empty is dropped); one cancelled after returns at once and its element is
+        discarded. A running batch is never stopped for its callers.
+        """
+        return Batched(self._engine, fn, max_batch_size, max_delay, stack)
+
     imap_unordered: ClassVar[_Imap] = _imap_method(
         "imap_unordered",
         False,

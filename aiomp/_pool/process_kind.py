@@ -47,7 +47,6 @@ class ProcessKind(WorkerKind):
         self.start_method = start_method
         #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
         self._envs = envs
-        self._processes = 0
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
         self._init_call = init
@@ -60,7 +59,6 @@ class ProcessKind(WorkerKind):
         return f"start_method={self.start_method!r}"
 
     async def prepare(self, processes: int) -> int:
-        self._processes = processes
         self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
@@ -102,7 +100,7 @@ class ProcessKind(WorkerKind):
                 extra=(their_results,),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
-                who=(slot, self._processes),
+                who=(slot, options.processes),
                 env=None if self._envs is None else self._envs[slot],
             )
         except BaseException:
