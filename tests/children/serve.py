@@ -168,3 +168,30 @@ def who_at_gate(address: str) -> tuple[tuple[int, int, object, object, int] | No
 
     gate_wait(os.getpid(), address)
     return who(), os.environ.get("AIOMP_TEST_SLOT")
+
+
+# -- examples/inference_service.py's model, with faults ---------------------------------
+
+#: A request whose first value is CRASH kills its worker; HOLD holds its batch at the gate.
+CRASH, HOLD = 1e6, 2e6
+_gate_address = ""
+
+
+def service_init(dim: int, seed: int, gate_address: str) -> None:
+    from examples.inference_service import load_model
+
+    global _gate_address
+    _gate_address = gate_address
+    load_model(dim, seed)
+
+
+def service_model(batch: np.ndarray) -> np.ndarray:
+    from examples.inference_service import predict
+    from tests.children.common import gate_wait
+
+    first = batch[:, 0]
+    if (first == CRASH).any():
+        os.kill(os.getpid(), signal.SIGKILL)
+    if (first == HOLD).any():
+        gate_wait(os.getpid(), _gate_address)
+    return predict(batch)
