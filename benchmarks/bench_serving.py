@@ -22,7 +22,7 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool is the parallelism
 
-from benchmarks import _common as c  # noqa: E402 - after the environment is set
+from benchmarks import _common as c
 
 CALLERS = 64
 MAX_BATCH = 32

@@ -141,9 +141,7 @@ class Batched(Generic[X, R]):
         import numpy as np
 
         if not isinstance(x, np.ndarray):
-            raise ValueError(
-                f"batched(stack=True) takes numpy arrays, not {type(x).__name__}"
-            )
+            raise ValueError(f"batched(stack=True) takes numpy arrays, not {type(x).__name__}")
         row = (x.shape, x.dtype)
         if self._row is None:
             self._row = row

@@ -406,6 +406,7 @@ class Pool:
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
         """,
     )
+
     def batched(
         self,
         fn: Callable[[Any], Any],

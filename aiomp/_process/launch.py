@@ -110,9 +110,9 @@ def launch(
     on (and it is closed here if the start fails). ``who`` (``(slot or rank, how
     many)``) and ``env`` go to the target as keywords for
     :func:`aiomp._child.placement.enter`, its first call; under ``spawn`` the env is in
-    the new interpreter's initial environment instead (:mod:`.placement`). Returns at once (the child boots
-    concurrently). Call :func:`prepare_forkserver` first for ``"forkserver"``. Must run
-    on the event loop's thread, in a task.
+    the new interpreter's initial environment instead (:mod:`.placement`). Returns at
+    once (the child boots concurrently). Call :func:`prepare_forkserver` first for
+    ``"forkserver"``. Must run on the event loop's thread, in a task.
 
     The start checks registered with ``_lifecycle`` run first: ``target``'s module has
     imported the child bootstrap, whose check stops a spawn child re-running its

@@ -24,8 +24,8 @@ from .._loop.fdset import FdSet
 from .._loop.taskhost import exit_task_group
 from .._output import forwarder as _output
 from .._output.lines import Output, check_output
-from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process import placement as _placement
+from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport

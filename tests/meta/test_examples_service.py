@@ -76,7 +76,9 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 replies = await asyncio.gather(*(c.post("/predict", json=body(x)) for x in xs))
                 for x, r in zip(xs, replies, strict=True):
                     assert r.status_code == 200, r.text
-                    np.testing.assert_allclose(r.json()["y"], service.predict(x[None])[0], atol=1e-4)
+                    np.testing.assert_allclose(
+                        r.json()["y"], service.predict(x[None])[0], atol=1e-4
+                    )
                 stats = (await c.get("/stats")).json()
                 assert stats["completed"] < len(xs) and stats["workers"] == 2
 
@@ -85,7 +87,7 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 held[0] = funcs.HOLD
                 raw = json.dumps(body(held)).encode()
                 host, port = url.removeprefix("http://").split(":")
-                reader, writer = await asyncio.open_connection(host, int(port))
+                _, writer = await asyncio.open_connection(host, int(port))
                 writer.write(
                     b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
@@ -94,7 +96,8 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 await gate.ready(1)  # its batch runs in a worker
                 writer.close()
                 await writer.wait_closed()
-                while app.state.disconnected == 0:  # the server's own task notices
+                # The server's own task notices (not a child: nothing to hand-shake with).
+                while app.state.disconnected == 0:  # noqa: ASYNC110
                     await asyncio.sleep(0.005)
                 gate.release()
                 r = await c.post("/predict", json=body(xs[1]))
@@ -109,7 +112,9 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 assert r.status_code == 503 and "died" in r.json()["error"]
                 r = await c.post("/predict", json=body(xs[3]))
                 assert r.status_code == 200
-                np.testing.assert_allclose(r.json()["y"], service.predict(xs[3][None])[0], atol=1e-4)
+                np.testing.assert_allclose(
+                    r.json()["y"], service.predict(xs[3][None])[0], atol=1e-4
+                )
                 assert (await c.get("/stats")).json()["replaced"] == 1
     finally:
         gate.close()

@@ -86,7 +86,9 @@ async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: obje
             async def mixed(x: object) -> object:
                 return await b(x)
 
-            got = await gather(mixed, [np.zeros((4, 4)), np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1])
+            got = await gather(
+                mixed, [np.zeros((4, 4)), np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1]
+            )
             assert isinstance(got[0], np.ndarray)
             for bad in got[1:]:
                 assert isinstance(bad, ValueError), bad

@@ -45,9 +45,7 @@ async def test_env_per_rank(anyio_backend: object, method: str) -> None:
         assert await ctx.join()
         assert [r["AIOMP_TEST_SLOT"] for r in ctx.results] == ["0", "1"]  # type: ignore[index]
         if method == "spawn":
-            ctx = await aiomp.spawn(
-                funcs.seen_at_import_rank, 2, env={"AIOMP_TEST_SLOT": "d"}
-            )
+            ctx = await aiomp.spawn(funcs.seen_at_import_rank, 2, env={"AIOMP_TEST_SLOT": "d"})
             assert await ctx.join()
             assert ctx.results == ["d", "d"]
     assert "AIOMP_TEST_SLOT" not in os.environ
