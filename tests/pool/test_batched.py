@@ -83,15 +83,18 @@ async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: obje
             for i, r in enumerate(out):
                 assert r.shape == (128, 128) and (r == 2.0 * i).all()
 
-            async def mixed(x: object) -> object:
-                return await b(x)
+            opened: list[Any] = []
+            async with anyio.create_task_group() as tg:
 
-            got = await gather(
-                mixed, [np.zeros((4, 4)), np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1]
-            )
-            assert isinstance(got[0], np.ndarray)
-            for bad in got[1:]:
-                assert isinstance(bad, ValueError), bad
+                async def opener() -> None:
+                    opened.append(await b(np.zeros((4, 4))))
+
+                tg.start_soon(opener)
+                await settled()  # the batch is open, its rows (4, 4) float64
+                for bad in (np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1):
+                    with pytest.raises(ValueError, match="stack=True"):
+                        await b(bad)
+            assert isinstance(opened[0], np.ndarray)
 
 
 async def test_fn_raising_is_raised_in_every_caller(anyio_backend: object) -> None:
