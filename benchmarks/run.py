@@ -1,6 +1,6 @@
 """Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
 
-    python -m benchmarks.run [spawn queue m2m arrays torch pool loader cuda ray]
+    python -m benchmarks.run [spawn queue m2m arrays torch pool loader serving cuda ray]
                              [--quick] [--no-write]
     python benchmarks/run.py ...
 
@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
-NAMES = ("spawn", "queue", "m2m", "arrays", "torch", "pool", "loader", "cuda", "ray")
+NAMES = ("spawn", "queue", "m2m", "arrays", "torch", "pool", "loader", "serving", "cuda", "ray")
 TITLES = {
     "spawn": "Spawn and failure propagation",
     "queue": "Small-message round trip",
@@ -38,6 +38,7 @@ TITLES = {
     "torch": "torch tensors through a queue",
     "pool": "Pool",
     "loader": "Data loading",
+    "serving": "Serving: dynamic batching (pool.batched against pool.apply)",
     "cuda": "CuPy arrays as CUDA IPC handles (needs a GPU)",
     "ray": "aiomp.ray.Pool on a local Ray instance (needs Ray)",
 }

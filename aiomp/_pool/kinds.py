@@ -141,6 +141,8 @@ class Options(Protocol):
 
     concurrency: int
     grace: float
+    #: How many workers the pool keeps (a worker's ``get_worker_info().num_workers``).
+    processes: int
 
 
 class WorkerKind(abc.ABC):

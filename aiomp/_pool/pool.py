@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overlo
 
 from .._output import forwarder as _output
 from .._process import checks as _process
+from .._process import placement as _placement
 from . import calls as _calls
+from .batching import Batched
 from .engine import Engine
 from .iterators import ResultIterator
 from .process_kind import ProcessKind
@@ -248,6 +250,12 @@ class Pool:
       parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
       records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
       (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
+    - ``env``: a dict of str to str merged over each worker's environment, or a callable
+      ``env(slot)`` giving one (called here, once per slot), e.g. ``lambda i:
+      {"CUDA_VISIBLE_DEVICES": str(i)}``: in place before the worker's interpreter
+      starts (``spawn``) or before any code runs in it (``forkserver``, ``fork``); a
+      replacement gets its slot's again. A worker's ``aiomp.get_worker_info().id`` is its
+      slot. A key or value that is not a str: ``TypeError`` here.
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
@@ -278,6 +286,7 @@ class Pool:
         concurrency: int = 1,
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
+        env: _placement.Env = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = check_options(
             processes, concurrency, maxtasksperchild, grace_period
@@ -286,8 +295,9 @@ class Pool:
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
         n = _cpu_count() if n is None else n
+        envs = _placement.slot_envs(env, n)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:
@@ -396,6 +406,36 @@ class Pool:
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
         """,
     )
+
+    def batched(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        max_batch_size: int = 32,
+        max_delay: float = 0.005,
+        stack: bool = False,
+    ) -> Batched[Any, Any]:
+        """An async callable ``b``: ``await b(x)`` from many tasks at once runs ``fn``
+        once per batch of calls.
+
+        Calls collect in an open batch, closed when ``max_batch_size`` calls are in it or
+        ``max_delay`` seconds after its first call; a closed batch is queued like any
+        task. The worker runs ``fn(xs)`` (sync or async), ``xs`` the batch's arguments in
+        arrival order; it returns a sequence of the same length, and each caller gets its
+        own element. ``stack=True``: every argument is a numpy array of the batch's first
+        shape and dtype (otherwise that call raises ``ValueError`` at once), stacked
+        along a new axis 0 straight into shared memory; ``fn`` gets that one array and
+        returns an array whose axis 0 is the batch size, given back as views.
+
+        Errors: ``fn``'s exception is raised in every caller of its batch, as
+        :meth:`apply` raises it; a worker that dies: :class:`aiomp.BrokenWorkerError` in
+        each; a result of the wrong length: ``ValueError`` in each. Cancellation: a call
+        cancelled before its batch goes to a worker is taken out of it (a batch left
+        empty is dropped); one cancelled after returns at once and its element is
+        discarded. A running batch is never stopped for its callers.
+        """
+        return Batched(self._engine, fn, max_batch_size, max_delay, stack)
+
     imap_unordered: ClassVar[_Imap] = _imap_method(
         "imap_unordered",
         False,

@@ -37,8 +37,16 @@ class ProcessKind(WorkerKind):
 
     chunks_per_slot = 4
 
-    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
+    def __init__(
+        self,
+        start_method: str,
+        init: InitCall,
+        output: _output.Output,
+        envs: list[dict[str, str]] | None = None,
+    ) -> None:
         self.start_method = start_method
+        #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
+        self._envs = envs
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
         self._init_call = init
@@ -92,6 +100,8 @@ class ProcessKind(WorkerKind):
                 extra=(their_results,),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
+                who=(slot, options.processes),
+                env=None if self._envs is None else self._envs[slot],
             )
         except BaseException:
             sock.close()

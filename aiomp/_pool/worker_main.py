@@ -48,6 +48,7 @@ import types
 
 from .._child import bootstrap as _child
 from .._child import output as _child_output
+from .._child import placement as _placement
 from .._child import runner as _runner
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
@@ -399,14 +400,18 @@ def main(
     parent_pid: int,
     results: socket.socket,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+    who: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` and ``results`` are stream sockets the pool made
     (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
     worker's go on ``results``. ``output``: the ends of the parent's output forwarder
-    (``aiomp._output.forwarder``), unless the pool inherits its fds.
+    (``aiomp._output.forwarder``), unless the pool inherits its fds. ``who`` and
+    ``env``: its slot and the pool's size, and its slot's env (``_child.placement``).
     """
+    _placement.enter(who, env)
     _child.begin(parent_pid, output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import multiprocessing

@@ -24,6 +24,7 @@ from .._loop.fdset import FdSet
 from .._loop.taskhost import exit_task_group
 from .._output import forwarder as _output
 from .._output.lines import Output, check_output
+from .._process import placement as _placement
 from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
@@ -47,10 +48,13 @@ async def start_children(
     daemon: bool,
     grace_period: float,
     output: Output = "prefix",
+    env: _placement.Env = None,
+    rendezvous: bool = False,
 ) -> ProcessContext:
     check_not_bootstrapping()  # before any check: a refusal is what the parent must see
     check_output(output)
     nprocs = count("nprocs", nprocs)
+    envs = _rank_envs(env, rendezvous, nprocs)
     check_start_method(start_method)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, not {type(args).__name__}")
@@ -71,7 +75,8 @@ async def start_children(
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline)
+            who = (rank, nprocs, None if envs is None else envs[rank])
+            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline, who)
             children.append(c)
             if rank:
                 payload.sent_again()  # one message, sent once more
@@ -95,6 +100,15 @@ async def start_children(
     return ProcessContext(children, exits, grace_period)
 
 
+def _rank_envs(env: _placement.Env, rendezvous: bool, n: int) -> list[dict[str, str]] | None:
+    """Each rank's env: torchrun's variables (``rendezvous``), then ``env=`` over them."""
+    envs = _placement.slot_envs(env, n)
+    if not rendezvous:
+        return envs
+    ranks = _placement.rendezvous(n)
+    return ranks if envs is None else [{**r, **e} for r, e in zip(ranks, envs, strict=True)]
+
+
 def _start_one(
     rank: int,
     start_method: str,
@@ -103,10 +117,11 @@ def _start_one(
     output: Output,
     exits: FdSet,
     payload: bytes | None,
+    who: tuple[int, int, dict[str, str] | None],
 ) -> Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder;
     ``payload``, the datagram of ``(fn, args, is_async)``, goes with the start (None: the
-    caller sends it on the report socket)."""
+    caller sends it on the report socket). ``who``: its rank, nprocs and env."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
     # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
@@ -121,6 +136,8 @@ def _start_one(
             theirs,
             extra=(fn, start_method == "spawn", payload),
             output=fw,
+            who=who[:2],
+            env=who[2],
         )
     except BaseException:
         ours.close()
@@ -227,6 +244,8 @@ def spawn(
     daemon: bool = False,
     grace_period: float = 5.0,
     output: Output = "prefix",
+    env: _placement.Env = None,
+    rendezvous: bool = False,
 ) -> SpawnHandle:
     """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
 
@@ -243,10 +262,29 @@ def spawn(
     fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
     read on the event loop (see ``aiomp._output.forwarder``); ``"inherit"`` leaves the children
     the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
+
+    ``env``: a dict of str to str merged over each child's environment, or a callable
+    ``env(rank)`` giving one: in place before the child's interpreter starts (``spawn``)
+    or before any code runs in it (``forkserver``, ``fork``). ``rendezvous=True`` sets
+    what ``torchrun`` sets: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (one per
+    job), so ``torch.distributed.init_process_group("gloo")`` needs no other argument;
+    ``env`` is applied over them. In each child ``aiomp.get_worker_info()`` gives its
+    rank (``id``) and ``nprocs`` (``num_workers``). A key or value of ``env`` that is not
+    a str: ``TypeError`` before anything starts.
     """
     return SpawnHandle(
         functools.partial(
-            start_children, fn, nprocs, args, start_method, daemon, grace_period, output
+            start_children,
+            fn,
+            nprocs,
+            args,
+            start_method,
+            daemon,
+            grace_period,
+            output,
+            env,
+            rendezvous,
         )
     )
 
