@@ -81,7 +81,8 @@ class Handle(abc.ABC):
     def expect_kill(self) -> None:
         """The pool is about to terminate this worker on purpose (a timeout, a
         cancellation) and logs why itself: keep its stack at the kill in :attr:`stack`,
-        where the kind can."""
+        where the kind can (a kind that cannot leaves it None)."""
+        return
 
     @abc.abstractmethod
     def kill(self, now: bool = False) -> None:

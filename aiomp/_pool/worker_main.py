@@ -438,8 +438,8 @@ def main(
     (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
     worker's go on ``results``; its stack, should it be terminated, on ``stacks``
     (:func:`aiomp._pool.health.print_stack_on_sigterm`). ``max_memory``: the pool's
-    (see :class:`aiomp._pool.health.MemoryGuard`). ``output``: the ends of the parent's output forwarder
-    (``aiomp._output.forwarder``), unless the pool inherits its fds.
+    (see :class:`aiomp._pool.health.MemoryGuard`). ``output``: the ends of the parent's
+    output forwarder (``aiomp._output.forwarder``), unless the pool inherits its fds.
     """
     _child.begin(parent_pid, output)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
