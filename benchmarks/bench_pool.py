@@ -171,7 +171,7 @@ async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
     pinning = c.pin_parent()
-    missing = c.aiomp_missing("_context", "_pool")
+    missing = c.aiomp_missing("_pool")
 
     # -- apply round trip ----------------------------------------------------------------
     # Many short batches: the machine's speed drifts within seconds, and alternating often
