@@ -71,7 +71,8 @@ async def _wait(
             killed = await engine.abandon(tasks, timeout)
         error = TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
         for handle in killed:  # where it hung (DESIGN.md "Worker health")
-            error.add_note(stack_note(handle))
+            if note := stack_note(handle):
+                error.add_note(note)
         raise error
 
 

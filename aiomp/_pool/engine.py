@@ -434,7 +434,10 @@ class Engine:
 
 
 def stack_note(handle: Handle) -> str:
-    """``handle``'s stack as its worker was terminated, introduced, for a note or a log."""
+    """``handle``'s stack as its worker was terminated, introduced, for a note or a log
+    ("" where its kind keeps none)."""
+    if not handle.prints_stack:
+        return ""
     if handle.stack is None:
         return f"The stack of {handle.name} could not be read (it did not print it)."
     return f"The stack of {handle.name} as it was terminated:\n{handle.stack}"

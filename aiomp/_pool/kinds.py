@@ -43,6 +43,8 @@ class Handle(abc.ABC):
     oom_killed: bool = False
     peak_rss: int | None = None
     stack: str | None = None
+    #: Whether its kind can keep its stack at a kill (:meth:`expect_kill`).
+    prints_stack: bool = False
 
     @property
     @abc.abstractmethod

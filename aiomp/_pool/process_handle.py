@@ -63,6 +63,7 @@ class ProcessHandle(Handle):
 
     #: A worker runs its sync tasks one at a time, in the order sent (``worker_main``).
     in_order = True
+    prints_stack = True
 
     def __init__(
         self,

@@ -198,7 +198,13 @@ class Scheduler:
                 self.start_failures[w.slot] = failures
                 if failures >= MAX_START_FAILURES:
                     err = BrokenWorkerError(
-                        f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
+                        f"{handle.name} {what} during start-up",
+                        w.slot,
+                        handle.pid,
+                        exitcode,
+                        sig,
+                        handle.oom_killed,
+                        handle.peak_rss,
                     )
                     self.break_pool(
                         BrokenPoolError(
