@@ -65,3 +65,8 @@ def allocate_forever(step_mib: int) -> None:
     """Allocate and write ``step_mib`` MiB at a time until the OOM killer ends it."""
     while True:
         _kept.append(b"\1" * (step_mib << 20))
+
+
+async def grow_async(mib: int) -> int:
+    """:func:`grow` as a coroutine: the worker serves from its event loop."""
+    return grow(mib)
