@@ -95,7 +95,36 @@ class BrokenWorkerError(ProcessExitedException):
     """A :class:`aiomp.Pool` worker died while it held this task.
 
     Only the tasks that worker held fail with it; the pool starts a replacement.
+    ``oom_killed``: the kernel's OOM killer killed it (its cgroup's ``oom_kill`` count
+    rose as it died of SIGKILL); ``peak_rss``: its peak resident set in bytes, from its
+    rusage once reaped (None where unknown: a forkserver worker is reaped by the server).
     """
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int | None,
+        exit_code: int,
+        signal_name: str | None = None,
+        oom_killed: bool = False,
+        peak_rss: int | None = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid, exit_code, signal_name)
+        self.oom_killed = oom_killed
+        self.peak_rss = peak_rss
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (
+            self.msg,
+            self.error_index,
+            self.pid,
+            self.exit_code,
+            self.signal_name,
+            self.oom_killed,
+            self.peak_rss,
+        )
+        return type(self), args, self.__dict__
 
 
 class BrokenPoolError(RuntimeError):

@@ -246,6 +246,10 @@ class Pool:
       has its worker to itself.
     - ``grace_period``: seconds between SIGTERM and SIGKILL whenever a worker is
       terminated, and the longest a cancelled async task may take to finish.
+    - ``max_memory`` (bytes): a worker whose private memory (``Private_Dirty``: shared
+      arrays and weights do not count) grows more than that over its level after the
+      initializer is retired after its current task, its replacement started first, and
+      an INFO line on the ``aiomp`` logger says why.
     - ``output``: ``"prefix"`` (each line a worker writes to fd 1 or 2 appears on the
       parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
       records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
@@ -287,17 +291,20 @@ class Pool:
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
         env: _placement.Env = None,
+        max_memory: int | None = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = check_options(
             processes, concurrency, maxtasksperchild, grace_period
         )
+        if max_memory is not None:
+            max_memory = _process.count("max_memory", max_memory)
         _process.check_start_method(start_method)
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
         n = _cpu_count() if n is None else n
         envs = _placement.slot_envs(env, n)
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs, max_memory)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ output after it exits.
 from __future__ import annotations
 
 import pickle
+import socket
 import types
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +44,13 @@ class ProcessKind(WorkerKind):
         init: InitCall,
         output: _output.Output,
         envs: list[dict[str, str]] | None = None,
+        max_memory: int | None = None,
     ) -> None:
         self.start_method = start_method
         #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
         self._envs = envs
+        #: Retire a worker whose private memory grows past this (see ``_pool.health``).
+        self.max_memory = max_memory
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
         self._init_call = init
@@ -56,7 +60,8 @@ class ProcessKind(WorkerKind):
         self._forwarders: list[_output.Forwarder] = []
 
     def describe(self) -> str:
-        return f"start_method={self.start_method!r}"
+        memory = "" if self.max_memory is None else f" max_memory={self.max_memory}"
+        return f"start_method={self.start_method!r}{memory}"
 
     async def prepare(self, processes: int) -> int:
         self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
@@ -90,6 +95,15 @@ class ProcessKind(WorkerKind):
                 fw.close()
             raise
         try:
+            # Where the worker prints its stack as it is terminated (``_pool.health``).
+            stacks, their_stacks = socket.socketpair()
+        except BaseException:
+            for s in (sock, theirs, results, their_results):
+                s.close()
+            if fw is not None:
+                fw.close()
+            raise
+        try:
             child = _launch.launch(
                 Child,
                 worker_main.main,
@@ -97,7 +111,7 @@ class ProcessKind(WorkerKind):
                 self.start_method,
                 True,
                 theirs,
-                extra=(their_results,),
+                extra=(their_results, their_stacks, self.max_memory),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
                 who=(slot, options.processes),
@@ -106,10 +120,14 @@ class ProcessKind(WorkerKind):
         except BaseException:
             sock.close()
             results.close()
+            stacks.close()
             raise
         finally:
             their_results.close()
-        h = ProcessHandle(slot, child, sock, results, running_asyncio_loop(), options.grace, events)
+            their_stacks.close()
+        h = ProcessHandle(
+            slot, child, sock, results, running_asyncio_loop(), options.grace, events, stacks
+        )
         if self._init_sends:
             self._init.sent_again()
         self._init_sends += 1

@@ -50,6 +50,10 @@ OP_READY = 5
 OP_INIT_ERR = 6
 OP_OK = 7
 OP_ERR = 8
+#: Sent before task ``tid``'s outcome: the worker's private memory grew past the pool's
+#: ``max_memory`` (the payload: ``(grown, max_memory)`` in bytes); the pool retires it
+#: after that task.
+OP_RETIRE = 10
 
 #: TASK flags: fn is a coroutine function; items are argument tuples (starmap); the task
 #: is one call ``fn(*args, **kwds)`` whose result is the value itself (apply), not a list;
