@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
 
 from .._output import forwarder as _output
 from .._process import checks as _process
+from .._process.cpus import cpu_count
 from . import calls as _calls
 from .engine import Engine
 from .iterators import ResultIterator
@@ -70,13 +70,6 @@ class PoolStatistics:
     completed: int
     #: Workers started to replace one that died, was killed or retired.
     replaced: int
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def check_options(
@@ -230,7 +223,7 @@ class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
-    this process may run on) concurrently, without blocking the event loop, and returns
+    this process may use: its affinity capped by its cgroup's CPU quota) concurrently, without blocking the event loop, and returns
     at once; tasks wait for the first worker to be ready.
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
@@ -287,7 +280,7 @@ class Pool:
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
         kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
-        n = _cpu_count() if n is None else n
+        n = cpu_count() if n is None else n
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:
