@@ -223,8 +223,9 @@ class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
-    this process may use: its affinity capped by its cgroup's CPU quota) concurrently, without blocking the event loop, and returns
-    at once; tasks wait for the first worker to be ready.
+    this process may use, its affinity capped by its cgroup's CPU quota) concurrently,
+    without blocking the event loop, and returns at once; tasks wait for the first worker
+    to be ready.
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
       ``async def`` initializer runs on the worker's event loop, which its async tasks
