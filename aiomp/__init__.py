@@ -59,6 +59,7 @@ __all__ = (
     "get_sharing_strategy",
     "get_worker_info",
     "is_shared",
+    "run_sync",
     "set_sharing_strategy",
     "share_memory",
     "spawn",
@@ -68,6 +69,7 @@ __all__ = (
 
 _WHERE = {
     "get_worker_info": "_child.info",
+    "run_sync": "_first.default",
     "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
     "ProcessException": "_errors",
@@ -107,6 +109,7 @@ if TYPE_CHECKING:
     from ._arrays.shared import zeros as zeros
     from ._child.info import get_worker_info as get_worker_info
     from ._errors import BrokenPoolError as BrokenPoolError
+    from ._first.default import run_sync as run_sync
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
     from ._errors import ProcessExitedException as ProcessExitedException

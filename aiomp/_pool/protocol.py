@@ -144,10 +144,16 @@ class TaskMessage:
 
     __slots__ = ("_msg", "fds", "frame")
 
-    def __init__(self, op: int, tid: int, flags: int, prefix: bytes, obj: object) -> None:
+    def __init__(
+        self, op: int, tid: int, flags: int, prefix: bytes, obj: object, by_value: bool = False
+    ) -> None:
+        from .._wire import byvalue
         from .._wire import pickling as _reduction
 
-        self._msg = _reduction.dumps(obj, header(op, tid, flags) + prefix)
+        # by_value: what a worker cannot import by name goes by value (a task's function
+        # and arguments; see aiomp._wire.byvalue)
+        dumps = byvalue.dumps if by_value else _reduction.dumps
+        self._msg = dumps(obj, header(op, tid, flags) + prefix)
         try:
             self.frame, self.fds = self._msg.framed()
         except BaseException:
