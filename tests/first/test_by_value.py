@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import anyio
 import pytest
@@ -58,23 +59,26 @@ async def test_pool_runs_lambdas_closures_and_local_methods(start_method: str) -
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("start_method", METHODS)
-async def test_spawn_runs_lambdas_closures_and_local_methods(start_method: str) -> None:
-    results = multiprocessing.get_context("spawn").SimpleQueue()
+async def test_spawn_runs_lambdas_closures_and_local_methods(
+    start_method: str, tmp_path: Path
+) -> None:
     offset = 100
 
-    def closure(rank: int, q: object) -> None:
-        q.put(rank + offset)  # type: ignore[attr-defined]
+    def closure(rank: int, out: Path) -> None:
+        (out / str(rank + offset)).touch()
+
+    class Local:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def mark(self, rank: int, out: Path) -> None:
+            (out / str(rank * self.k - 1)).touch()
 
     with anyio.fail_after(TIMEOUT):
-        ctx = await aiomp.spawn(closure, 2, args=(results,), start_method=start_method)
-        await ctx.join()
-        ctx = await aiomp.spawn(
-            lambda rank, q: q.put(-rank), 1, args=(results,), start_method=start_method
-        )
-        await ctx.join()
-    got = sorted(results.get() for _ in range(3))
-    results.close()
-    assert got == [0, 100, 101]
+        for fn in (closure, lambda rank, out: (out / str(-rank)).touch(), Local(7).mark):
+            ctx = await aiomp.spawn(fn, 2, args=(tmp_path,), start_method=start_method)
+            await ctx.join()
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [-1, 0, 6, 100, 101]
 
 
 @pytest.mark.anyio
