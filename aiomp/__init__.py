@@ -109,7 +109,6 @@ if TYPE_CHECKING:
     from ._arrays.shared import zeros as zeros
     from ._child.info import get_worker_info as get_worker_info
     from ._errors import BrokenPoolError as BrokenPoolError
-    from ._first.default import run_sync as run_sync
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
     from ._errors import ProcessExitedException as ProcessExitedException
@@ -118,6 +117,7 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
+    from ._first.default import run_sync as run_sync
     from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
     from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
     from ._memory.strategy import set_sharing_strategy as set_sharing_strategy

@@ -27,8 +27,8 @@ from .._output.lines import Output, check_output
 from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
-from .._wire import datagram as _transport
 from .._wire import byvalue
+from .._wire import datagram as _transport
 from . import child_main
 from .context import ProcessContext
 from .spawned import Spawned

@@ -67,11 +67,13 @@ def _by_value_pickler(buf: io.BytesIO) -> pickle.Pickler:
 
 
 def _make_pickler_class() -> Callable[..., pickle.Pickler]:
-    import cloudpickle
+    import cloudpickle  # type: ignore[import-untyped]
 
     class ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]
         # aiomp's reducers first (arrays, queues, segments), then cloudpickle's own.
-        dispatch_table = ChainMap(pickling.reducers(), cloudpickle.Pickler.dispatch_table)
+        dispatch_table = ChainMap(  # noqa: RUF012 - read by pickle, never mutated here
+            pickling.reducers(), cloudpickle.Pickler.dispatch_table
+        )
 
         def reducer_override(self, obj: object) -> object:
             # A function or class of a script's __main__ that children import (as

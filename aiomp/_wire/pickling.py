@@ -292,7 +292,9 @@ def dumps(obj: object, prefix: bytes = b"") -> Message:
     return _dump_retrying(obj, prefix, None)
 
 
-def dumps_with(make: Callable[[io.BytesIO], pickle.Pickler], obj: object, prefix: bytes = b"") -> Message:
+def dumps_with(
+    make: Callable[[io.BytesIO], pickle.Pickler], obj: object, prefix: bytes = b""
+) -> Message:
     """:func:`dumps` with the pickler ``make(buffer)`` returns: a subclass of this module's
     that pickles some objects its own way (:mod:`aiomp._wire.byvalue`'s)."""
     if len(_hooked) < len(REDUCERS):

@@ -75,7 +75,9 @@ def test_v2_no_quota(tmp_path: Path) -> None:
 
 def test_v1_quota_and_mount_root(tmp_path: Path) -> None:
     """cgroup v1 without a cgroup namespace: the group's path repeats the mount's root."""
-    mounts = V1_MOUNTS.replace(" / /sys/fs/cgroup/cpu,cpuacct", " /docker/abc /sys/fs/cgroup/cpu,cpuacct")
+    mounts = V1_MOUNTS.replace(
+        " / /sys/fs/cgroup/cpu,cpuacct", " /docker/abc /sys/fs/cgroup/cpu,cpuacct"
+    )
     root = _tree(
         tmp_path,
         "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
@@ -146,7 +148,10 @@ def _make_group() -> Path:
     name = f"aiomp-test-{uuid.uuid4().hex[:8]}"
     for base, files in (
         (Path("/sys/fs/cgroup/cpu"), {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"}),
-        (Path("/sys/fs/cgroup/cpu,cpuacct"), {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"}),
+        (
+            Path("/sys/fs/cgroup/cpu,cpuacct"),
+            {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "50000"},
+        ),
         (Path("/sys/fs/cgroup"), {"cpu.max": "50000 100000"}),
     ):
         group = base / name
