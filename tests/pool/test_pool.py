@@ -877,8 +877,12 @@ async def test_other_callables_travel_with_their_current_state() -> None:
             assert await p.apply((7).__add__, (1,)) == 8
             assert await p.apply(funcs.pool_add, (1, 2), {"c": 3}) == 6
             assert await p.starmap(funcs.pool_add, [(1, 2), (3, 4)]) == [3, 7]
-            with pytest.raises(Exception, match=r"local object|Can't pickle"):
-                await p.apply(Box().get)  # a local class: not by reference, and says so
+            # A local class: by value (issue 29; it was refused), with its current state.
+            box = Box()
+            box.value = 5
+            assert await p.apply(box.get) == 5
+            box.value = 6
+            assert await p.apply(box.get) == 6
 
 
 # -- the hot paths (issue 17) ------------------------------------------------------------
