@@ -10,7 +10,10 @@ caller's task is tied to it (a trio nursery lives in the task that opened it).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +23,10 @@ from .._errors import BrokenPoolError
 from .._loop import is_cancellation
 from .._loop.runscope import run_key, start_for_run
 from .._pool.pool import Pool
+from .._pool.process_handle import ProcessHandle
 from .._pool.tasks import fn_info
 from .._process.checks import check_function
+from .._process.child import KILL_TIMEOUT
 from .._process.cpus import cpu_count
 from .._wire import byvalue
 
@@ -106,4 +111,21 @@ async def _keep(key: object, default: DefaultPool) -> None:
         default.ready.set()
 
 
+def _end_at_exit() -> None:
+    """At interpreter exit, SIGKILL and reap the workers of the default pools whose loop
+    never ended (a loop driven by hand, a notebook's kernel), quietly: nothing can be
+    waiting for them. Registered after ``aiomp._process.child``'s exit hook, so it runs
+    first (atexit is last-in, first-out), and that hook, which warns of children still
+    running, finds none of these."""
+    handles = [h for d in list(_pools.values()) for h in d.pool._engine.live_handles()]
+    children = [h.child for h in handles if isinstance(h, ProcessHandle)]
+    for child in children:
+        child.sent_kill = True  # (the SIGKILL is not news: no line logged for it)
+        child.signal(signal.SIGKILL)
+    deadline = time.monotonic() + KILL_TIMEOUT
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_at_exit)
 run_sync.__module__ = "aiomp"
