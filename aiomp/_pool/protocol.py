@@ -45,6 +45,10 @@ OP_TASK = 2
 OP_CANCEL = 3
 OP_EXIT = 4
 OP_DEF = 9
+#: The most DEF'd functions a worker keeps: a DEF beyond it drops the oldest, in the worker
+#: and in the parent's record of it alike (the stream keeps them in step), so that
+#: closures made per call (sent by value, each with an id) do not pile up in workers.
+MAX_FNS = 128
 # worker -> parent
 OP_READY = 5
 OP_INIT_ERR = 6

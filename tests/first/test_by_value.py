@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -178,3 +179,26 @@ def test_functions_typed_into_a_notebook_like_main() -> None:
         exec(compile({_BODY!r}, "<ipython-input-1>", "exec"), main.__dict__)
     """)
     assert _run(["-c", driver]) == _EXPECTED
+
+
+@pytest.mark.anyio
+async def test_a_worker_keeps_a_bounded_number_of_functions() -> None:
+    """A closure made per call (a request handler's) gets an id and a ``DEF`` of its own:
+    the worker keeps at most ``MAX_FNS`` of them, the oldest dropped on both sides alike,
+    so that it neither grows without bound nor loses a function the parent still names."""
+    from aiomp._pool import protocol as P
+
+    def make(k: int) -> Callable[[], int]:
+        return lambda: k
+
+    with anyio.fail_after(TIMEOUT):
+        async with aiomp.Pool(1, grace_period=0.5) as pool:
+            first = make(-1)
+            assert await pool.apply(first) == -1
+            fns = [make(k) for k in range(P.MAX_FNS + 5)]
+            for k, fn in enumerate(fns):
+                assert await pool.apply(fn) == k
+            (handle,) = pool._engine.live_handles()
+            assert len(handle.fns) == P.MAX_FNS  # type: ignore[attr-defined]
+            assert await pool.apply(first) == -1  # dropped, and sent again
+            assert await pool.apply(fns[-1]) == P.MAX_FNS + 4  # kept
