@@ -27,6 +27,8 @@ from tests._run import REPO
 from tests.children import pool as funcs
 
 TIMEOUT = 60
+#: Threads other tests left in this process (anyio's workers) make fork warn.
+pytestmark = pytest.mark.filterwarnings("ignore:start_method='fork' with:RuntimeWarning")
 METHODS = ["spawn", "forkserver", "fork"]
 
 
