@@ -59,6 +59,7 @@ __all__ = (
     "get_sharing_strategy",
     "get_worker_info",
     "is_shared",
+    "run_sync",
     "set_sharing_strategy",
     "share_memory",
     "spawn",
@@ -68,6 +69,7 @@ __all__ = (
 
 _WHERE = {
     "get_worker_info": "_child.info",
+    "run_sync": "_first.default",
     "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
     "ProcessException": "_errors",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
+    from ._first.default import run_sync as run_sync
     from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
     from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
     from ._memory.strategy import set_sharing_strategy as set_sharing_strategy

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overlo
 from .._output import forwarder as _output
 from .._process import checks as _process
 from .._process import placement as _placement
+from .._process.cpus import cpu_count
 from . import calls as _calls
 from .batching import Batched
 from .engine import Engine
@@ -72,13 +72,6 @@ class PoolStatistics:
     completed: int
     #: Workers started to replace one that died, was killed or retired.
     replaced: int
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def check_options(
@@ -232,8 +225,9 @@ class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
-    this process may run on) concurrently, without blocking the event loop, and returns
-    at once; tasks wait for the first worker to be ready.
+    this process may use, its affinity capped by its cgroup's CPU quota) concurrently,
+    without blocking the event loop, and returns at once; tasks wait for the first worker
+    to be ready.
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
       ``async def`` initializer runs on the worker's event loop, which its async tasks
@@ -302,7 +296,7 @@ class Pool:
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        n = _cpu_count() if n is None else n
+        n = cpu_count() if n is None else n
         envs = _placement.slot_envs(env, n)
         kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs, max_memory)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))

@@ -92,7 +92,8 @@ class ProcessHandle(Handle):
         self._more = Wakeup(loop)  # the outbox has something
         self._kill = Signal(loop)
         self._watch = fd_watch(loop, self.results.fileno(), self._readable)
-        self.fns: set[int] = set()  # ids of the functions DEF'd to it
+        #: ids of the functions DEF'd to it, oldest first (see protocol.MAX_FNS)
+        self.fns: dict[int, None] = {}
         self.closed = False  # its channel is closed: nothing more goes out
         # Made here, in a task (handles are never made in a loop callback); set by the
         # watcher. Any number of tasks may wait for it.
@@ -126,7 +127,9 @@ class ProcessHandle(Handle):
         if fid and fid not in self.fns:
             if not self._push(task.define, task.define, None):
                 return False
-            self.fns.add(fid)
+            if len(self.fns) >= P.MAX_FNS:  # the worker drops the same one
+                del self.fns[next(iter(self.fns))]
+            self.fns[fid] = None
         msg = task.message
         if type(msg) is bytes:
             return self._push(task, msg, None)

@@ -23,6 +23,7 @@ from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
 from .._process.child import Child
+from .._wire import byvalue
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
@@ -64,7 +65,7 @@ class ProcessKind(WorkerKind):
         return f"start_method={self.start_method!r}{memory}"
 
     async def prepare(self, processes: int) -> int:
-        self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
+        self._init = byvalue.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
         elif self.start_method == "forkserver":
@@ -137,8 +138,9 @@ class ProcessKind(WorkerKind):
     def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
         here, in the caller, if it cannot be pickled or if the workers could not import
-        ``fn`` (a lambda, a function of an interactive ``__main__``): the same check as
-        ``spawn``'s, once per function and start method."""
+        ``fn`` even by value (it holds a lock): the same check as ``spawn``'s, once per
+        function and start method. What a worker cannot import by name (a lambda, a
+        function of a notebook) travels by value."""
         tid, fn, info, flags, items, kwds, _ = call
         method = self.start_method
         if method not in info.checked:
@@ -147,7 +149,7 @@ class ProcessKind(WorkerKind):
         try:
             return task_message(tid, fn, info.fid, flags, items, kwds)
         except Exception as exc:
-            _checks.check_function(fn, method)  # a clearer error when fn is the problem
+            _checks.check_picklable(fn)  # a clearer error when fn is the problem
             exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
             raise
 
@@ -181,5 +183,10 @@ def task_message(
         # A chunk of map(f, range(n)): a few bytes, and no fd or array can be in it.
         return P.task_frame(tid, flags, fid, pickle.dumps((items, None), protocol=5))
     return P.TaskMessage(
-        P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
+        P.OP_TASK,
+        tid,
+        flags,
+        P.task_body(fid, b""),
+        (items, kwds) if fid else (fn, items, kwds),
+        by_value=True,
     )

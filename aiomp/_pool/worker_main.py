@@ -211,6 +211,8 @@ class Server:
                 _transport.close_fds(fds)
 
     def define(self, fid: int, payload: bytes | memoryview, fds: list[int]) -> None:
+        if len(self.fns) >= P.MAX_FNS:  # the parent dropped the same one (P.MAX_FNS)
+            del self.fns[next(iter(self.fns))]
         try:
             self.fns[fid] = _reduction.loads(payload, fds)
             if self.records is not None:

@@ -28,8 +28,8 @@ from .._process import placement as _placement
 from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
+from .._wire import byvalue
 from .._wire import datagram as _transport
-from .._wire import pickling as _reduction
 from . import child_main
 from .context import ProcessContext
 from .spawned import Spawned
@@ -61,8 +61,9 @@ async def start_children(
     is_async = check_function(fn, start_method)
     if start_method == "fork":
         check_fork_safe()
-    # Pickle once, before any process starts: an unpicklable argument raises here.
-    payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
+    # Pickle once, before any process starts: an unpicklable argument raises here. What a
+    # child cannot import by name (a lambda, a notebook's function) travels by value.
+    payload = byvalue.dumps((None if start_method == "fork" else fn, args, is_async))
     exits = FdSet()
     children: list[Spawned] = []
     try:
@@ -255,8 +256,9 @@ def spawn(
     (uvloop when installed). Numpy arrays in ``args`` travel through shared memory.
 
     Raises ``ValueError`` for an unknown ``start_method`` or ``nprocs < 1``, and
-    ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` children could not run, before
-    any process starts. Starting never blocks the event loop.
+    ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` or ``args`` that cannot be
+    pickled even by value, before any process starts. A lambda, a closure or a function
+    typed into a notebook travels by value (cloudpickle). Starting never blocks the event loop.
 
     ``output``: ``"prefix"`` (the default) forwards each line a child writes to its
     fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
