@@ -1,4 +1,5 @@
-"""One epoch of a :class:`aiomp.DataLoader`: its batches in flight, in order, with retries.
+"""One epoch of a map-style dataset in a :class:`aiomp.DataLoader`: its batches in flight,
+in order, with retries (iterable-style datasets: :mod:`aiomp._data.streams`).
 
 The consumer's ``__anext__`` tops the requests up to the prefetch bound (batches requested
 and not yet handed out), then waits for the batch it hands out next (``in_order``) or any
@@ -30,19 +31,17 @@ class Epoch:
     """The async iterator of one epoch (what ``async for batch in loader`` iterates)."""
 
     def __init__(
-        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]] | None
+        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]]
     ) -> None:
         self.loader = loader
         self.epoch = epoch
-        #: Map-style: the epoch's remaining batches (index lists); None: iterable-style.
-        self.batches = batches
+        self.batches = batches  # the epoch's remaining batches (index lists)
         self.next_k = skip  # the index of the next batch to request
         self.handed = skip  # the index of the next batch to hand out, in order
         self.handed_count = skip  # batches of this epoch handed out (resumed ones included)
         self.ready: dict[int, tuple[bool, Any]] = {}
-        self.requested = 0  # requested and not yet handed out (nor found exhausted)
+        self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
-        self.exhausted: set[int] = set()  # iterable-style: slots whose share is done
         self.done = False  # no more batches to request
         self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](
             math.inf
@@ -68,8 +67,7 @@ class Epoch:
                 raise StopAsyncIteration
             k, ok, value = await self.receive.receive()
             self.running -= 1
-            self._arrived(k, ok, value)
-            self._request()
+            self.ready[k] = (ok, value)
         ok, value = got
         self.handed_count += 1
         self._request()
@@ -77,64 +75,40 @@ class Epoch:
             raise value
         return value
 
-    def _arrived(self, k: int, ok: bool, value: Any) -> None:
-        if ok and self.batches is None:  # iterable-style: (slot, batch or EXHAUSTED)
-            slot, value = value
-            if isinstance(value, str) and value == _worker.EXHAUSTED:
-                self.exhausted.add(slot)
-                self.requested -= 1
-                self.done = self.done or len(self.exhausted) >= self.loader.num_workers
-                self.ready[k] = (True, _worker.EXHAUSTED)
-                return
-        self.ready[k] = (ok, value)
-
     def _take(self) -> tuple[bool, Any] | None:
-        """The batch to hand out now, if it is here; skips exhausted answers."""
-        while True:
-            if self.loader.in_order:
-                got = self.ready.pop(self.handed, None)
-                if got is None:
-                    return None
-                self.handed += 1
-            elif self.ready:
-                got = self.ready.pop(next(iter(self.ready)))
-            else:
+        """The batch to hand out now, if it is here."""
+        if self.loader.in_order:
+            got = self.ready.pop(self.handed, None)
+            if got is None:
                 return None
-            if got[1] is _worker.EXHAUSTED:  # a worker's share ended: no batch
-                continue
-            self.requested -= 1
-            return got
+            self.handed += 1
+        elif self.ready:
+            got = self.ready.pop(next(iter(self.ready)))
+        else:
+            return None
+        self.requested -= 1
+        return got
 
     def _request(self) -> None:
         """Request batches up to the prefetch bound."""
         loader = self.loader
         limit = loader.prefetch_factor * loader.num_workers
         while not self.done and self.requested < limit:
-            if self.batches is None:
-                if self.exhausted and self.running >= loader.num_workers - len(self.exhausted):
-                    return  # only workers with data left should be asked
-                args: tuple[Any, ...] = (self.epoch, self.next_k)
-            else:
-                indices = next(self.batches, None)
-                if indices is None:
-                    self.done = True
-                    return
-                args = (self.next_k, indices)
-            loader.host_tg().start_soon(self._fetch, *args)
+            indices = next(self.batches, None)
+            if indices is None:
+                self.done = True
+                return
+            loader.host_tg().start_soon(self._fetch, self.next_k, indices)
             self.next_k += 1
             self.requested += 1
             self.running += 1
 
-    async def _fetch(self, k: int, indices: Any) -> None:
+    async def _fetch(self, k: int, indices: list[Any]) -> None:
         self.loader.in_flight += 1
         try:
-            if self.batches is None:
-                value: Any = await self._fetch_next(k)
-            else:
-                value = await self._fetch_map(k, indices)
-            outcome = (k, True, value)
+            outcome = (k, True, await self._fetch_map(k, indices))
         except Exception as exc:
-            outcome = (k, False, exc)
+            outcome: tuple[int, bool, Any] = (k, False, exc)
         finally:
             self.loader.in_flight -= 1
         try:
@@ -159,20 +133,7 @@ class Epoch:
             except Exception as exc:
                 exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
                 raise
-        raise _broken(last, k, indices, self.loader.max_retries)
-
-    async def _fetch_next(self, k: int) -> Any:
-        loader = self.loader
-        seed = derive(loader.seed, self.epoch, k)
-        args = (self.epoch, seed, loader.batch_size, loader.drop_last)
-        try:
-            return await self._apply(_worker.build_next, args)
-        except BrokenWorkerError as exc:
-            # Not re-issued: the dead worker's place in its share of the iterable is lost.
-            raise _broken(exc, k, None, 0) from exc
-        except Exception as exc:
-            exc.add_note(f"aiomp.DataLoader: building batch {k} of the iterable dataset")
-            raise
+        raise broken(last, k, indices, self.loader.max_retries)
 
     def close(self) -> None:
         """Stop taking this epoch's batches (requests still running are dropped)."""
@@ -182,7 +143,7 @@ class Epoch:
         self.ready.clear()
 
 
-def _broken(
+def broken(
     last: BrokenWorkerError, k: int, indices: list[Any] | None, retries: int
 ) -> BrokenWorkerError:
     """The error of a batch whose worker died on each of its ``1 + retries`` tries."""

@@ -14,6 +14,7 @@ from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .epoch import Epoch
+from .streams import StreamEpoch
 from .sampling import Sampling, is_map_style
 from .worker import init as _init_worker
 
@@ -127,10 +128,11 @@ class DataLoader:
         self._host: TaskHost | None = None
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
-        self._current: Epoch | None = None
+        self._current: Epoch | StreamEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
+        self._abandoned = False  # an epoch was left early (its batches dropped)
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
 
@@ -211,11 +213,12 @@ class DataLoader:
     ) -> bool | None:
         """Stop the workers: batches still being built are dropped (their workers
         terminated: SIGTERM, the Pool's grace period, SIGKILL; shielded and bounded)."""
-        if self._current is not None:
-            self._current.close()
+        self._abandon()
         host, self._host = self._host, None
-        if exc is None and self.in_flight:
-            exc = _Leaving()  # nobody will take the batches still being built
+        if exc is None and self.in_flight and self._abandoned:
+            # Nobody will take the batches still being built: stop their workers. (After
+            # whole epochs, the last tasks are only returning: they are waited for.)
+            exc = _Leaving()
         try:
             if host is not None:
                 await host.stop(exc)
@@ -223,26 +226,35 @@ class DataLoader:
             await self.pool.__aexit__(type(exc) if exc else None, exc, tb)
         return None
 
-    def __aiter__(self) -> Epoch:
+    def __aiter__(self) -> Epoch | StreamEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
         if self._host is None:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
-        if self._current is not None:
-            self._current.close()  # left early: its batches still in flight are dropped
+        self._abandon()
         epoch, skip = self._next_epoch, self._skip
         self._next_epoch, self._skip = epoch + 1, 0
-        batches = None
-        if self.sampling is not None:
+        current: Epoch | StreamEpoch
+        if self.sampling is None:
+            current = StreamEpoch(self, epoch)
+        else:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
-        self._current = Epoch(self, epoch, skip, batches)
-        return self._current
+            current = Epoch(self, epoch, skip, batches)
+        self._current = current
+        return current
+
+    def _abandon(self) -> None:
+        """Drop the epoch left early, if any: its batches in flight are discarded."""
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+            self._abandoned = True
 
     def host_tg(self) -> anyio.abc.TaskGroup:
         assert self._host is not None and self._host.tg is not None
         return self._host.tg
 
-    def finished(self, epoch: Epoch) -> None:
+    def finished(self, epoch: Epoch | StreamEpoch) -> None:
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
@@ -303,7 +315,7 @@ class _Leaving(Exception):
     wait for batches nobody will take."""
 
 
-def _step(epoch: Epoch) -> Callable[[], Any]:
+def _step(epoch: Epoch | StreamEpoch) -> Callable[[], Any]:
     async def step() -> tuple[bool, Any]:
         try:
             return True, await epoch.__anext__()

@@ -12,10 +12,11 @@ them already.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import random
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from .._child import info as _info
@@ -28,9 +29,6 @@ class _State:
     dataset: Any = None
     collate: Callable[[Any], Any] = staticmethod(default_collate)
     info: _info.WorkerInfo | None = None
-    #: The iterable dataset's iterator of the current epoch, and that epoch.
-    iterator: Iterator[Any] | None = None
-    epoch: int = -1
 
 
 _state = _State()
@@ -100,28 +98,35 @@ def build(indices: list[Any], seed: int) -> Any:
     return _state.collate(samples)
 
 
-#: What :func:`build_next` returns once this worker's share of the epoch is exhausted.
-EXHAUSTED = "aiomp.DataLoader: exhausted"
+def stream(
+    epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any
+) -> None:
+    """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
+    as ``(shard, j, batch)``, then ``(shard, -1, None)``.
 
+    While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
+    the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
+    Batch ``j`` is built with the RNGs seeded from ``(seed, epoch, shard, j)``. A closed
+    queue (the consumer left the epoch) ends it quietly.
+    """
+    from .._errors import QueueClosed
+    from .sampling import derive
 
-def build_next(epoch: int, seed: int, batch_size: int, drop_last: bool) -> tuple[int, Any]:
-    """The next batch of this worker's share of an iterable dataset in ``epoch``:
-    ``(slot, batch)``, or ``(slot, EXHAUSTED)`` once its iterator is done."""
     info = _state.info
     assert info is not None
-    _seed(seed)
-    if _state.epoch != epoch:
-        _state.epoch, _state.iterator = epoch, iter(_state.dataset)
-    it = _state.iterator
-    if it is None:
-        return info.id, EXHAUSTED
-    samples = []
-    for sample in it:
-        samples.append(sample)
-        if len(samples) == batch_size:
-            break
-    if len(samples) < batch_size:
-        _state.iterator = None
-        if not samples or drop_last:
-            return info.id, EXHAUSTED
-    return info.id, _state.collate(samples)
+    own, info.id = info.id, shard
+    try:
+        _seed(derive(seed, epoch, shard, 0))
+        samples = iter(_state.dataset)
+        for j in itertools.count():
+            _seed(derive(seed, epoch, shard, j))
+            batch = list(itertools.islice(samples, batch_size))
+            if not batch or (len(batch) < batch_size and drop_last):
+                break
+            queue.sync.put((shard, j, _state.collate(batch)))
+            del batch
+        queue.sync.put((shard, -1, None))
+    except QueueClosed:
+        pass
+    finally:
+        info.id = own
