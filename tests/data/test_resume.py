@@ -23,18 +23,15 @@ async def test_resume_mid_epoch_builds_no_skipped_batch(tmp_path: Path) -> None:
     part.mkdir()
     with anyio.fail_after(90):
         async with aiomp.DataLoader(
-            Counting(20, str(full)), 2, shuffle=True, seed=4, num_workers=2, start_method=FS
+            Counting(20, str(full)), 2, shuffle=True, seed=4, num_workers=1, start_method=FS
         ) as loader:
             await _take(loader, 10)  # epoch 0 whole
-            expected = [list(b) async for b in loader]  # epoch 1
-        async with aiomp.DataLoader(
-            Counting(20, str(full)), 2, shuffle=True, seed=4, num_workers=2, start_method=FS
-        ) as loader:
-            await _take(loader, 10)
             async for _ in loader:  # epoch 1: stop after 4 batches
                 if loader.state_dict()["batches"] == 4:
                     break
             state = pickle.loads(pickle.dumps(loader.state_dict()))
+            loader.set_epoch(1)
+            expected = [list(b) async for b in loader]  # epoch 1 whole, for reference
     assert state == {"epoch": 1, "batches": 4, "seed": 4}
     with anyio.fail_after(90):
         async with aiomp.DataLoader(
