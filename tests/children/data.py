@@ -158,3 +158,28 @@ try:
 
 except ImportError:  # pragma: no cover - torch is a test dependency
     pass
+
+
+class Big:
+    """Samples of 8 MiB each (float64 ``i`` everywhere): a batch of 4 is 32 MiB."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> Any:
+        return np.full(1 << 20, float(i))
+
+
+def small_shm_main() -> None:
+    """Run in a mount namespace whose /dev/shm holds 16 MiB: batches of 32 MiB come
+    through (memfd segments do not live in /dev/shm), with the sync face."""
+    import aiomp
+
+    with aiomp.DataLoader(Big(), 4, start_method="forkserver") as loader:
+        sums = [float(b.sum()) / (1 << 20) for b in loader]
+    assert sums == [6.0, 22.0, 38.0], sums
+    print("ok")
+
+
+if __name__ == "__main__":
+    small_shm_main()
