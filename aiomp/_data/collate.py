@@ -96,7 +96,7 @@ def _mapping(samples: Sequence[Any], elem: Mapping[Any, Any]) -> Any:
             )
     collated = {key: default_collate([s[key] for s in samples]) for key in keys}
     try:
-        return type(elem)(collated)  # keep an OrderedDict or a custom mapping's type
+        return type(elem)(collated)  # type: ignore[call-arg]  # keep an OrderedDict or a custom mapping's type
     except TypeError:
         return collated
 

@@ -43,9 +43,7 @@ class Epoch:
         self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
         self.done = False  # no more batches to request
-        self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](
-            math.inf
-        )
+        self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](math.inf)
         limit = loader.timeout is not None
         # With timeout=, a batch is sent only when a worker can take it at once, so that its
         # timeout counts from the moment a worker takes it (not its time in the queue).
@@ -105,10 +103,11 @@ class Epoch:
 
     async def _fetch(self, k: int, indices: list[Any]) -> None:
         self.loader.in_flight += 1
+        outcome: tuple[int, bool, Any]
         try:
             outcome = (k, True, await self._fetch_map(k, indices))
-        except Exception as exc:
-            outcome: tuple[int, bool, Any] = (k, False, exc)
+        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by __anext__
+            outcome = (k, False, exc)
         finally:
             self.loader.in_flight -= 1
         try:

@@ -14,8 +14,8 @@ from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .epoch import Epoch
-from .streams import StreamEpoch
 from .sampling import Sampling, is_map_style
+from .streams import StreamEpoch
 from .worker import init as _init_worker
 
 if TYPE_CHECKING:

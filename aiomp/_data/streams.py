@@ -60,7 +60,7 @@ class StreamEpoch:
                 await loader.pool.apply(_worker.stream, args)
         except BrokenWorkerError as exc:
             self.failures[shard] = broken(exc, self.handed_count, None, 0)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the shard's outcome, raised by __anext__
             exc.add_note(f"aiomp.DataLoader: in worker {shard}'s share of the iterable dataset")
             self.failures[shard] = exc
         finally:

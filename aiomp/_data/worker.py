@@ -98,9 +98,7 @@ def build(indices: list[Any], seed: int) -> Any:
     return _state.collate(samples)
 
 
-def stream(
-    epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any
-) -> None:
+def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any) -> None:
     """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
     as ``(shard, j, batch)``, then ``(shard, -1, None)``.
 

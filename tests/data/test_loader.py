@@ -3,6 +3,8 @@ prefetch bound, options, on asyncio, uvloop and trio, and sync with no event loo
 
 from __future__ import annotations
 
+import itertools
+
 import anyio
 import numpy as np
 import pytest
@@ -49,7 +51,7 @@ async def test_epochs_shuffle_drop_last_and_set_epoch() -> None:
             again = [list(b) for b in await _epoch(loader)]
     assert len(e0) == 3 and all(len(b) == 3 for b in e0)
     assert e0 != e1 and again == e0  # one seed: each epoch its own order, repeatable
-    assert len(set(sum(e0, []))) == 9
+    assert len(set(list(itertools.chain.from_iterable(e0)))) == 9
 
 
 async def test_prefetch_bound_and_out_of_order() -> None:
@@ -85,7 +87,9 @@ async def test_iterable_dataset_sharded_by_worker_info() -> None:
             first = [list(b) for b in await _epoch(loader)]
             second = [list(b) for b in await _epoch(loader)]
     for got in (first, second):
-        assert sorted(sum(got, [])) == list(range(11))  # each sample once: sharded
+        assert sorted(list(itertools.chain.from_iterable(got))) == list(
+            range(11)
+        )  # each sample once: sharded
         assert all(b == sorted(b) and len(set(x % 2 for x in b)) == 1 for b in got)
 
 
@@ -97,9 +101,7 @@ async def test_same_batches_whatever_num_workers() -> None:
             async with aiomp.DataLoader(
                 Squares(12), 4, shuffle=True, num_workers=workers, seed=3, start_method=FS
             ) as loader:
-                results.append(
-                    [(list(b["index"]), list(b["noise"])) for b in await _epoch(loader)]
-                )
+                results.append([(list(b["index"]), list(b["noise"])) for b in await _epoch(loader)])
     assert results[0] == results[1]
 
 

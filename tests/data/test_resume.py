@@ -3,6 +3,7 @@ loader with another num_workers continues with the next batch, building none ski
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from pathlib import Path
 
@@ -41,7 +42,9 @@ async def test_resume_mid_epoch_builds_no_skipped_batch(tmp_path: Path) -> None:
             rest = [list(b) async for b in loader]
             after = loader.state_dict()
     assert rest == expected[4:]
-    assert sorted(int(p.name) for p in part.iterdir()) == sorted(sum(rest, []))
+    assert sorted(int(p.name) for p in part.iterdir()) == sorted(
+        list(itertools.chain.from_iterable(rest))
+    )
     assert after == {"epoch": 2, "batches": 0, "seed": 4}
 
 

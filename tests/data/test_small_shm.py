@@ -21,8 +21,7 @@ def test_batches_larger_than_dev_shm() -> None:
     if shutil.which("unshare") is None or probe.returncode != 0:
         pytest.skip("needs unshare -m and mount (root in the test's container)")
     script = (
-        "mount -t tmpfs -o size=16m tmpfs /dev/shm && "
-        f"exec {sys.executable} -m tests.children.data"
+        f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -m tests.children.data"
     )
     proc = subprocess.run(
         ["unshare", "-m", "sh", "-c", script],

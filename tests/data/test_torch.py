@@ -4,6 +4,8 @@ worker so an IterableDataset shards unchanged, and torch's RNG is seeded per bat
 
 from __future__ import annotations
 
+import itertools
+
 import anyio
 import pytest
 
@@ -38,14 +40,14 @@ async def test_torch_samplers_and_batch_samplers() -> None:
         async with aiomp.DataLoader(data, batch_sampler=batches, start_method=FS) as loader:
             assert len(loader) == 3
             got = [list(b) async for b in loader]
-    assert len(got) == 3 and len(set(sum(got, []))) == 9
+    assert len(got) == 3 and len(set(list(itertools.chain.from_iterable(got)))) == 9
 
 
 async def test_an_iterable_dataset_shards_by_torch_get_worker_info() -> None:
     with anyio.fail_after(90):
         async with aiomp.DataLoader(TorchRange(10), 2, num_workers=2, start_method=FS) as loader:
             got = [b.tolist() async for b in loader]
-    assert sorted(sum(got, [])) == list(range(10))
+    assert sorted(list(itertools.chain.from_iterable(got))) == list(range(10))
     assert got[0] == [0, 2] and got[1] == [1, 3]  # round-robin over the shards, as torch
 
 
