@@ -109,7 +109,7 @@ class Epoch:
         except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by __anext__
             outcome = (k, False, exc)
         finally:
-            self.loader.in_flight -= 1
+            self.loader.fetched()
         try:
             self.send.send_nowait(outcome)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

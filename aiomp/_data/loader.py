@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
+import anyio
 import anyio.abc
 
 from .._loop import running_asyncio_loop, trio_running
@@ -132,7 +133,7 @@ class DataLoader:
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
-        self._abandoned = False  # an epoch was left early (its batches dropped)
+        self._drained: anyio.Event | None = None  # set when in_flight comes back to 0
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
 
@@ -211,14 +212,21 @@ class DataLoader:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        """Stop the workers: batches still being built are dropped (their workers
-        terminated: SIGTERM, the Pool's grace period, SIGKILL; shielded and bounded)."""
+        """Stop the workers. Batches still being built (an epoch left early) are waited
+        for up to 5 s, then dropped and their workers terminated (SIGTERM, the Pool's
+        grace period, SIGKILL; shielded and bounded). On cancellation or an exception
+        from the body: no wait."""
         self._abandon()
         host, self._host = self._host, None
-        if exc is None and self.in_flight and self._abandoned:
-            # Nobody will take the batches still being built: stop their workers. (After
-            # whole epochs, the last tasks are only returning: they are waited for.)
-            exc = _Leaving()
+        if exc is None and self.in_flight:
+            # Nobody will take the batches still being built: let them finish for a
+            # while (as torch joins its workers), then stop the workers still busy.
+            with anyio.move_on_after(DRAIN_SECONDS):
+                while self.in_flight:
+                    self._drained = anyio.Event()
+                    await self._drained.wait()
+            if self.in_flight:
+                exc = _Leaving()
         try:
             if host is not None:
                 await host.stop(exc)
@@ -248,11 +256,16 @@ class DataLoader:
         if self._current is not None:
             self._current.close()
             self._current = None
-            self._abandoned = True
 
     def host_tg(self) -> anyio.abc.TaskGroup:
         assert self._host is not None and self._host.tg is not None
         return self._host.tg
+
+    def fetched(self) -> None:
+        """Called as a batch request (or a shard) ends."""
+        self.in_flight -= 1
+        if not self.in_flight and self._drained is not None:
+            self._drained.set()
 
     def finished(self, epoch: Epoch | StreamEpoch) -> None:
         """Called by ``epoch`` at its end."""
@@ -308,6 +321,11 @@ class DataLoader:
                 return
             yield batch
             del batch  # hold one batch at a time, as an async for does
+
+
+#: How long leaving the loader waits for batches still being built before it stops their
+#: workers (torch's loader joins its workers for 5 s before terminating them).
+DRAIN_SECONDS = 5.0
 
 
 class _Leaving(Exception):

@@ -64,7 +64,7 @@ class StreamEpoch:
             exc.add_note(f"aiomp.DataLoader: in worker {shard}'s share of the iterable dataset")
             self.failures[shard] = exc
         finally:
-            loader.in_flight -= 1
+            loader.fetched()
         if shard in self.failures:
             try:  # behind the shard's batches already queued (FIFO), so it comes after them
                 await self.queue.put((shard, -2, None))
