@@ -120,6 +120,10 @@ class Epoch:
         if self.gate is None:
             return await pool.apply(fn, args)
         async with self.gate:
+            if not pool.statistics().idle:
+                # No worker ready for it (starting, or a replacement starting): wait for
+                # one first, so that the timeout does not count a worker's start.
+                await pool.apply(_worker.ready)
             return await pool.apply(fn, args, timeout=self.loader.timeout)
 
     async def _fetch_map(self, k: int, indices: list[Any]) -> Any:

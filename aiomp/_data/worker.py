@@ -89,6 +89,10 @@ def _seed(seed: int) -> None:
         twi._worker_info = info  # type: ignore[attr-defined]
 
 
+def ready() -> None:
+    """Nothing: a task that returns once a worker is ready to take one."""
+
+
 def build(indices: list[Any], seed: int) -> Any:
     """One batch of a map-style dataset: its samples, collated."""
     _seed(seed)
