@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = (
     "BrokenPoolError",
     "BrokenWorkerError",
+    "DataLoader",
     "Empty",
     "Event",
     "Full",
@@ -87,6 +88,7 @@ _WHERE = {
     "Full": "_queue.queue",
     "Empty": "_queue.queue",
     "Pool": "_pool.pool",
+    "DataLoader": "_data.loader",
     "PoolStatistics": "_pool.pool",
     "share_memory": "_arrays.shared",
     "is_shared": "_arrays.shared",
@@ -108,6 +110,7 @@ if TYPE_CHECKING:
     from ._arrays.shared import share_memory as share_memory
     from ._arrays.shared import zeros as zeros
     from ._child.info import get_worker_info as get_worker_info
+    from ._data.loader import DataLoader as DataLoader
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException

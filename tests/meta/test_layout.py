@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"_child"},
     {"_spawn"},
     {"_pool"},
-    {"ray", "_first"},
+    {"ray", "_first", "_data"},
     {"__init__"},
 ]
 
