@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overlo
 
 from .._output import forwarder as _output
 from .._process import checks as _process
+from .._spawn.unawaited import call_site, warn_never_used
 from . import calls as _calls
 from .engine import Engine
 from .iterators import ResultIterator
@@ -266,6 +267,8 @@ class Pool:
 
     #: What serves the calls (set by :func:`attach`).
     _engine: Engine
+    #: Where the pool was made, until it is entered (see __del__).
+    _site: tuple[str, int, str] | None = None
 
     def __init__(
         self,
@@ -327,8 +330,15 @@ class Pool:
 
         On cancellation or failure, the workers started so far are killed and reaped.
         """
+        self._site = None
         await self._engine.open()
         return self
+
+    def __del__(self) -> None:
+        # A pool made and dropped unentered ran nothing: say so, as a coroutine would.
+        if self._site is not None:
+            name = type(self).__module__ + "." + type(self).__qualname__
+            warn_never_used(f"{name}(...)", f"`async with {name}(...) as pool:`", self._site)
 
     async def __aexit__(
         self,
@@ -407,6 +417,7 @@ def attach(pool: Pool, engine: Engine) -> None:
     """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
     engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
     pool._engine = engine
+    pool._site = call_site(2)  # the caller of the pool's constructor
     # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round
     # trip (hot path: tests/budgets).
     pool.__dict__["apply"] = functools.partial(_calls.apply, engine)

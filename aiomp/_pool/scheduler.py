@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
+from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
 from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
@@ -189,10 +190,12 @@ class Scheduler:
                     err = BrokenWorkerError(
                         f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
                     )
+                    # The guard's hint is in the workers' stderr; the error must say it too.
+                    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
                     self.break_pool(
                         BrokenPoolError(
                             f"the pool's worker {w.slot} died during start-up {failures} times "
-                            f"in a row, the last time: {err}"
+                            f"in a row, the last time: {err}{why}"
                         ),
                         cause=err,
                     )

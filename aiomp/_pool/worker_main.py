@@ -49,6 +49,7 @@ import types
 from .._child import bootstrap as _child
 from .._child import output as _child_output
 from .._child import runner as _runner
+from .._child.seeds import reseed
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
@@ -398,16 +399,20 @@ def main(
     stream: socket.socket,
     parent_pid: int,
     results: socket.socket,
+    seed: int | None = None,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` and ``results`` are stream sockets the pool made
     (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
-    worker's go on ``results``. ``output``: the ends of the parent's output forwarder
+    worker's go on ``results``. ``seed``: the global generators' seed of a worker a fork
+    started (``aiomp._child.seeds``). ``output``: the ends of the parent's output forwarder
     (``aiomp._output.forwarder``), unless the pool inherits its fds.
     """
     _child.begin(parent_pid, output)
+    if seed is not None:
+        reseed(seed)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import multiprocessing
 
