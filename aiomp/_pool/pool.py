@@ -232,7 +232,9 @@ class Pool:
 
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
     this process may run on) concurrently, without blocking the event loop, and returns
-    at once; tasks wait for the first worker to be ready.
+    at once; tasks wait for the first worker to be ready. A pool never entered warns
+    (``RuntimeWarning``) when collected. Workers that a fork starts get fresh seeds for
+    ``random``, numpy and torch (``aiomp._child.seeds``).
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
       ``async def`` initializer runs on the worker's event loop, which its async tasks

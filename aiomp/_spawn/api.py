@@ -256,6 +256,9 @@ def spawn(
 
     ``await aiomp.spawn(...)`` returns a started :class:`ProcessContext`;
     ``async with aiomp.spawn(...) as ctx:`` supervises them (see :class:`SpawnHandle`).
+    A handle neither awaited nor entered starts nothing, and warns (``RuntimeWarning``)
+    when collected, as an unawaited coroutine does. Children that a fork starts get
+    fresh seeds for ``random``, numpy and torch (``aiomp._child.seeds``).
     ``fn`` may be an ``async def`` function: the child runs it on a fresh event loop
     (uvloop when installed). Numpy arrays in ``args`` travel through shared memory.
 

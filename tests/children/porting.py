@@ -54,3 +54,13 @@ def draws_at_gate(i: int, address: str) -> Draws:
     out = draws()
     gate_wait(i, address)
     return out
+
+
+def crunch_at_gate(seconds: float) -> float:
+    """The README service's ``crunch``, held at the abstract gate named by
+    ``AIOMP_TEST_GATE`` (until the test lets it go, or it is terminated) when ``seconds`` is not 0."""
+    if seconds:
+        import os
+
+        gate_wait(os.getpid(), "\0" + os.environ["AIOMP_TEST_GATE"])
+    return seconds

@@ -20,6 +20,8 @@ from types import ModuleType
 import anyio
 import pytest
 
+from tests._gate import Gate
+from tests.children import porting
 from tests.meta.test_readme import python_blocks
 
 httpx = pytest.importorskip("httpx")
@@ -56,31 +58,32 @@ async def get(url: str) -> httpx.Response:
 
 @pytest.mark.anyio
 async def test_a_client_that_leaves_frees_its_worker(
-    service: ModuleType, anyio_backend: object
+    service: ModuleType, anyio_backend: object, gate: Gate, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 31 item 6: the next requests waited for abandoned work. With the README's
     recipe the abandoned calls are cancelled: their workers are replaced, and a new
     request is served without waiting for them."""
     if "trio" in str(anyio_backend):
         pytest.skip("uvicorn runs on asyncio (and uvloop) only")
+    # The README's crunch, held at the gate: the test knows when both workers hold one.
+    monkeypatch.setattr(service, "crunch", porting.crunch_at_gate)
+    # The workers inherit it (an abstract address: its leading NUL cannot be in a variable).
+    monkeypatch.setenv("AIOMP_TEST_GATE", gate.address.lstrip("\0"))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen()
-    url = "http://127.0.0.1:%d/crunch" % sock.getsockname()[1]
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/crunch"
     server = uvicorn.Server(uvicorn.Config(service.app, lifespan="on", log_level="warning"))
     try:
         with anyio.fail_after(TIMEOUT):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(server.serve, [sock])
                 async with anyio.create_task_group() as clients:
-                    for _ in range(2):  # hours of work each: both workers held
+                    for _ in range(2):  # work held at the gate: both workers busy
                         clients.start_soon(get, f"{url}?seconds=3600")
-                    while getattr(service.app.state, "pool", None) is None:
-                        await anyio.sleep(0.01)  # the app's lifespan starts the pool
-                    pool = service.app.state.pool
-                    while pool.statistics().busy < 2:
-                        await anyio.sleep(0.01)  # the parent's own state: no child waited on
+                    await gate.ready(2)
                     clients.cancel_scope.cancel()  # both clients leave
+                pool = service.app.state.pool
                 response = await get(f"{url}?seconds=0")
                 assert response.status_code == 200 and response.json() == {"seconds": 0.0}
                 assert pool.statistics().replaced == 2  # the abandoned calls' workers
