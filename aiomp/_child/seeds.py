@@ -14,7 +14,6 @@ in a ``spawn`` child). Owns nothing; standard library only (every child imports 
 from __future__ import annotations
 
 import os
-import random
 import sys
 
 _MASK = (1 << 64) - 1
@@ -36,6 +35,8 @@ def child_seed(base: int, slot: int, start: int = 0) -> int:
 
 def reseed(seed: int) -> None:
     """Seed ``random``, and numpy's and torch's global generators if already imported."""
+    import random  # a fork child has it already; a spawn child never comes here
+
     random.seed(seed)
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:

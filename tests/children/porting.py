@@ -57,8 +57,8 @@ def draws_at_gate(i: int, address: str) -> Draws:
 
 
 def crunch_at_gate(seconds: float) -> float:
-    """The README service's ``crunch``, held at the abstract gate named by
-    ``AIOMP_TEST_GATE`` (until the test lets it go, or it is terminated) when ``seconds`` is not 0."""
+    """The README service's ``crunch``, held (when ``seconds`` is not 0) at the abstract
+    gate named by ``AIOMP_TEST_GATE`` until the test lets it go or it is terminated."""
     if seconds:
         import os
 
