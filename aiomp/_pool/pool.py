@@ -39,6 +39,7 @@ from .._output import forwarder as _output
 from .._process import checks as _process
 from .._process import placement as _placement
 from .._process.cpus import cpu_count
+from .._spawn.unawaited import call_site, warn_never_used
 from . import calls as _calls
 from .batching import Batched
 from .engine import Engine
@@ -227,7 +228,9 @@ class Pool:
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
     this process may use, its affinity capped by its cgroup's CPU quota) concurrently,
     without blocking the event loop, and returns at once; tasks wait for the first worker
-    to be ready.
+    to be ready. A pool never entered warns (``RuntimeWarning``) when collected. Workers
+    that a fork starts get fresh seeds for ``random``, numpy and torch
+    (``aiomp._child.seeds``).
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
       ``async def`` initializer runs on the worker's event loop, which its async tasks
@@ -272,6 +275,8 @@ class Pool:
 
     #: What serves the calls (set by :func:`attach`).
     _engine: Engine
+    #: Where the pool was made, until it is entered (see __del__).
+    _site: tuple[str, int, str] | None = None
 
     def __init__(
         self,
@@ -338,8 +343,15 @@ class Pool:
 
         On cancellation or failure, the workers started so far are killed and reaped.
         """
+        self._site = None
         await self._engine.open()
         return self
+
+    def __del__(self) -> None:
+        # A pool made and dropped unentered ran nothing: say so, as a coroutine would.
+        if self._site is not None:
+            name = type(self).__module__ + "." + type(self).__qualname__
+            warn_never_used(f"{name}(...)", f"`async with {name}(...) as pool:`", self._site)
 
     async def __aexit__(
         self,
@@ -448,6 +460,7 @@ def attach(pool: Pool, engine: Engine) -> None:
     """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
     engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
     pool._engine = engine
+    pool._site = call_site(2)  # the caller of the pool's constructor
     # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round
     # trip (hot path: tests/budgets).
     pool.__dict__["apply"] = functools.partial(_calls.apply, engine)

@@ -18,6 +18,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from .._child import seeds as _seeds
 from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
@@ -58,6 +59,8 @@ class ProcessKind(WorkerKind):
         self._output = output
         self._init: _reduction.Message | None = None
         self._init_sends = 0
+        #: A fork copies the parent's generators: each worker gets its own seeds.
+        self._seed_base = None if start_method == "spawn" else _seeds.base_seed()
         self._forwarders: list[_output.Forwarder] = []
 
     def describe(self) -> str:
@@ -112,7 +115,7 @@ class ProcessKind(WorkerKind):
                 self.start_method,
                 True,
                 theirs,
-                extra=(their_results, their_stacks, self.max_memory),
+                extra=(their_results, their_stacks, self.max_memory, self._seed(slot)),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
                 who=(slot, options.processes),
@@ -134,6 +137,11 @@ class ProcessKind(WorkerKind):
         self._init_sends += 1
         h.send_control(*self._init.framed())
         return h
+
+    def _seed(self, slot: int) -> int | None:
+        """The seed of the worker starting now in ``slot`` (None under spawn: fresh)."""
+        base = self._seed_base
+        return None if base is None else _seeds.child_seed(base, slot, self._init_sends)
 
     def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises

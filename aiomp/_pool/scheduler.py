@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
+from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
 from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
 from .health import death_error
 from .kinds import Handle
@@ -206,10 +207,12 @@ class Scheduler:
                         handle.oom_killed,
                         handle.peak_rss,
                     )
+                    # The guard's hint is in the workers' stderr; the error must say it too.
+                    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
                     self.break_pool(
                         BrokenPoolError(
                             f"the pool's worker {w.slot} died during start-up {failures} times "
-                            f"in a row, the last time: {err}"
+                            f"in a row, the last time: {err}{why}"
                         ),
                         cause=err,
                     )

@@ -19,6 +19,7 @@ import anyio
 import anyio.abc
 
 from .. import _loop
+from .._child import seeds as _seeds
 from .._child.bootstrap import check_not_bootstrapping
 from .._loop.fdset import FdSet
 from .._loop.taskhost import exit_task_group
@@ -33,6 +34,7 @@ from .._wire import datagram as _transport
 from . import child_main
 from .context import ProcessContext
 from .spawned import Spawned
+from .unawaited import FIX, call_site, warn_never_used
 
 #: A payload up to this size goes with the start (in the process's arguments): with
 #: multiprocessing's own data it stays well below a pipe's 64 KiB, which a spawn start
@@ -75,9 +77,12 @@ async def start_children(
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
+        # A fork copies the parent's generators: each rank gets its own seeds.
+        base = None if start_method == "spawn" else _seeds.base_seed()
         for rank in range(nprocs):
             who = (rank, nprocs, None if envs is None else envs[rank])
-            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline, who)
+            seed = None if base is None else _seeds.child_seed(base, rank)
+            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline, who, seed)
             children.append(c)
             if rank:
                 payload.sent_again()  # one message, sent once more
@@ -119,10 +124,12 @@ def _start_one(
     exits: FdSet,
     payload: bytes | None,
     who: tuple[int, int, dict[str, str] | None],
+    seed: int | None = None,
 ) -> Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder;
     ``payload``, the datagram of ``(fn, args, is_async)``, goes with the start (None: the
-    caller sends it on the report socket). ``who``: its rank, nprocs and env."""
+    caller sends it on the report socket). ``who``: its rank, nprocs and env; ``seed``, the
+    child's global generators' seed (None: a spawn child seeds itself)."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
     # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
@@ -135,7 +142,7 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn, start_method == "spawn", payload),
+            extra=(fn, start_method == "spawn", payload, seed),
             output=fw,
             who=who[:2],
             env=who[2],
@@ -156,14 +163,30 @@ class SpawnHandle:
     ``_output.LINGER`` seconds for streams their own children still hold.
     """
 
-    def __init__(self, start: Callable[[], Awaitable[ProcessContext]]) -> None:
+    def __init__(
+        self, start: Callable[[], Awaitable[ProcessContext]], what: str = "aiomp.spawn(...)"
+    ) -> None:
         #: :func:`start_children` with spawn's arguments (a partial: no frame of its own).
         self._start_children = start
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._task: object = None  # the asyncio task that entered the block
+        self._what = what
+        #: Where the call was made, until it is awaited or entered (see __del__).
+        self._site: tuple[str, int, str] | None = call_site(2)
+
+    def __repr__(self) -> str:
+        # asyncio.run(aiomp.spawn(...)) says "a coroutine was expected, got <this>".
+        return f"<{self._what}: await it, or enter it with `async with`, {FIX}>"
+
+    def __del__(self) -> None:
+        if self._site is not None:
+            warn_never_used(
+                self._what, "`await aiomp.spawn(...)` or `async with aiomp.spawn(...)`", self._site
+            )
 
     def __await__(self) -> Generator[Any, None, ProcessContext]:
+        self._site = None
         return self._start().__await__()
 
     async def _start(self) -> ProcessContext:
@@ -172,6 +195,7 @@ class SpawnHandle:
         return await self._start_children()
 
     async def __aenter__(self) -> ProcessContext:
+        self._site = None
         ctx = self._ctx = await self._start_children()
         tg = self._tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -252,6 +276,9 @@ def spawn(
 
     ``await aiomp.spawn(...)`` returns a started :class:`ProcessContext`;
     ``async with aiomp.spawn(...) as ctx:`` supervises them (see :class:`SpawnHandle`).
+    A handle neither awaited nor entered starts nothing, and warns (``RuntimeWarning``)
+    when collected, as an unawaited coroutine does. Children that a fork starts get
+    fresh seeds for ``random``, numpy and torch (``aiomp._child.seeds``).
     ``fn`` may be an ``async def`` function: the child runs it on a fresh event loop
     (uvloop when installed). Numpy arrays in ``args`` travel through shared memory.
 
@@ -287,7 +314,8 @@ def spawn(
             output,
             env,
             rendezvous,
-        )
+        ),
+        f"aiomp.spawn({getattr(fn, '__qualname__', type(fn).__name__)}, {nprocs!r})",
     )
 
 

@@ -11,6 +11,7 @@ milliseconds; ``test_start_methods`` covers spawn and fork.
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import operator
 import os
@@ -789,7 +790,9 @@ async def test_misuse() -> None:
 
 def test_public_names() -> None:
     assert aiomp.Pool.__module__ == "aiomp"
-    assert "aiomp.Pool" in repr(aiomp.Pool(1))
+    with pytest.warns(RuntimeWarning, match="never awaited or entered"):  # issue 31 item 1
+        assert "aiomp.Pool" in repr(aiomp.Pool(1))
+        gc.collect()
     assert issubclass(aiomp.BrokenWorkerError, aiomp.ProcessExitedException)
 
 
