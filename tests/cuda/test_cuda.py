@@ -789,7 +789,9 @@ def test_cuda_initialized_asks_a_loaded_driver(
 
 
 def test_fork_refused_once_cuda_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray = type("ndarray", (), {})  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(_cuda, "cuda_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="CUDA is initialised"):
         _context.check_fork_safe()
