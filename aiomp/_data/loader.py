@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
@@ -118,14 +119,18 @@ class DataLoader:
             if self.map_style
             else None
         )
-        options: dict[str, Any] = {} if env is None else {"env": env}  # Pool(env=): issue 28
-        self.pool = Pool(
+        options: dict[str, Any] = {} if env is None else {"env": env}
+        #: The workers' pool, made when the loader is entered (a pool made here and
+        #: never entered would warn of it when collected).
+        self._new_pool = functools.partial(
+            Pool,
             num_workers,
             initializer=_init_worker,
             initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn),
             start_method=start_method,
             **options,
         )
+        self._pool: Pool | None = None
         self._host: TaskHost | None = None
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
@@ -150,6 +155,13 @@ class DataLoader:
             f"<aiomp.DataLoader {type(self.dataset).__name__} batch_size={self.batch_size} "
             f"num_workers={self.num_workers} seed={self.seed}>"
         )
+
+    @property
+    def pool(self) -> Pool:
+        """The workers' pool, while the loader is entered."""
+        if self._pool is None:
+            raise RuntimeError("use `async with loader:` (or `with loader:`) first")
+        return self._pool
 
     # -- epochs and resume -------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -195,13 +207,15 @@ class DataLoader:
     async def __aenter__(self) -> Self:
         """Start the workers (concurrently: returns before they are ready). On failure or
         cancellation nothing is left running."""
-        await self.pool.__aenter__()
+        self._pool = pool = self._new_pool()
+        await pool.__aenter__()
         host = TaskHost(lambda: None)
         try:
             await host.start()
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self.pool.__aexit__(None, None, None)
+                await pool.__aexit__(None, None, None)
+            self._pool = None
             raise
         self._host = host
         return self
@@ -231,7 +245,8 @@ class DataLoader:
             if host is not None:
                 await host.stop(exc)
         finally:
-            await self.pool.__aexit__(type(exc) if exc else None, exc, tb)
+            pool, self._pool = self.pool, None
+            await pool.__aexit__(type(exc) if exc else None, exc, tb)
         return None
 
     def __aiter__(self) -> Epoch | StreamEpoch:

@@ -217,7 +217,9 @@ async def test_an_oom_killed_worker_says_so(memory_cgroup: str) -> None:
     err = info.value
     assert err.oom_killed is True, err
     assert "killed by the OOM killer" in str(err), err
-    assert err.peak_rss is not None and 48 << 20 <= err.peak_rss <= 112 << 20, err.peak_rss
+    # At least what it allocated in the cgroup; what it held before joining it (its start)
+    # counts too, so no upper bound.
+    assert err.peak_rss is not None and err.peak_rss >= 48 << 20, err.peak_rss
 
 
 # -- memory that only grows -------------------------------------------------------------

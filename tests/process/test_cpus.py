@@ -3,6 +3,7 @@ mask capped by the cgroup CPU quota of this process's group and its ancestors.""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -117,7 +118,11 @@ def test_count_rounds_up_and_is_at_least_one() -> None:
     assert cpus.capped(8, 0.1) == 1
     assert cpus.capped(2, 64.0) == 2
     assert 1 <= cpus.cpu_count() <= len(os.sched_getaffinity(0))
-    assert aiomp.Pool().processes == cpus.cpu_count()
+    pool = aiomp.Pool()
+    assert pool.processes == cpus.cpu_count()
+    with pytest.warns(RuntimeWarning, match="never awaited or entered"):
+        del pool  # made only to read its size: it says so, as a dropped coroutine would
+        gc.collect()
 
 
 def test_a_real_cgroup_quota_caps_the_count() -> None:
