@@ -39,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = (
     "BrokenPoolError",
     "BrokenWorkerError",
+    "DataLoader",
     "Empty",
     "Event",
     "Full",
@@ -57,7 +58,9 @@ __all__ = (
     "empty",
     "get_all_sharing_strategies",
     "get_sharing_strategy",
+    "get_worker_info",
     "is_shared",
+    "run_sync",
     "set_sharing_strategy",
     "share_memory",
     "spawn",
@@ -66,6 +69,8 @@ __all__ = (
 )
 
 _WHERE = {
+    "get_worker_info": "_child.info",
+    "run_sync": "_first.default",
     "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
     "ProcessException": "_errors",
@@ -83,6 +88,7 @@ _WHERE = {
     "Full": "_queue.queue",
     "Empty": "_queue.queue",
     "Pool": "_pool.pool",
+    "DataLoader": "_data.loader",
     "PoolStatistics": "_pool.pool",
     "share_memory": "_arrays.shared",
     "is_shared": "_arrays.shared",
@@ -103,6 +109,8 @@ if TYPE_CHECKING:
     from ._arrays.shared import is_shared as is_shared
     from ._arrays.shared import share_memory as share_memory
     from ._arrays.shared import zeros as zeros
+    from ._child.info import get_worker_info as get_worker_info
+    from ._data.loader import DataLoader as DataLoader
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
     from ._errors import ProcessException as ProcessException
@@ -112,6 +120,7 @@ if TYPE_CHECKING:
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
+    from ._first.default import run_sync as run_sync
     from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
     from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
     from ._memory.strategy import set_sharing_strategy as set_sharing_strategy

@@ -47,7 +47,8 @@ class ProcessException(Exception):
     """A child process of a :class:`aiomp.ProcessContext` failed.
 
     Raised by ``join()`` and by leaving ``async with aiomp.spawn(...)``; ``error_index``
-    is the failed process's rank and ``pid`` its process id.
+    is the failed process's rank and ``pid`` its process id (``error_pid``, torch's name
+    for it, is the same).
     """
 
     def __init__(self, msg: str, error_index: int, pid: int | None) -> None:
@@ -59,9 +60,19 @@ class ProcessException(Exception):
     def __reduce__(self) -> tuple[object, ...]:
         return type(self), (self.msg, self.error_index, self.pid), self.__dict__
 
+    @property
+    def error_pid(self) -> int | None:
+        """torch's name for :attr:`pid`."""
+        return self.pid
+
 
 class ProcessRaisedException(ProcessException):
-    """The child's function raised; the message holds the child's formatted traceback."""
+    """The child's function raised; the message holds the child's formatted traceback.
+
+    Raised by spawn: its ``__cause__`` is the child's exception itself, rebuilt in the
+    parent (when it pickles), whose own ``__cause__`` holds the child's traceback: a
+    handler tells a child's ``ValueError`` by ``isinstance(exc.__cause__, ValueError)``.
+    """
 
     def __init__(self, msg: str, error_index: int, error_pid: int | None) -> None:
         super().__init__(msg, error_index, error_pid)
@@ -95,7 +106,36 @@ class BrokenWorkerError(ProcessExitedException):
     """A :class:`aiomp.Pool` worker died while it held this task.
 
     Only the tasks that worker held fail with it; the pool starts a replacement.
+    ``oom_killed``: the kernel's OOM killer killed it (its cgroup's ``oom_kill`` count
+    rose as it died of SIGKILL); ``peak_rss``: its peak resident set in bytes, from its
+    rusage once reaped (None where unknown: a forkserver worker is reaped by the server).
     """
+
+    def __init__(
+        self,
+        msg: str,
+        error_index: int,
+        error_pid: int | None,
+        exit_code: int,
+        signal_name: str | None = None,
+        oom_killed: bool = False,
+        peak_rss: int | None = None,
+    ) -> None:
+        super().__init__(msg, error_index, error_pid, exit_code, signal_name)
+        self.oom_killed = oom_killed
+        self.peak_rss = peak_rss
+
+    def __reduce__(self) -> tuple[object, ...]:
+        args = (
+            self.msg,
+            self.error_index,
+            self.pid,
+            self.exit_code,
+            self.signal_name,
+            self.oom_killed,
+            self.peak_rss,
+        )
+        return type(self), args, self.__dict__
 
 
 class BrokenPoolError(RuntimeError):

@@ -1,296 +1,243 @@
-"""Data loading: examples/data_loader.py against ``torch.utils.data.DataLoader``.
+"""Data loading: ``aiomp.DataLoader`` against ``torch.utils.data.DataLoader``.
 
-Run as ``python -m benchmarks.bench_loader``. The same dataset (examples/data_loader.py's
-``SyntheticImages``: a seeded 3 x 64 x 64 float32 image and a label per index, a few
-arithmetic passes), the same batch size (64), 2 workers each, passes of 80 batches, the
-consumer reading every batch whole (a sum):
+Run as ``python -m benchmarks.bench_loader``. The same dataset, batch size (64) and
+workers (2) on both sides, persistent workers on both (one loader per side, kept over
+:data:`EPOCHS` epochs of :func:`batches` batches), ``prefetch_factor=2`` on both, each
+library's default collate, the consumer reading every batch whole (a sum). Two datasets:
 
-- torch: ``DataLoader(dataset, batch_size=64, num_workers=2)``, its default collate
-  (``torch.stack`` into a fresh shared storage in the worker) and its default start
-  method here (fork);
-- aiomp: the example's loader with ``start_method="fork"`` (like for like with torch),
-  batches collated into ``aiomp.empty`` arrays, and again into plain numpy arrays that
-  ``put`` copies into shared memory. Each loader has its own default number of batches
-  in flight: 4 for torch (``prefetch_factor=2`` per worker), 8 for the example, whose
-  in-order stream runs dry with 4 (torch's gains nothing from more: its CPU per batch
-  bounds it).
+- light: slicing a preloaded array (``Preloaded``: 3 x 32 x 32 float32 and a label per
+  index): the loader's own overhead dominates;
+- heavy: examples/data_loader.py's ``SyntheticImages`` (a seeded 3 x 64 x 64 image and a
+  few arithmetic passes per sample).
 
-Time per batch is a pass's steady state, from its first batch to its last. A run is
-:data:`ROUNDS` short passes per loader, alternating, so that a burst of load from the
-machine's other users lands on every loader alike; each loader's figure is the median of
-its passes. The time to the first batch is measured apart, from :data:`STARTS` short
-starts per loader and run (start, take one batch, leave), alternating, median per run.
-Unpinned: this is throughput of three processes on the machine's cores, for both
-libraries alike. Every ratio is taken within one run; the rows show the run with the
-median ratio, and the notes give all :data:`RUNS` runs and the load average.
-
-Wall time on a shared machine measures the other users as much as the loaders, so each
-pass also records the CPU time it cost, parent and workers together (``getrusage`` of
-this process and of its reaped children): with three processes on two busy cores,
-batches/s is bounded by the cores over that figure, whatever else runs.
+aiomp is iterated async (``async for`` under asyncio) and sync (``for`` with no event
+loop); torch with its ``for``. Time per batch is the median epoch after the first
+(steady state) over its batches; the sides alternate, so a burst of load from the
+machine's other users lands on all alike. The first batch: from creating the loader (and
+entering it) to the first batch, with ``spawn`` and with ``fork`` on both sides. Resume:
+aiomp's time to the first batch after ``load_state_dict`` at the middle of an epoch,
+against starting at batch 0. Unpinned; every ratio is taken within one run.
 """
 
 from __future__ import annotations
 
 import os
-import resource
+import time
+from typing import Any
+
+import numpy as np
 
 from benchmarks import _common as c
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
-
 BATCH = 64
 WORKERS = 2
-RUNS = 3
-ROUNDS = 4
-STARTS = 5
+EPOCHS = 4
 
 
 def batches() -> int:
-    return c.reps(80, 20)
+    return c.reps(60, 12)
 
 
-def _touch(images: object) -> float:
-    # a consumer reads the whole batch (as a copy to a device would): the same for all
-    return float(images.sum())  # type: ignore[attr-defined]
+class Preloaded:
+    """A map-style dataset over one preloaded array: a sample is a slice and a label."""
+
+    def __init__(self, n: int) -> None:
+        self.images = np.random.default_rng(0).random((n, 3, 32, 32), dtype=np.float32)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        return self.images[i], i % 10
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and of its children reaped so far."""
-    me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+def _touch(images: Any) -> float:
+    return float(images.sum())
 
 
-def torch_pass(dataset: object, n: int) -> tuple[float, float, float]:
-    """(seconds to the first batch, seconds from it to the last, CPU seconds of the whole
-    pass) with torch's DataLoader."""
+def _epochs(loop: Any, n: int) -> list[float]:
+    """Seconds per batch of each epoch after the first, from ``loop()`` (one epoch)."""
+    per = []
+    for e in range(c.reps(EPOCHS, 2)):
+        t0 = time.perf_counter()
+        seen = loop()
+        assert seen == n, (seen, n)
+        if e:
+            per.append((time.perf_counter() - t0) / n)
+    return per
+
+
+def torch_run(dataset: Any, n: int, method: str) -> list[float]:
     from torch.utils.data import DataLoader
 
-    loader: Any = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
-    cpu0 = cpu_seconds()
-    t0 = c.now()
-    first = None
-    seen = 0
-    for images, _labels in loader:
-        if first is None:
-            first = c.now() - t0
-        _touch(images.numpy())
-        seen += 1
-    assert seen == n and first is not None
-    total = c.now() - t0 - first  # steady state: the first batch to the last
-    # The exhausted iterator has joined its workers; its queues' feeder threads end when
-    # the queues are collected. Wait for them: the next fork must not inherit them.
-    del loader, images, _labels
-    _join_threads()
-    return first, total, cpu_seconds() - cpu0
-
-
-async def aiomp_pass(dataset: object, n: int, shared: bool) -> tuple[float, float, float]:
-    from examples.data_loader import DataLoader
-
-    cpu0 = cpu_seconds()
-    t0 = c.now()
-    first = None
-    seen = 0
-    async with DataLoader(
+    loader: Any = DataLoader(
         dataset,
         BATCH,
         num_workers=WORKERS,
-        shared=shared,  # type: ignore[arg-type]
-        start_method="fork",
-        grace_period=1.0,
-    ) as loader:
-        async for images, _labels in loader:
-            if first is None:
-                first = c.now() - t0
-            _touch(images)
+        persistent_workers=True,
+        prefetch_factor=2,
+        multiprocessing_context=method,
+    )
+
+    def loop() -> int:
+        seen = 0
+        for images, _labels in loader:
+            _touch(images.numpy())
             seen += 1
-            del images, _labels  # as torch's loop: hold one batch at a time
-    assert seen == n and first is not None
-    total = c.now() - t0 - first  # steady state: the first batch to the last
-    return first, total, cpu_seconds() - cpu0
+        return seen
+
+    per = _epochs(loop, n)
+    loader = None  # its persistent workers shut down before the next side starts
+    return per
 
 
-def _join_threads() -> None:
-    import gc
-    import threading
+def aiomp_sync_run(dataset: Any, n: int, method: str) -> list[float]:
+    import aiomp
 
-    gc.collect()
-    for t in threading.enumerate():
-        if t is not threading.main_thread():
-            t.join(10)
+    with aiomp.DataLoader(
+        dataset, BATCH, num_workers=WORKERS, prefetch_factor=2, start_method=method
+    ) as loader:
+
+        def loop() -> int:
+            seen = 0
+            for images, _labels in loader:
+                _touch(images)
+                seen += 1
+            return seen
+
+        return _epochs(loop, n)
 
 
-def torch_first(dataset: object) -> float:
-    """Seconds from creating torch's iterator to its first batch (then it shuts down)."""
+def aiomp_async_run(dataset: Any, n: int, method: str) -> list[float]:
+    import anyio
+
+    import aiomp
+
+    async def main() -> list[float]:
+        per = []
+        async with aiomp.DataLoader(
+            dataset, BATCH, num_workers=WORKERS, prefetch_factor=2, start_method=method
+        ) as loader:
+            for e in range(c.reps(EPOCHS, 2)):
+                t0 = time.perf_counter()
+                seen = 0
+                async for images, _labels in loader:
+                    _touch(images)
+                    seen += 1
+                assert seen == n
+                if e:
+                    per.append((time.perf_counter() - t0) / n)
+        return per
+
+    return anyio.run(main)
+
+
+def torch_first(dataset: Any, method: str) -> float:
     from torch.utils.data import DataLoader
 
-    loader: Any = DataLoader(dataset, batch_size=BATCH, num_workers=WORKERS)  # type: ignore[arg-type]
-    t0 = c.now()
+    t0 = time.perf_counter()
+    loader: Any = DataLoader(
+        dataset, BATCH, num_workers=WORKERS, persistent_workers=True,
+        multiprocessing_context=method,
+    )  # fmt: skip
     it = iter(loader)
-    images, _labels = next(it)
-    first = c.now() - t0
+    images, _ = next(it)
+    first = time.perf_counter() - t0
     _touch(images.numpy())
-    del it, loader, images, _labels  # shuts the workers down, joins them
-    _join_threads()
+    del it, loader, images
     return first
 
 
-async def aiomp_first(dataset: object, shared: bool) -> float:
-    from examples.data_loader import DataLoader
+def aiomp_first(dataset: Any, method: str, state: dict[str, Any] | None = None) -> float:
+    import aiomp
 
-    t0 = c.now()
-    async with DataLoader(
-        dataset,
-        BATCH,
-        num_workers=WORKERS,
-        shared=shared,  # type: ignore[arg-type]
-        start_method="fork",
-        grace_period=1.0,
-    ) as loader:
-        async for images, _labels in loader:
-            first = c.now() - t0
+    t0 = time.perf_counter()
+    with aiomp.DataLoader(dataset, BATCH, num_workers=WORKERS, start_method=method) as loader:
+        if state is not None:
+            loader.load_state_dict(state)
+        for images, _ in loader:
+            first = time.perf_counter() - t0
             _touch(images)
             break
     return first
 
 
-async def main() -> None:
+RUNNERS = {"aiomp async": aiomp_async_run, "aiomp sync": aiomp_sync_run, "torch": torch_run}
+
+
+def steady(dataset: Any, n: int, has_torch: bool) -> dict[str, float]:
+    """Median seconds per batch of each variant, alternating variants round by round."""
+    variants = [v for v in RUNNERS if has_torch or v != "torch"]
+    got: dict[str, list[float]] = {v: [] for v in variants}
+    for i in range(c.reps(2, 1)):
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            got[v].extend(RUNNERS[v](dataset, n, "fork"))
+    return {v: c.median(xs) for v, xs in got.items()}
+
+
+def firsts(dataset: Any, has_torch: bool) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], list[float]] = {}
+    for method in ("spawn", "fork"):
+        for _ in range(c.reps(3, 1)):
+            out.setdefault(("aiomp", method), []).append(aiomp_first(dataset, method))
+            if has_torch:
+                out.setdefault(("torch", method), []).append(torch_first(dataset, method))
+    return {k: c.median(v) for k, v in out.items()}
+
+
+def resume(dataset: Any, n: int) -> tuple[float, float]:
+    at0, atk = [], []
+    for _ in range(c.reps(3, 1)):
+        at0.append(aiomp_first(dataset, "fork"))
+        atk.append(aiomp_first(dataset, "fork", {"epoch": 0, "batches": n // 2, "seed": 0}))
+    return c.median(atk), c.median(at0)
+
+
+def main() -> None:
+    from benchmarks import bench_loader as me  # a module workers can import (not __main__)
     from examples.data_loader import SyntheticImages
 
     n = batches()
-    dataset = SyntheticImages(n * BATCH)
     has_torch = c.have("torch")
-    variants = ["aiomp.empty", "aiomp numpy"] + (["torch"] if has_torch else [])
-    runs: list[dict[str, tuple[float, float, float]]] = []
-    loads: list[float] = []
-    for r in range(c.reps(RUNS, 1)):
-        loads.append(os.getloadavg()[0])
-        steady: dict[str, list[float]] = {v: [] for v in variants}
-        cpu = dict.fromkeys(variants, 0.0)
-        firsts: dict[str, list[float]] = {v: [] for v in variants}
-        for i in range(c.reps(ROUNDS, 1)):
-            # short passes, alternating, so a burst of load lands on every loader alike
-            for v in variants if i % 2 == 0 else variants[::-1]:
-                if v == "torch":
-                    _, total, used = torch_pass(dataset, n)
-                else:
-                    _, total, used = await aiomp_pass(dataset, n, shared=v == "aiomp.empty")
-                steady[v].append(total / (n - 1))
-                cpu[v] += used / n
-            print(
-                f"  round {i + 1}: "
-                + ", ".join(f"{v} {1 / steady[v][-1]:.1f} batches/s" for v in variants),
-                flush=True,
-            )
-        for i in range(c.reps(STARTS, 1)):
-            for v in variants if i % 2 == 0 else variants[::-1]:
-                firsts[v].append(
-                    torch_first(dataset)
-                    if v == "torch"
-                    else await aiomp_first(dataset, shared=v == "aiomp.empty")
-                )
-        # per loader: (first batch, time per batch, CPU per batch), medians over the run
-        got = {
-            v: (c.median(firsts[v]), c.median(steady[v]), cpu[v] / c.reps(ROUNDS, 1))
-            for v in variants
-        }
-        runs.append(got)
-        print(
-            f"run {r + 1}: "
-            + ", ".join(
-                f"{v} {1 / t[1]:.1f} batches/s, first {t[0] * 1e3:.0f} ms, "
-                f"CPU {t[2] * 1e3:.2f} ms/batch"
-                for v, t in got.items()
-            ),
-            flush=True,
-        )
-    loads.append(os.getloadavg()[0])
-
-    def median_run(key: str, base: str, which: int) -> tuple[float, float, list[float]]:
-        """(aiomp, baseline) of the run with the median ratio, and all runs' ratios."""
-        ratios = sorted((run[key][which] / run[base][which], i) for i, run in enumerate(runs))
-        _, i = ratios[len(ratios) // 2]
-        return runs[i][key][which], runs[i][base][which], [x for x, _ in ratios]
-
-    def spread(ratios: list[float]) -> str:
-        return f"runs {', '.join(f'{x:.2f}x' for x in ratios)}"
-
+    datasets = {"light": me.Preloaded(n * BATCH), "heavy": SyntheticImages(n * BATCH)}
     rows: list[dict[str, object]] = []
-    per = f"{n} batches of {BATCH}, {WORKERS} workers"
-    if has_torch:
-        measures = [
-            (1, "time per batch, {key} batches ({per})", c.faster(2)),
-            (2, "CPU time per batch, all processes, {key} batches", None),
-            (0, "time to the first batch, {key} batches", c.at_most(1.0)),
-        ]
-        for index, what, target in measures:
-            for key in ("aiomp.empty", "aiomp numpy"):
-                a, b, ratios = median_run(key, "torch", index)
-                rows.append(
-                    c.row(
-                        what.format(key=key, per=per),
-                        a,
-                        b,
-                        "torch DataLoader, fork",
-                        target,
-                        spread(ratios),
-                    )
+    notes = [f"1-min load average at the start: {os.getloadavg()[0]:.2f}"]
+    base = "torch DataLoader, fork, persistent workers"
+    for name, dataset in datasets.items():
+        t = steady(dataset, n, has_torch)
+        notes.append(f"{name}: " + ", ".join(f"{v} {1 / s:.1f} batches/s" for v, s in t.items()))
+        target = c.faster(2) if name == "light" else c.at_most(1.0)
+        for v in ("aiomp async", "aiomp sync"):
+            rows.append(
+                c.row(
+                    f"time per batch, {name} samples, {v} ({n} batches of {BATCH}, "
+                    f"{WORKERS} workers)",
+                    t[v],
+                    t.get("torch"),
+                    base,
+                    target,
                 )
-    else:
+            )
+    f = firsts(datasets["heavy"], has_torch)
+    for method, target in (("spawn", c.at_most(0.5)), ("fork", c.at_most(1.0))):
         rows.append(
             c.row(
-                "time per batch vs torch", None, None, "torch", c.faster(2), "torch not installed"
+                f"time to the first batch, {method}",
+                f[("aiomp", method)],
+                f.get(("torch", method)),
+                f"torch DataLoader, {method}",
+                target,
             )
         )
-    a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 1)
+    atk, at0 = resume(datasets["heavy"], n)
     rows.append(
         c.row(
-            "time per batch, aiomp.empty batches",
-            a,
-            b,
-            "aiomp, numpy batches copied at put",
-            None,
-            spread(ratios),
+            f"first batch resuming at batch {n // 2}", atk, at0, "aiomp at batch 0", c.at_most(1.2)
         )
     )
-    a, b, ratios = median_run("aiomp.empty", "aiomp numpy", 2)
-    rows.append(
-        c.row(
-            "CPU time per batch, aiomp.empty batches",
-            a,
-            b,
-            "aiomp, numpy batches copied at put",
-            None,
-            spread(ratios),
-        )
-    )
-    notes = [
-        f"loader: {c.reps(RUNS, 1)} runs; in each, {c.reps(ROUNDS, 1)} passes of {n} "
-        f"batches of {BATCH} per loader, alternating; time per batch: the first batch to "
-        "the last (steady state), median of the run's passes; CPU time: parent and workers "
-        "together over whole passes (start included) per batch; time to the first batch: "
-        f"median of {c.reps(STARTS, 1)} short starts per loader and run; each row is the "
-        "run with the median ratio; unpinned.",
-        f"1-min load average at the start of each run and at the end: "
-        f"{', '.join(f'{x:.2f}' for x in loads)}",
-    ]
-    for i, run in enumerate(runs):
-        notes.append(
-            f"run {i + 1}: "
-            + "; ".join(
-                f"{v} {1 / t[1]:.1f} batches/s, first batch {t[0] * 1e3:.0f} ms, "
-                f"CPU {t[2] * 1e3:.2f} ms/batch"
-                for v, t in run.items()
-            )
-        )
     c.emit("loader", rows, notes)
 
 
 if __name__ == "__main__":
-    import anyio
-
     c.allow_bytecode()
-    anyio.run(main)
+    main()

@@ -23,9 +23,16 @@ from __future__ import annotations
 import argparse
 
 import anyio
-import torch
-import torch.nn.functional as F
-from torch import nn
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ModuleNotFoundError as exc:
+    raise SystemExit(
+        f"this example needs torch ({exc}): pip install torch, or its CPU build: "
+        "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    ) from None
 
 import aiomp
 

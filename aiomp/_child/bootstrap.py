@@ -133,6 +133,11 @@ def exit_fast() -> None:
     os._exit(0)
 
 
+#: The exit status of a child refused by :func:`refuse_unguarded_main`: rare (no Python
+#: or multiprocessing path exits with it), so that a Pool whose workers keep dying with
+#: it can name the missing guard in its BrokenPoolError.
+UNGUARDED_EXIT = 86
+
 UNGUARDED_MAIN = (
     "this child re-ran the parent's main module while starting, and that module starts "
     "aiomp processes when imported: protect the entry point with "
@@ -142,7 +147,8 @@ UNGUARDED_MAIN = (
 
 
 def refuse_unguarded_main() -> None:
-    """Report :data:`UNGUARDED_MAIN` to the parent and exit at once (status 1).
+    """Report :data:`UNGUARDED_MAIN` to the parent and exit at once (status
+    :data:`UNGUARDED_EXIT`).
 
     Called in a spawn child that is still importing its parent's ``__main__``, before
     multiprocessing has handed it its control socket: the socket is found among the
@@ -155,7 +161,7 @@ def refuse_unguarded_main() -> None:
         sock.close()
     else:
         os.write(2, f"aiomp: {UNGUARDED_MAIN}\n".encode())
-    os._exit(1)
+    os._exit(UNGUARDED_EXIT)
 
 
 def _inherited_report_socket() -> socket.socket | None:

@@ -26,7 +26,7 @@ import anyio.lowlevel
 from .._loop.wakeup import Signal, Wakeup
 from .._process.checks import count
 from . import protocol as P
-from .engine import OPEN, Engine
+from .engine import OPEN, Engine, stack_note
 from .tasks import DONE, FnInfo, Task, as_args, fn_cache, fn_info, new_task, tids
 
 if TYPE_CHECKING:
@@ -68,8 +68,12 @@ async def _wait(
         raise
     if scope.cancelled_caught and not signal.is_set():
         with anyio.CancelScope(shield=True):
-            await engine.abandon(tasks)
-        raise TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
+            killed = await engine.abandon(tasks, timeout)
+        error = TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
+        for handle in killed:  # where it hung (DESIGN.md "Worker health")
+            if note := stack_note(handle):
+                error.add_note(note)
+        raise error
 
 
 async def apply(

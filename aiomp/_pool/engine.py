@@ -327,6 +327,18 @@ class Engine:
         self.sched.break_pool(init_err)
         log.error("aiomp: the pool is broken: %s", init_err)
 
+    def on_retire(self, handle: Handle, tid: int, grown: int, limit: int) -> None:
+        """Its private memory grew past ``max_memory``: retire it after its tasks."""
+        log.info(
+            "aiomp: retiring %s after %s: its private memory grew by %.1f MiB over its "
+            "level after the initializer, past max_memory (%.1f MiB)",
+            handle.name,
+            self.task_name(handle, tid) or f"task {tid}",
+            grown / (1 << 20),
+            limit / (1 << 20),
+        )
+        self.sched.retire(handle)
+
     def on_lost(self, handle: Handle, exc: BaseException) -> None:
         log.error(
             "aiomp: a message from %s was lost (%s: %s); terminating it",
@@ -352,15 +364,21 @@ class Engine:
     def submit(self, task: Task) -> None:
         self.sched.submit(task)
 
-    async def abandon(self, tasks: Iterable[Task]) -> None:
-        """The caller waiting for ``tasks`` is leaving early (the caller shields this).
+    async def abandon(
+        self, tasks: Iterable[Task], timeout: float | None = None
+    ) -> dict[Handle, str | None]:
+        """The caller waiting for ``tasks`` is leaving early: cancelled, or its
+        ``timeout`` has passed (the caller shields this).
 
         Queued tasks are dropped. Running async tasks are cancelled in their worker and
         given the grace period to finish; the workers of running sync tasks, and of async
-        ones that did not finish in time, are terminated and replaced.
+        ones that did not finish in time, are terminated and replaced, each logged at
+        INFO with the task and why. Returns those workers with the stack each printed as
+        it was terminated (None: it could not print; see ``_pool.health``), which the
+        line of a cancellation carries.
         """
         coop: list[Task] = []
-        kill: dict[Handle, None] = {}
+        kill: dict[Handle, Task] = {}
         for task in tasks:
             if task.state == QUEUED:
                 self.sched.drop(task)
@@ -371,7 +389,7 @@ class Engine:
                     coop.append(task)
                     w.handle.cancel(task.tid)
                 else:
-                    kill[w.handle] = None
+                    kill[w.handle] = task
         interrupted: BaseException | None = None
         if coop:
             try:
@@ -383,11 +401,43 @@ class Engine:
             for task in coop:
                 if task.state == RUNNING:
                     assert task.worker is not None
-                    kill[task.worker.handle] = None
+                    kill[task.worker.handle] = task
         for h in kill:
+            h.expect_kill()
             self.sched.kill(h, " (the pool terminated it to cancel a task)")
             if interrupted is not None:
                 h.kill(now=True)
         interrupted = await reap(list(kill), interrupted)
+        for h, task in kill.items():
+            self._log_kill(h, task, timeout)
         if interrupted is not None:
             raise interrupted
+        return {h: h.stack for h in kill}
+
+    def _log_kill(self, handle: Handle, task: Task, timeout: float | None) -> None:
+        """One INFO line per worker the pool terminated to stop a task: which, why, and
+        for a cancellation its stack (a timeout's goes in the TimeoutError's notes)."""
+        if timeout is not None:
+            log.info(
+                "aiomp: terminated %s: %s did not finish within %s s",
+                handle.name,
+                task.name,
+                timeout,
+            )
+        else:
+            log.info(
+                "aiomp: terminated %s: the caller of %s was cancelled. %s",
+                handle.name,
+                task.name,
+                stack_note(handle),
+            )
+
+
+def stack_note(handle: Handle) -> str:
+    """``handle``'s stack as its worker was terminated, introduced, for a note or a log
+    ("" where its kind keeps none)."""
+    if not handle.prints_stack:
+        return ""
+    if handle.stack is None:
+        return f"The stack of {handle.name} could not be read (it did not print it)."
+    return f"The stack of {handle.name} as it was terminated:\n{handle.stack}"

@@ -36,6 +36,15 @@ class Handle(abc.ABC):
     dead: anyio.Event
     #: Why the worker died on its own, where its kind can tell ("" otherwise).
     why: str = ""
+    #: Set once the worker has exited, before ``on_exit``, where its kind can tell (see
+    #: ``aiomp._pool.health``): whether the kernel's OOM killer killed it, its peak
+    #: resident set in bytes, and (after :meth:`expect_kill`) the stack of all its
+    #: threads that it printed as it was terminated (None: it could not print).
+    oom_killed: bool = False
+    peak_rss: int | None = None
+    stack: str | None = None
+    #: Whether its kind can keep its stack at a kill (:meth:`expect_kill`).
+    prints_stack: bool = False
 
     @property
     @abc.abstractmethod
@@ -71,6 +80,12 @@ class Handle(abc.ABC):
     def cancel(self, tid: int) -> None:
         """Ask the worker to cancel async task ``tid``."""
 
+    def expect_kill(self) -> None:
+        """The pool is about to terminate this worker on purpose (a timeout, a
+        cancellation) and logs why itself: keep its stack at the kill in :attr:`stack`,
+        where the kind can (a kind that cannot leaves it None)."""
+        return
+
     @abc.abstractmethod
     def kill(self, now: bool = False) -> None:
         """Terminate the worker (SIGTERM, grace period, SIGKILL; with ``now``, SIGKILL at
@@ -94,6 +109,10 @@ class Events(Protocol):
 
     def on_ready(self, handle: Handle) -> None:
         """The worker has run the initializer and takes tasks."""
+
+    def on_retire(self, handle: Handle, tid: int, grown: int, limit: int) -> None:
+        """The worker's private memory has grown ``grown`` bytes, past the pool's
+        ``max_memory`` (``limit``), as it ran task ``tid``: retire it after its tasks."""
 
     def on_init_failed(self, handle: Handle, cause: BaseException) -> None:
         """The initializer raised ``cause`` in the worker: the pool breaks."""
@@ -141,6 +160,8 @@ class Options(Protocol):
 
     concurrency: int
     grace: float
+    #: How many workers the pool keeps (a worker's ``get_worker_info().num_workers``).
+    processes: int
 
 
 class WorkerKind(abc.ABC):

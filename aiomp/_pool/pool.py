@@ -31,14 +31,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
 
 from .._output import forwarder as _output
 from .._process import checks as _process
+from .._process import placement as _placement
+from .._process.cpus import cpu_count
+from .._spawn.unawaited import call_site, warn_never_used
 from . import calls as _calls
+from .batching import Batched
 from .engine import Engine
 from .iterators import ResultIterator
 from .process_kind import ProcessKind
@@ -70,13 +73,6 @@ class PoolStatistics:
     completed: int
     #: Workers started to replace one that died, was killed or retired.
     replaced: int
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def check_options(
@@ -230,8 +226,11 @@ class Pool:
     """A pool of worker processes serving sync and async functions to async code.
 
     ``async with aiomp.Pool(4) as pool:`` starts ``processes`` workers (default: the CPUs
-    this process may run on) concurrently, without blocking the event loop, and returns
-    at once; tasks wait for the first worker to be ready.
+    this process may use, its affinity capped by its cgroup's CPU quota) concurrently,
+    without blocking the event loop, and returns at once; tasks wait for the first worker
+    to be ready. A pool never entered warns (``RuntimeWarning``) when collected. Workers
+    that a fork starts get fresh seeds for ``random``, numpy and torch
+    (``aiomp._child.seeds``).
 
     - ``initializer(*initargs)`` runs once in each worker before its first task (an
       ``async def`` initializer runs on the worker's event loop, which its async tasks
@@ -244,10 +243,20 @@ class Pool:
       has its worker to itself.
     - ``grace_period``: seconds between SIGTERM and SIGKILL whenever a worker is
       terminated, and the longest a cancelled async task may take to finish.
+    - ``max_memory`` (bytes): a worker whose private memory (``Private_Dirty``: shared
+      arrays and weights do not count) grows more than that over its level after the
+      initializer is retired after its current task, its replacement started first, and
+      an INFO line on the ``aiomp`` logger says why.
     - ``output``: ``"prefix"`` (each line a worker writes to fd 1 or 2 appears on the
       parent's ``sys.stdout`` / ``sys.stderr`` as ``[worker N] line``, and its logging
       records go through the parent's logging with ``record.worker`` set to N), ``"inherit"``
       (the raw fds), or a callable ``(slot, stream, line)``; see ``aiomp.spawn``.
+    - ``env``: a dict of str to str merged over each worker's environment, or a callable
+      ``env(slot)`` giving one (called here, once per slot), e.g. ``lambda i:
+      {"CUDA_VISIBLE_DEVICES": str(i)}``: in place before the worker's interpreter
+      starts (``spawn``) or before any code runs in it (``forkserver``, ``fork``); a
+      replacement gets its slot's again. A worker's ``aiomp.get_worker_info().id`` is its
+      slot. A key or value that is not a str: ``TypeError`` here.
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
@@ -266,6 +275,8 @@ class Pool:
 
     #: What serves the calls (set by :func:`attach`).
     _engine: Engine
+    #: Where the pool was made, until it is entered (see __del__).
+    _site: tuple[str, int, str] | None = None
 
     def __init__(
         self,
@@ -278,16 +289,21 @@ class Pool:
         concurrency: int = 1,
         grace_period: float = 5.0,
         output: _output.Output = "prefix",
+        env: _placement.Env = None,
+        max_memory: int | None = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = check_options(
             processes, concurrency, maxtasksperchild, grace_period
         )
+        if max_memory is not None:
+            max_memory = _process.count("max_memory", max_memory)
         _process.check_start_method(start_method)
         _output.check_output(output)
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output)
-        n = _cpu_count() if n is None else n
+        n = cpu_count() if n is None else n
+        envs = _placement.slot_envs(env, n)
+        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs, max_memory)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:
@@ -327,8 +343,15 @@ class Pool:
 
         On cancellation or failure, the workers started so far are killed and reaped.
         """
+        self._site = None
         await self._engine.open()
         return self
+
+    def __del__(self) -> None:
+        # A pool made and dropped unentered ran nothing: say so, as a coroutine would.
+        if self._site is not None:
+            name = type(self).__module__ + "." + type(self).__qualname__
+            warn_never_used(f"{name}(...)", f"`async with {name}(...) as pool:`", self._site)
 
     async def __aexit__(
         self,
@@ -396,6 +419,36 @@ class Pool:
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
         """,
     )
+
+    def batched(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        max_batch_size: int = 32,
+        max_delay: float = 0.005,
+        stack: bool = False,
+    ) -> Batched[Any, Any]:
+        """An async callable ``b``: ``await b(x)`` from many tasks at once runs ``fn``
+        once per batch of calls.
+
+        Calls collect in an open batch, closed when ``max_batch_size`` calls are in it or
+        ``max_delay`` seconds after its first call; a closed batch is queued like any
+        task. The worker runs ``fn(xs)`` (sync or async), ``xs`` the batch's arguments in
+        arrival order; it returns a sequence of the same length, and each caller gets its
+        own element. ``stack=True``: every argument is a numpy array of the batch's first
+        shape and dtype (otherwise that call raises ``ValueError`` at once), stacked
+        along a new axis 0 straight into shared memory; ``fn`` gets that one array and
+        returns an array whose axis 0 is the batch size, given back as views.
+
+        Errors: ``fn``'s exception is raised in every caller of its batch, as
+        :meth:`apply` raises it; a worker that dies: :class:`aiomp.BrokenWorkerError` in
+        each; a result of the wrong length: ``ValueError`` in each. Cancellation: a call
+        cancelled before its batch goes to a worker is taken out of it (a batch left
+        empty is dropped); one cancelled after returns at once and its element is
+        discarded. A running batch is never stopped for its callers.
+        """
+        return Batched(self._engine, fn, max_batch_size, max_delay, stack)
+
     imap_unordered: ClassVar[_Imap] = _imap_method(
         "imap_unordered",
         False,
@@ -407,6 +460,7 @@ def attach(pool: Pool, engine: Engine) -> None:
     """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
     engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
     pool._engine = engine
+    pool._site = call_site(2)  # the caller of the pool's constructor
     # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round
     # trip (hot path: tests/budgets).
     pool.__dict__["apply"] = functools.partial(_calls.apply, engine)

@@ -42,6 +42,7 @@ from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
+from . import health as _health
 from . import protocol as P
 from .kinds import Events, Handle
 from .tasks import Task
@@ -62,6 +63,7 @@ class ProcessHandle(Handle):
 
     #: A worker runs its sync tasks one at a time, in the order sent (``worker_main``).
     in_order = True
+    prints_stack = True
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class ProcessHandle(Handle):
         loop: asyncio.AbstractEventLoop | None,
         grace: float,
         events: Events,
+        stacks: socket.socket | None = None,
     ) -> None:
         self.slot = slot
         self.child = child
@@ -89,11 +92,18 @@ class ProcessHandle(Handle):
         self._more = Wakeup(loop)  # the outbox has something
         self._kill = Signal(loop)
         self._watch = fd_watch(loop, self.results.fileno(), self._readable)
-        self.fns: set[int] = set()  # ids of the functions DEF'd to it
+        #: ids of the functions DEF'd to it, oldest first (see protocol.MAX_FNS)
+        self.fns: dict[int, None] = {}
         self.closed = False  # its channel is closed: nothing more goes out
         # Made here, in a task (handles are never made in a loop callback); set by the
         # watcher. Any number of tasks may wait for it.
         self.dead = anyio.Event()
+        # Worker health (``_pool.health``): where it prints its stack as it is
+        # terminated, whether the pool wants it, and its memory cgroup's OOM kills.
+        self._stacks = stacks
+        self._want_stack = False
+        self._killed_now = False
+        self._oom = _health.OomWatch(child.pid)
 
     @property
     def name(self) -> str:
@@ -117,7 +127,9 @@ class ProcessHandle(Handle):
         if fid and fid not in self.fns:
             if not self._push(task.define, task.define, None):
                 return False
-            self.fns.add(fid)
+            if len(self.fns) >= P.MAX_FNS:  # the worker drops the same one
+                del self.fns[next(iter(self.fns))]
+            self.fns[fid] = None
         msg = task.message
         if type(msg) is bytes:
             return self._push(task, msg, None)
@@ -188,10 +200,15 @@ class ProcessHandle(Handle):
         """Ask the worker to cancel async task ``tid``."""
         self.send_control(P.control(P.OP_CANCEL, tid))
 
+    def expect_kill(self) -> None:
+        self._want_stack = True
+        self.child.expected_kill = True
+
     def kill(self, now: bool = False) -> None:
         """Have the watcher terminate the process (SIGTERM, grace period, SIGKILL), or
         with ``now`` send SIGKILL at once (a second Ctrl-C during shutdown)."""
         if now:
+            self._killed_now = True
             self.child.signal(signal.SIGKILL)
         self._kill.set()
 
@@ -239,8 +256,12 @@ class ProcessHandle(Handle):
                 _transport.close_fds(fds)
                 return
             self._on_result(self, tid, False, self._remote_error(payload, fds))
+        elif op == P.OP_RETIRE:
+            grown, limit = pickle.loads(payload)
+            self._events.on_retire(self, tid, grown, limit)
         elif op == P.OP_READY:
             _transport.close_fds(fds)
+            self._oom.look(self.pid)  # (its initializer may have moved it)
             self._events.on_ready(self)
         elif op == P.OP_INIT_ERR:
             self._events.on_init_failed(self, self._remote_error(payload, fds))
@@ -294,8 +315,25 @@ class ProcessHandle(Handle):
                 child.process.join(_process.KILL_TIMEOUT)
                 child.poll_exit()
             unsent = self._close()
+            self._check_health()
             self._events.on_exit(self, child.exitcode, unsent)
             self.dead.set()
+
+    def _check_health(self) -> None:
+        """It has exited: its peak RSS, whether the OOM killer killed it (a SIGKILL the
+        pool did not send, as its cgroup's count rose) and, if the pool asked, the stack
+        it printed as it was terminated."""
+        child = self.child
+        self.peak_rss = child.peak_rss
+        self.oom_killed = (
+            child.exitcode == -signal.SIGKILL
+            and not (child.sent_kill or self._killed_now)
+            and self._oom.rose()
+        )
+        if self._stacks is not None:
+            if self._want_stack:
+                self.stack = _health.read_stack(self._stacks)
+            self._stacks.close()
 
     def _close(self) -> list[int]:
         """Close the channels; the ids of tasks that never left the outbox."""

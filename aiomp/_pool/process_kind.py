@@ -13,15 +13,18 @@ output after it exits.
 from __future__ import annotations
 
 import pickle
+import socket
 import types
 from collections.abc import Callable
 from typing import Any
 
+from .._child import seeds as _seeds
 from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
 from .._process.child import Child
+from .._wire import byvalue
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import protocol as P
@@ -37,21 +40,35 @@ class ProcessKind(WorkerKind):
 
     chunks_per_slot = 4
 
-    def __init__(self, start_method: str, init: InitCall, output: _output.Output) -> None:
+    def __init__(
+        self,
+        start_method: str,
+        init: InitCall,
+        output: _output.Output,
+        envs: list[dict[str, str]] | None = None,
+        max_memory: int | None = None,
+    ) -> None:
         self.start_method = start_method
+        #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
+        self._envs = envs
+        #: Retire a worker whose private memory grows past this (see ``_pool.health``).
+        self.max_memory = max_memory
         #: Frames of the process wire, checked per start method.
         self.wire = start_method
         self._init_call = init
         self._output = output
         self._init: _reduction.Message | None = None
         self._init_sends = 0
+        #: A fork copies the parent's generators: each worker gets its own seeds.
+        self._seed_base = None if start_method == "spawn" else _seeds.base_seed()
         self._forwarders: list[_output.Forwarder] = []
 
     def describe(self) -> str:
-        return f"start_method={self.start_method!r}"
+        memory = "" if self.max_memory is None else f" max_memory={self.max_memory}"
+        return f"start_method={self.start_method!r}{memory}"
 
     async def prepare(self, processes: int) -> int:
-        self._init = _reduction.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
+        self._init = byvalue.dumps(self._init_call, P.header(P.OP_INIT, 0, 0))
         if self.start_method == "fork":
             _checks.check_fork_safe()
         elif self.start_method == "forkserver":
@@ -82,6 +99,15 @@ class ProcessKind(WorkerKind):
                 fw.close()
             raise
         try:
+            # Where the worker prints its stack as it is terminated (``_pool.health``).
+            stacks, their_stacks = socket.socketpair()
+        except BaseException:
+            for s in (sock, theirs, results, their_results):
+                s.close()
+            if fw is not None:
+                fw.close()
+            raise
+        try:
             child = _launch.launch(
                 Child,
                 worker_main.main,
@@ -89,28 +115,40 @@ class ProcessKind(WorkerKind):
                 self.start_method,
                 True,
                 theirs,
-                extra=(their_results,),
+                extra=(their_results, their_stacks, self.max_memory, self._seed(slot)),
                 name=f"aiomp-pool-{slot}",
                 output=fw,
+                who=(slot, options.processes),
+                env=None if self._envs is None else self._envs[slot],
             )
         except BaseException:
             sock.close()
             results.close()
+            stacks.close()
             raise
         finally:
             their_results.close()
-        h = ProcessHandle(slot, child, sock, results, running_asyncio_loop(), options.grace, events)
+            their_stacks.close()
+        h = ProcessHandle(
+            slot, child, sock, results, running_asyncio_loop(), options.grace, events, stacks
+        )
         if self._init_sends:
             self._init.sent_again()
         self._init_sends += 1
         h.send_control(*self._init.framed())
         return h
 
+    def _seed(self, slot: int) -> int | None:
+        """The seed of the worker starting now in ``slot`` (None under spawn: fresh)."""
+        base = self._seed_base
+        return None if base is None else _seeds.child_seed(base, slot, self._init_sends)
+
     def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
         here, in the caller, if it cannot be pickled or if the workers could not import
-        ``fn`` (a lambda, a function of an interactive ``__main__``): the same check as
-        ``spawn``'s, once per function and start method."""
+        ``fn`` even by value (it holds a lock): the same check as ``spawn``'s, once per
+        function and start method. What a worker cannot import by name (a lambda, a
+        function of a notebook) travels by value."""
         tid, fn, info, flags, items, kwds, _ = call
         method = self.start_method
         if method not in info.checked:
@@ -119,7 +157,7 @@ class ProcessKind(WorkerKind):
         try:
             return task_message(tid, fn, info.fid, flags, items, kwds)
         except Exception as exc:
-            _checks.check_function(fn, method)  # a clearer error when fn is the problem
+            _checks.check_picklable(fn)  # a clearer error when fn is the problem
             exc.add_note(f"(while pickling a task of {info.name} for a pool worker)")
             raise
 
@@ -153,5 +191,10 @@ def task_message(
         # A chunk of map(f, range(n)): a few bytes, and no fd or array can be in it.
         return P.task_frame(tid, flags, fid, pickle.dumps((items, None), protocol=5))
     return P.TaskMessage(
-        P.OP_TASK, tid, flags, P.task_body(fid, b""), (items, kwds) if fid else (fn, items, kwds)
+        P.OP_TASK,
+        tid,
+        flags,
+        P.task_body(fid, b""),
+        (items, kwds) if fid else (fn, items, kwds),
+        by_value=True,
     )

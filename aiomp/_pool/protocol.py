@@ -45,11 +45,19 @@ OP_TASK = 2
 OP_CANCEL = 3
 OP_EXIT = 4
 OP_DEF = 9
+#: The most DEF'd functions a worker keeps: a DEF beyond it drops the oldest, in the worker
+#: and in the parent's record of it alike (the stream keeps them in step), so that
+#: closures made per call (sent by value, each with an id) do not pile up in workers.
+MAX_FNS = 128
 # worker -> parent
 OP_READY = 5
 OP_INIT_ERR = 6
 OP_OK = 7
 OP_ERR = 8
+#: Sent before task ``tid``'s outcome: the worker's private memory grew past the pool's
+#: ``max_memory`` (the payload: ``(grown, max_memory)`` in bytes); the pool retires it
+#: after that task.
+OP_RETIRE = 10
 
 #: TASK flags: fn is a coroutine function; items are argument tuples (starmap); the task
 #: is one call ``fn(*args, **kwds)`` whose result is the value itself (apply), not a list;
@@ -144,10 +152,16 @@ class TaskMessage:
 
     __slots__ = ("_msg", "fds", "frame")
 
-    def __init__(self, op: int, tid: int, flags: int, prefix: bytes, obj: object) -> None:
+    def __init__(
+        self, op: int, tid: int, flags: int, prefix: bytes, obj: object, by_value: bool = False
+    ) -> None:
+        from .._wire import byvalue
         from .._wire import pickling as _reduction
 
-        self._msg = _reduction.dumps(obj, header(op, tid, flags) + prefix)
+        # by_value: what a worker cannot import by name goes by value (a task's function
+        # and arguments; see aiomp._wire.byvalue)
+        dumps = byvalue.dumps if by_value else _reduction.dumps
+        self._msg = dumps(obj, header(op, tid, flags) + prefix)
         try:
             self.frame, self.fds = self._msg.framed()
         except BaseException:

@@ -36,7 +36,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable
 
+from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
 from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
+from .health import death_error
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
 
@@ -128,6 +130,16 @@ class Scheduler:
         self.workers[handle] = WorkerSlot(handle)
         self.start_errors.pop(handle.slot, None)
 
+    def retire(self, handle: Handle) -> None:
+        """Send ``handle``'s worker no new task, ask for its replacement now, and let it
+        exit once it holds none (``maxtasksperchild``, ``max_memory``)."""
+        w = self.workers.get(handle)
+        if w is not None and not (w.retiring or w.killed or w.gone):
+            w.retiring = True
+            self.idle.pop(w, None)
+            self._replace(w)
+            self._make_available(w)
+
     def ready(self, handle: Handle) -> None:
         w = self.workers.get(handle)
         if w is None or w.ready:
@@ -179,7 +191,7 @@ class Scheduler:
             self.queue.appendleft(task)
             self.queued += 1
         for task in tasks.values():
-            self._finish(task, False, death_error(w, exitcode, task))
+            self._finish(task, False, death_error(handle, exitcode, task.name, w.reason))
         if exitcode is not None:
             what, sig = exit_description(exitcode)
             if not (w.ready or w.killed or w.retiring) and self.broken is None:
@@ -187,12 +199,20 @@ class Scheduler:
                 self.start_failures[w.slot] = failures
                 if failures >= MAX_START_FAILURES:
                     err = BrokenWorkerError(
-                        f"{handle.name} {what} during start-up", w.slot, handle.pid, exitcode, sig
+                        f"{handle.name} {what} during start-up",
+                        w.slot,
+                        handle.pid,
+                        exitcode,
+                        sig,
+                        handle.oom_killed,
+                        handle.peak_rss,
                     )
+                    # The guard's hint is in the workers' stderr; the error must say it too.
+                    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
                     self.break_pool(
                         BrokenPoolError(
                             f"the pool's worker {w.slot} died during start-up {failures} times "
-                            f"in a row, the last time: {err}"
+                            f"in a row, the last time: {err}{why}"
                         ),
                         cause=err,
                     )
@@ -450,10 +470,8 @@ class Scheduler:
         w.running[task.tid] = task
         w.load += task.weight
         w.dispatched += 1
-        if self.maxtasks is not None and w.dispatched >= self.maxtasks and not w.retiring:
-            w.retiring = True
-            self.idle.pop(w, None)
-            self._replace(w)
+        if self.maxtasks is not None and w.dispatched >= self.maxtasks:
+            self.retire(w.handle)
 
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
@@ -478,19 +496,3 @@ def not_started(in_order: bool, tasks: dict[int, Task], unsent: Iterable[int]) -
                 out.append(tid)
             behind = True
     return out
-
-
-def death_error(w: WorkerSlot, exitcode: int | None, task: Task) -> BaseException:
-    """What ``task`` fails with when ``w``'s worker dies while running it (``exitcode``
-    None: the worker survived SIGKILL, in uninterruptible sleep, and the pool gives up)."""
-    handle = w.handle
-    if exitcode is None:
-        return RuntimeError(f"{handle.name} could not be terminated while it ran {task.name}")
-    what, sig = exit_description(exitcode)
-    return BrokenWorkerError(
-        f"{handle.name} {what} while it ran {task.name}{w.reason}",
-        w.slot,
-        handle.pid,
-        exitcode,
-        sig,
-    )

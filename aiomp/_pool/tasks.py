@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
-import pickle
 import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .._process import checks as _process
+from .._wire import byvalue as _byvalue
 from .._wire import datagram as _transport
 from . import protocol as P
 
@@ -186,10 +186,7 @@ def fn_info(fn: object) -> FnInfo:
     )
     info = FnInfo(P.fn_name(fn), is_async)
     if type(fn) is types.FunctionType:
-        try:
-            pickled = pickle.dumps(fn, protocol=5)
-        except Exception:  # noqa: BLE001 - not by reference: each task pickles it, and says why
-            pickled = b""
+        pickled = _define(fn)
         if 0 < len(pickled) <= _transport.MAX_INLINE - 64:
             fid = next(_fids)
             info = FnInfo(info.name, is_async, fid, P.framed(P.OP_DEF, fid, 0, pickled))
@@ -198,6 +195,19 @@ def fn_info(fn: object) -> FnInfo:
     except TypeError:
         pass
     return info
+
+
+def _define(fn: object) -> bytes:
+    """``fn`` pickled for its ``DEF``: by reference, or by value where a worker cannot
+    import it by name (a lambda, a closure, a notebook's function: sent once per worker
+    all the same); b"" when it cannot be sent that way (it holds an fd or cannot be
+    pickled): each task then carries it, and says why it cannot."""
+    try:
+        msg = _byvalue.dumps(fn)
+    except Exception:  # noqa: BLE001 - each task pickles it, and says why
+        return b""
+    with msg:
+        return msg.body if msg.is_plain() else b""
 
 
 def new_task(

@@ -48,10 +48,13 @@ import types
 
 from .._child import bootstrap as _child
 from .._child import output as _child_output
+from .._child import placement as _placement
 from .._child import runner as _runner
+from .._child.seeds import reseed
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
+from . import health as _health
 from . import protocol as P
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
@@ -111,6 +114,9 @@ class Server:
         # The logging-records socket to the parent, until logging is imported here (by the
         # initializer or a function's module) and its records can be forwarded.
         self.records: tuple[socket.socket, int] | None = None
+        #: The pool's ``max_memory``, until the initializer has run; then its guard.
+        self.max_memory: int | None = None
+        self.guard: _health.MemoryGuard | None = None
 
     def forward_logging(self) -> None:
         if self.records is not None and "logging" in sys.modules:
@@ -153,8 +159,26 @@ class Server:
             send(self.chan, P.OP_INIT_ERR, 0, P.ErrorPayload.of(exc))
             return False
         self.forward_logging()
+        if self.max_memory is not None:
+            try:  # its level now, after the initializer, is the one to grow from
+                self.guard = _health.MemoryGuard(self.max_memory)
+            except OSError:  # pragma: no cover - no /proc: nothing to guard with
+                pass
         send(self.chan, P.OP_READY, 0, None)
         return True
+
+    def check_memory(self, tid: int) -> None:
+        """Between tasks, before task ``tid``'s outcome goes: if private memory has
+        grown past ``max_memory``, say so first, so that the pool sends this worker
+        nothing more (see :mod:`aiomp._pool.health`)."""
+        assert self.guard is not None
+        try:
+            grown = self.guard.grown()
+        except OSError:  # pragma: no cover - /proc went away
+            grown = None
+        if grown is not None:
+            limit, self.guard = self.guard.limit, None
+            send(self.chan, P.OP_RETIRE, tid, (grown, limit))
 
     # -- sync mode -----------------------------------------------------------------
     def serve(self) -> None:
@@ -188,6 +212,8 @@ class Server:
                 _transport.close_fds(fds)
 
     def define(self, fid: int, payload: bytes | memoryview, fds: list[int]) -> None:
+        if len(self.fns) >= P.MAX_FNS:  # the parent dropped the same one (P.MAX_FNS)
+            del self.fns[next(iter(self.fns))]
         try:
             self.fns[fid] = _reduction.loads(payload, fds)
             if self.records is not None:
@@ -242,9 +268,13 @@ class Server:
                 result = list(itertools.starmap(fn, items) if flags & P.F_STAR else map(fn, items))
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
             del fn, items, kwds
+            if self.guard is not None:
+                self.check_memory(tid)
             send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
             return
         del items, kwds
+        if self.guard is not None:
+            self.check_memory(tid)
         if result is None:
             self.chan.send_sync(_OK_NONE_HEAD + _TID.pack(tid, 0) + _NONE, [])
         else:
@@ -378,9 +408,13 @@ class Server:
                     result.append(r)
         except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
             del msg, fn, items, kwds
+            if self.guard is not None:
+                self.check_memory(tid)
             send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
             return
         del msg, items, kwds
+        if self.guard is not None:
+            self.check_memory(tid)
         self.reply(tid, fn, result)
 
 
@@ -398,17 +432,32 @@ def main(
     stream: socket.socket,
     parent_pid: int,
     results: socket.socket,
+    stacks: socket.socket | None = None,
+    max_memory: int | None = None,
+    seed: int | None = None,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+    who: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
     ``stream`` and ``results`` are stream sockets the pool made
     (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
-    worker's go on ``results``. ``output``: the ends of the parent's output forwarder
-    (``aiomp._output.forwarder``), unless the pool inherits its fds.
+    worker's go on ``results``; its stack, should it be terminated, on ``stacks``
+    (:func:`aiomp._pool.health.print_stack_on_sigterm`). ``max_memory``: the pool's
+    (see :class:`aiomp._pool.health.MemoryGuard`). ``seed``: the global generators' seed
+    of a worker a fork started (``aiomp._child.seeds``). ``output``: the ends of the
+    parent's output forwarder (``aiomp._output.forwarder``), unless the pool inherits its
+    fds. ``who`` and ``env``: its slot and the pool's size, and its slot's env
+    (``_child.placement``).
     """
+    _placement.enter(who, env)
     _child.begin(parent_pid, output)
+    if seed is not None:
+        reseed(seed)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if stacks is not None:
+        _health.print_stack_on_sigterm(stacks)
     import multiprocessing
 
     try:
@@ -416,6 +465,7 @@ def main(
     except AssertionError:  # pragma: no cover - not a multiprocessing child
         pass
     worker = Server(_stream.Stream(stream), _stream.Stream(results))
+    worker.max_memory = max_memory
     if output is not None:
         worker.records = (output[3], output[4])
     try:

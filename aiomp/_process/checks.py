@@ -1,22 +1,21 @@
 """Checks before a child starts: the start-method table, what children will run, fork.
 
 Owns nothing. Everything here raises before any process starts, so a caller's mistake
-(an unknown start method, a function children could not import, ``fork`` with CUDA
-initialised) surfaces in the parent, in the caller's frame.
+(an unknown start method, a function that cannot be pickled even by value, ``fork``
+with CUDA initialised) surfaces in the parent, in the caller's frame.
 """
 
 from __future__ import annotations
 
 import inspect
 import operator
-import os
 import pickle
-import sys
 import threading
 import warnings
 from typing import SupportsIndex
 
 from .. import _lifecycle
+from .._wire import byvalue
 from .._wire import pickling as _reduction
 
 START_METHODS = ("spawn", "forkserver", "fork")
@@ -44,8 +43,10 @@ def check_start_method(start_method: str) -> None:
 def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     """Validate a function children will run; return whether it is a coroutine function.
 
-    Raises ``TypeError`` for a non-callable or a coroutine object, and
-    ``pickle.PicklingError`` when spawn/forkserver children could not import it.
+    Raises ``TypeError`` for a non-callable or a coroutine object, and, unless children
+    inherit it (``fork``), ``pickle.PicklingError`` when it cannot be pickled even by value
+    (it captures a lock, a socket, an open file). A lambda, a closure, a local function or
+    one typed into a notebook travels by value (:mod:`aiomp._wire.byvalue`).
     """
     if inspect.iscoroutine(fn):
         fn.close()
@@ -56,34 +57,22 @@ def check_function(fn: object, start_method: str, what: str = "fn") -> bool:
     if not callable(fn):
         raise TypeError(f"{what} must be callable, not {type(fn).__name__}")
     if start_method != "fork":
-        if getattr(fn, "__module__", None) == "__main__" and not main_importable():
-            raise pickle.PicklingError(
-                f"{what}={fn!r} is defined in an interactive __main__ (a notebook, a REPL, "
-                f"`python -c` or a script read from stdin), which {start_method} children "
-                "cannot import: move it into a module, or use start_method='fork'"
-            )
-        try:
-            _reduction.dumps(fn).discard()  # a trial: undo what it promised
-        except Exception as exc:
-            raise pickle.PicklingError(
-                f"{what}={fn!r} cannot be pickled for start_method={start_method!r} ({exc}); "
-                "define it at module level (not a lambda or a local function), "
-                "or use start_method='fork'"
-            ) from exc
+        check_picklable(fn, what)
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
     )
 
 
-def main_importable() -> bool:
-    """Whether spawn/forkserver children can import ``__main__``: it was run by module
-    name (``python -m``) or from a file. A notebook, a REPL and ``python -c`` have no
-    file; ``python -`` names ``<stdin>``, which a child cannot read again."""
-    main = sys.modules.get("__main__")
-    if getattr(main, "__spec__", None) is not None:
-        return True
-    path = getattr(main, "__file__", None)
-    return isinstance(path, str) and os.path.isfile(path)
+def check_picklable(fn: object, what: str = "fn") -> None:
+    """Raise ``pickle.PicklingError`` saying why if ``fn`` cannot be pickled, even by value."""
+    try:
+        byvalue.dumps(fn).discard()  # a trial: undo what it promised
+    except Exception as exc:
+        raise pickle.PicklingError(
+            f"{what}={fn!r} cannot be pickled, even by value ({type(exc).__name__}: {exc}): "
+            "it holds something that cannot leave this process (a lock, a socket, an open "
+            "file); create that inside the function, or pass what it needs as arguments"
+        ) from exc
 
 
 def check_fork_safe() -> None:

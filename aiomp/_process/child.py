@@ -74,7 +74,17 @@ class Child:
             # waits on the sentinel.
             self.pidfd = -1
         self.exit_fd = process.sentinel if self._via_server else self.pidfd
+        if not self._via_server:
+            # Ours alone to reap, with its rusage: multiprocessing's next start would
+            # otherwise reap it first (it polls its list of children).
+            mp_private.forget_child(process)
         self.exitcode: int | None = None
+        #: Its peak resident set in bytes, once reaped (None: unknown, as for a
+        #: forkserver child, which the server reaps).
+        self.peak_rss: int | None = None
+        #: Its owner terminates it on purpose and logs why itself (a Pool's timeout or
+        #: cancellation): its SIGTERM is not logged as one to a survivor of a failure.
+        self.expected_kill = False
         #: where every wait on its exit goes (its spawn's, or one of its own)
         self.exits = FdSet() if exits is None else exits
         self.sent_term = self.sent_kill = False  # each signal is sent (and logged) once
@@ -125,7 +135,8 @@ class Child:
         if not (exited or self._exited_unreaped()):
             return None
         self._end_group()
-        return self.process.exitcode  # (a non-blocking waitpid: it has exited)
+        code, self.peak_rss = mp_private.reap(self.process)  # (it has exited: no wait)
+        return code
 
     def _exited_unreaped(self) -> bool:
         """Whether our own child has exited (leaving it to be reaped)."""
@@ -205,11 +216,14 @@ class Child:
         """SIGTERM it, logged as torch logs it; once (concurrent terminations share it).
 
         A child that has said it is done is on its way out: it is signalled too, in case
-        it hangs on exit, but not logged as a survivor.
+        it hangs on exit, but not logged as a survivor; nor is one whose owner kills it
+        on purpose (:attr:`expected_kill`: the owner logs why).
         """
         if not (self.sent_term or self.sent_kill or self.poll_exit()):
             self.sent_term = True
-            if not self.finished():
+            if self.expected_kill:
+                log.debug("Terminating process %d via signal SIGTERM", self.pid)
+            elif not self.finished():
                 log.warning("Terminating process %d via signal SIGTERM", self.pid)
             self.signal(signal.SIGTERM)
 

@@ -24,6 +24,7 @@ from .._output.forwarder import Forwarder
 from . import groups as _groups
 from . import mp_private
 from .child import Child
+from .placement import spawn_environment
 
 #: What the fork server imports once, so that the children it forks start with it loaded:
 #: unpickling the sockets a child is given imports popen_forkserver; arming the
@@ -96,6 +97,8 @@ def launch(
     extra: tuple[object, ...] = (),
     name: str | None = None,
     output: Forwarder | None = None,
+    who: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> C:
     """Start one process running ``target(rank, channel, parent_pid, *extra)``; return
     ``make(rank, process, start_method, output)`` (:class:`Child` or a subclass).
@@ -104,9 +107,12 @@ def launch(
     end of; it is closed here, started or not. With ``output``, the target also gets
     ``output=(stdout_end, stderr_end, ...)`` as a keyword, to hand to
     :func:`aiomp._child.bootstrap.begin`; the returned child owns the forwarder from then
-    on (and it is closed here if the start fails). Returns at once (the child boots
-    concurrently). Call :func:`prepare_forkserver` first for ``"forkserver"``. Must run
-    on the event loop's thread, in a task.
+    on (and it is closed here if the start fails). ``who`` (``(slot or rank, how
+    many)``) and ``env`` go to the target as keywords for
+    :func:`aiomp._child.placement.enter`, its first call; under ``spawn`` the env is in
+    the new interpreter's initial environment instead (:mod:`.placement`). Returns at
+    once (the child boots concurrently). Call :func:`prepare_forkserver` first for
+    ``"forkserver"``. Must run on the event loop's thread, in a task.
 
     The start checks registered with ``_lifecycle`` run first: ``target``'s module has
     imported the child bootstrap, whose check stops a spawn child re-running its
@@ -116,15 +122,20 @@ def launch(
     # Up before the child runs, so that registering it (``Child``) is one message.
     _groups.start_keeper()
     mp: Any = multiprocessing.get_context(start_method)
+    kwargs: dict[str, object] = {} if output is None else {"output": output.child_ends()}
+    if who is not None:
+        kwargs["who"] = who
+    if env and start_method != "spawn":
+        kwargs["env"] = env
     try:
         proc = mp.Process(
             target=target,
             args=(rank, channel, os.getpid(), *extra),
-            kwargs={} if output is None else {"output": output.child_ends()},
+            kwargs=kwargs,
             daemon=daemon,
             name=name or f"aiomp-{rank}",
         )
-        with unreadable_main_hidden():
+        with unreadable_main_hidden(), spawn_environment(env if start_method == "spawn" else None):
             proc.start()
         if output is not None:
             output.start()

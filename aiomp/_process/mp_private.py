@@ -83,3 +83,32 @@ def run_exit_functions() -> None:
     import atexit
 
     atexit._run_exitfuncs()
+
+
+def forget_child(process: multiprocessing.process.BaseProcess) -> None:
+    """Take ``process`` off multiprocessing's list of children, which every new
+    ``Process.start`` polls (reaping those that have exited): its owner reaps it itself,
+    with its rusage (:func:`reap`)."""
+    import multiprocessing.process
+
+    multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
+
+
+def reap(process: multiprocessing.process.BaseProcess) -> tuple[int | None, int | None]:
+    """Reap our own child ``process`` if it has exited: ``(exit status, peak RSS in
+    bytes)``; ``(None, None)`` while it runs. The status is stored where ``Popen.poll``
+    finds it, so ``process.exitcode`` agrees. Reaped already (by ``Popen.poll``): its
+    status, and no RSS."""
+    import os
+
+    popen = process._popen  # type: ignore[attr-defined]
+    if popen.returncode is not None:
+        return popen.returncode, None
+    try:
+        pid, status, usage = os.wait4(popen.pid, os.WNOHANG)
+    except ChildProcessError:
+        return process.exitcode, None
+    if pid == 0:
+        return None, None
+    popen.returncode = os.waitstatus_to_exitcode(status)
+    return popen.returncode, usage.ru_maxrss * 1024  # (Linux counts it in KiB)

@@ -16,9 +16,16 @@ from .._loop.finalizers import protect_from_ki
 from .child import KILL_TIMEOUT, Child, log
 
 
-async def terminate_all(children: Sequence[Child], grace: float) -> None:
+async def terminate_all(
+    children: Sequence[Child], grace: float, exiting: Sequence[Child] = ()
+) -> None:
     """Terminate ``children`` for good: SIGTERM each live one, wait up to ``grace`` seconds
     for them to exit, SIGKILL the survivors, and reap them all.
+
+    Those also in ``exiting`` are already exiting on their own (a spawn child that
+    reported its error): they get no SIGTERM, so that their teardown (``atexit``
+    functions) runs whole and their own exit code is kept, but the same ``grace``
+    seconds to finish, and SIGKILL after it.
 
     aiomp's one kill path (spawn's contexts and the Pool's workers). Once started, it
     always ends with every child reaped or SIGKILLed, whatever arrives meanwhile:
@@ -42,7 +49,8 @@ async def terminate_all(children: Sequence[Child], grace: float) -> None:
     live = [c for c in children if not c.poll_exit()]
     if grace > 0:
         for c in live:
-            c.terminate()
+            if c not in exiting:
+                c.terminate()
     interrupted: BaseException | None = None
     deadline = time.monotonic() + grace
     killing = False

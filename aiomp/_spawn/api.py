@@ -19,19 +19,22 @@ import anyio
 import anyio.abc
 
 from .. import _loop
+from .._child import seeds as _seeds
 from .._child.bootstrap import check_not_bootstrapping
 from .._loop.fdset import FdSet
 from .._loop.taskhost import exit_task_group
 from .._output import forwarder as _output
 from .._output.lines import Output, check_output
+from .._process import placement as _placement
 from .._process.checks import check_fork_safe, check_function, check_start_method, count
 from .._process.launch import launch, prepare_forkserver
 from .._process.terminate import terminate_all
+from .._wire import byvalue
 from .._wire import datagram as _transport
-from .._wire import pickling as _reduction
 from . import child_main
 from .context import ProcessContext
 from .spawned import Spawned
+from .unawaited import FIX, call_site, warn_never_used
 
 #: A payload up to this size goes with the start (in the process's arguments): with
 #: multiprocessing's own data it stays well below a pipe's 64 KiB, which a spawn start
@@ -47,18 +50,22 @@ async def start_children(
     daemon: bool,
     grace_period: float,
     output: Output = "prefix",
+    env: _placement.Env = None,
+    rendezvous: bool = False,
 ) -> ProcessContext:
     check_not_bootstrapping()  # before any check: a refusal is what the parent must see
     check_output(output)
     nprocs = count("nprocs", nprocs)
+    envs = _rank_envs(env, rendezvous, nprocs)
     check_start_method(start_method)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, not {type(args).__name__}")
     is_async = check_function(fn, start_method)
     if start_method == "fork":
         check_fork_safe()
-    # Pickle once, before any process starts: an unpicklable argument raises here.
-    payload = _reduction.dumps((None if start_method == "fork" else fn, args, is_async))
+    # Pickle once, before any process starts: an unpicklable argument raises here. What a
+    # child cannot import by name (a lambda, a notebook's function) travels by value.
+    payload = byvalue.dumps((None if start_method == "fork" else fn, args, is_async))
     exits = FdSet()
     children: list[Spawned] = []
     try:
@@ -70,8 +77,12 @@ async def start_children(
         if start_method == "forkserver":
             await prepare_forkserver()
         target_fn = fn if start_method == "fork" else None
+        # A fork copies the parent's generators: each rank gets its own seeds.
+        base = None if start_method == "spawn" else _seeds.base_seed()
         for rank in range(nprocs):
-            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline)
+            who = (rank, nprocs, None if envs is None else envs[rank])
+            seed = None if base is None else _seeds.child_seed(base, rank)
+            c = _start_one(rank, start_method, daemon, target_fn, output, exits, inline, who, seed)
             children.append(c)
             if rank:
                 payload.sent_again()  # one message, sent once more
@@ -95,6 +106,15 @@ async def start_children(
     return ProcessContext(children, exits, grace_period)
 
 
+def _rank_envs(env: _placement.Env, rendezvous: bool, n: int) -> list[dict[str, str]] | None:
+    """Each rank's env: torchrun's variables (``rendezvous``), then ``env=`` over them."""
+    envs = _placement.slot_envs(env, n)
+    if not rendezvous:
+        return envs
+    ranks = _placement.rendezvous(n)
+    return ranks if envs is None else [{**r, **e} for r, e in zip(ranks, envs, strict=True)]
+
+
 def _start_one(
     rank: int,
     start_method: str,
@@ -103,10 +123,13 @@ def _start_one(
     output: Output,
     exits: FdSet,
     payload: bytes | None,
+    who: tuple[int, int, dict[str, str] | None],
+    seed: int | None = None,
 ) -> Spawned:
     """Start child ``rank`` with a report socket (a datagram pair) and its forwarder;
     ``payload``, the datagram of ``(fn, args, is_async)``, goes with the start (None: the
-    caller sends it on the report socket)."""
+    caller sends it on the report socket). ``who``: its rank, nprocs and env; ``seed``, the
+    child's global generators' seed (None: a spawn child seeds itself)."""
     fw = None if output == "inherit" else _output.Forwarder(rank, output)
     # One datagram each way (the payload, the report), each at most a 64 KiB body (a
     # larger one rides in a memfd): the default buffers hold it, unlike a queue's.
@@ -119,8 +142,10 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn, start_method == "spawn", payload),
+            extra=(fn, start_method == "spawn", payload, seed),
             output=fw,
+            who=who[:2],
+            env=who[2],
         )
     except BaseException:
         ours.close()
@@ -138,14 +163,30 @@ class SpawnHandle:
     ``_output.LINGER`` seconds for streams their own children still hold.
     """
 
-    def __init__(self, start: Callable[[], Awaitable[ProcessContext]]) -> None:
+    def __init__(
+        self, start: Callable[[], Awaitable[ProcessContext]], what: str = "aiomp.spawn(...)"
+    ) -> None:
         #: :func:`start_children` with spawn's arguments (a partial: no frame of its own).
         self._start_children = start
         self._ctx: ProcessContext | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._task: object = None  # the asyncio task that entered the block
+        self._what = what
+        #: Where the call was made, until it is awaited or entered (see __del__).
+        self._site: tuple[str, int, str] | None = call_site(2)
+
+    def __repr__(self) -> str:
+        # asyncio.run(aiomp.spawn(...)) says "a coroutine was expected, got <this>".
+        return f"<{self._what}: await it, or enter it with `async with`, {FIX}>"
+
+    def __del__(self) -> None:
+        if self._site is not None:
+            warn_never_used(
+                self._what, "`await aiomp.spawn(...)` or `async with aiomp.spawn(...)`", self._site
+            )
 
     def __await__(self) -> Generator[Any, None, ProcessContext]:
+        self._site = None
         return self._start().__await__()
 
     async def _start(self) -> ProcessContext:
@@ -154,6 +195,7 @@ class SpawnHandle:
         return await self._start_children()
 
     async def __aenter__(self) -> ProcessContext:
+        self._site = None
         ctx = self._ctx = await self._start_children()
         tg = self._tg = anyio.create_task_group()
         await tg.__aenter__()
@@ -227,27 +269,53 @@ def spawn(
     daemon: bool = False,
     grace_period: float = 5.0,
     output: Output = "prefix",
+    env: _placement.Env = None,
+    rendezvous: bool = False,
 ) -> SpawnHandle:
     """Start ``nprocs`` processes running ``fn(i, *args)``; ``i`` is the rank.
 
     ``await aiomp.spawn(...)`` returns a started :class:`ProcessContext`;
     ``async with aiomp.spawn(...) as ctx:`` supervises them (see :class:`SpawnHandle`).
+    A handle neither awaited nor entered starts nothing, and warns (``RuntimeWarning``)
+    when collected, as an unawaited coroutine does. Children that a fork starts get
+    fresh seeds for ``random``, numpy and torch (``aiomp._child.seeds``).
     ``fn`` may be an ``async def`` function: the child runs it on a fresh event loop
     (uvloop when installed). Numpy arrays in ``args`` travel through shared memory.
 
     Raises ``ValueError`` for an unknown ``start_method`` or ``nprocs < 1``, and
-    ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` children could not run, before
-    any process starts. Starting never blocks the event loop.
+    ``TypeError`` / ``pickle.PicklingError`` for an ``fn`` or ``args`` that cannot be
+    pickled even by value, before any process starts. A lambda, a closure or a function
+    typed into a notebook travels by value (cloudpickle). Starting never blocks the event loop.
 
     ``output``: ``"prefix"`` (the default) forwards each line a child writes to its
     fd 1 or 2 to this process's ``sys.stdout`` / ``sys.stderr`` as ``[rank N] line``,
     read on the event loop (see ``aiomp._output.forwarder``); ``"inherit"`` leaves the children
     the raw fds; a callable ``(rank, stream, line)`` receives each line instead.
+
+    ``env``: a dict of str to str merged over each child's environment, or a callable
+    ``env(rank)`` giving one: in place before the child's interpreter starts (``spawn``)
+    or before any code runs in it (``forkserver``, ``fork``). ``rendezvous=True`` sets
+    what ``torchrun`` sets: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (one per
+    job), so ``torch.distributed.init_process_group("gloo")`` needs no other argument;
+    ``env`` is applied over them. In each child ``aiomp.get_worker_info()`` gives its
+    rank (``id``) and ``nprocs`` (``num_workers``). A key or value of ``env`` that is not
+    a str: ``TypeError`` before anything starts.
     """
     return SpawnHandle(
         functools.partial(
-            start_children, fn, nprocs, args, start_method, daemon, grace_period, output
-        )
+            start_children,
+            fn,
+            nprocs,
+            args,
+            start_method,
+            daemon,
+            grace_period,
+            output,
+            env,
+            rendezvous,
+        ),
+        f"aiomp.spawn({getattr(fn, '__qualname__', type(fn).__name__)}, {nprocs!r})",
     )
 
 

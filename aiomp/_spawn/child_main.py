@@ -17,8 +17,10 @@ import sys
 
 from .._child.bootstrap import begin, exit_fast
 from .._child.output import forward_logging
+from .._child.placement import enter
 from .._child.report import report_error, send_message
 from .._child.runner import run_fn
+from .._child.seeds import reseed
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 
@@ -30,14 +32,22 @@ def main(
     fn: object = None,
     spawned: bool = False,
     payload: bytes | None = None,
+    seed: int | None = None,
     output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
+    who: tuple[int, int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
     target). ``spawned``: started by the ``spawn`` method, whose children exit through
     the interpreter's teardown (fork and forkserver children skip it already).
     ``payload``: the datagram of ``(fn, args, is_async)`` when it came with the start;
-    None: it arrives on ``sock`` (it holds fds)."""
+    None: it arrives on ``sock`` (it holds fds). ``who`` and ``env``: its rank and
+    nprocs, and its env (``_child.placement``), first of all. ``seed``: the global
+    generators' seed of a child a fork started (``aiomp._child.seeds``)."""
+    enter(who, env)
     begin(parent_pid, output)
+    if seed is not None:
+        reseed(seed)
     if payload is None:
         got = _transport.recv_sync(sock)
         assert got is not None

@@ -109,6 +109,10 @@ class ProcessContext:
     async def terminate(self, grace_period: float | None = None) -> None:
         """SIGTERM every live process, wait ``grace_period`` seconds, SIGKILL survivors, reap.
 
+        A process that has reported its error gets no SIGTERM: it is exiting already, and
+        finishes on its own (its ``atexit`` functions run; its exit code is its own)
+        within the same ``grace_period``, or is SIGKILLed with the survivors.
+
         ``grace_period=0`` SIGKILLs at once. Once started it cannot be broken (see
         :func:`aiomp._process.terminate.terminate_all`): a cancellation or
         KeyboardInterrupt that arrives meanwhile cuts the grace period short (SIGKILL
@@ -119,8 +123,10 @@ class ProcessContext:
         they left in their socket buffers.
         """
         grace = self.grace_period if grace_period is None else grace_period
+        # A child that reported its error is exiting: it finishes on its own (issue 31).
+        exiting = [c for c in self._children if c.failure() is not None]
         try:
-            await terminate_all(self._children, grace)
+            await terminate_all(self._children, grace, exiting)
         except BaseException:
             await self._close_output(now=True)
             raise

@@ -16,6 +16,7 @@ import select
 import socket
 from typing import Any
 
+from .._child.report import ErrorPayload, RemoteTraceback
 from .._errors import (
     ProcessException,
     ProcessExitedException,
@@ -105,15 +106,24 @@ class Spawned(Child):
         if msg[0] == "ok":
             self.outcome = ("ok", msg[1])
         else:
-            self._fail(f"raised:\n\n{msg[1].text.rstrip()}")
+            self._fail(f"raised:\n\n{msg[1].text.rstrip()}", self._cause(msg[1]))
 
-    def _fail(self, what: str) -> None:
-        self.outcome = (
-            "err",
-            ProcessRaisedException(
-                f"process {self.rank} (pid {self.pid}) {what}", self.rank, self.pid
-            ),
+    def _cause(self, payload: ErrorPayload) -> BaseException:
+        """The child's exception rebuilt here, with its traceback there as its own
+        ``__cause__`` (as the Pool raises it); only that traceback if it cannot be."""
+        remote = RemoteTraceback(f'\n"""\nprocess {self.rank}:\n{payload.text}"""')
+        exc, _ = payload.rebuild()
+        if exc is None:
+            return remote
+        exc.__cause__ = remote
+        return exc
+
+    def _fail(self, what: str, cause: BaseException | None = None) -> None:
+        exc = ProcessRaisedException(
+            f"process {self.rank} (pid {self.pid}) {what}", self.rank, self.pid
         )
+        exc.__cause__ = cause  # `raise exc` keeps a cause set beforehand
+        self.outcome = ("err", exc)
 
     def failure(self) -> ProcessException | None:
         """The failure this child stands for, if any, as soon as it is known."""

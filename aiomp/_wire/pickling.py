@@ -121,6 +121,11 @@ class Message:
         datagram, fds = self.datagram()
         return _stream.frame(datagram, len(fds)), fds
 
+    def is_plain(self) -> bool:
+        """Whether the body is the whole message: no fd, nothing to undo or count (it may
+        then be copied and sent any number of times)."""
+        return not self.fds and self._hooks is None
+
     def sent_again(self) -> None:
         """The message goes to one more receiver than it was pickled for: objects that
         count their sends (a ``file_system`` storage's reference count) count one more."""
@@ -230,6 +235,11 @@ def init_reductions() -> None:
             importlib.import_module(module).init_reductions()
 
 
+def reducers() -> dict[type, object]:
+    """The table of reducers by type (live: later registrations show in it)."""
+    return _dispatch
+
+
 def register(cls: type, reducer: object) -> None:
     """Reduce instances of exactly ``cls`` with ``reducer(obj)`` in aiomp messages."""
     _dispatch[cls] = reducer
@@ -279,19 +289,44 @@ def dumps(obj: object, prefix: bytes = b"") -> Message:
         alone = fast(obj, prefix)
         if alone is not None:
             return alone
-    msg, pad = _dump(obj, prefix, _PENDING)
+    return _dump_retrying(obj, prefix, None)
+
+
+def dumps_with(
+    make: Callable[[io.BytesIO], pickle.Pickler], obj: object, prefix: bytes = b""
+) -> Message:
+    """:func:`dumps` with the pickler ``make(buffer)`` returns: a subclass of this module's
+    that pickles some objects its own way (:mod:`aiomp._wire.byvalue`'s)."""
+    if len(_hooked) < len(REDUCERS):
+        init_reductions()
+    return _dump_retrying(obj, prefix, make)
+
+
+def _dump_retrying(
+    obj: object, prefix: bytes, make: Callable[[io.BytesIO], pickle.Pickler] | None
+) -> Message:
+    msg, pad = _dump(obj, prefix, _PENDING, make)
     if pad is not None and pad.retry:
         msg.discard()
-        msg, _ = _dump(obj, prefix, Scratchpad(first=pad))
+        msg, _ = _dump(obj, prefix, Scratchpad(first=pad), make)
     return msg
 
 
-def _dump(obj: object, prefix: bytes, start: object) -> tuple[Message, Scratchpad | None]:
-    # One pickler per thread, reused: building one costs more than pickling a small item.
-    cached = _local.__dict__.pop("pickler", None)
-    if cached is None:
+def _dump(
+    obj: object,
+    prefix: bytes,
+    start: object,
+    make: Callable[[io.BytesIO], pickle.Pickler] | None = None,
+) -> tuple[Message, Scratchpad | None]:
+    if make is None:
+        # One pickler per thread, reused: building one costs more than pickling a small item.
+        cached = _local.__dict__.pop("pickler", None)
+        if cached is None:
+            buf = io.BytesIO()
+            cached = (buf, _Pickler(buf, protocol=5))
+    else:
         buf = io.BytesIO()
-        cached = (buf, _Pickler(buf, protocol=5))
+        cached = (buf, make(buf))
     buf, pickler = cached
     prev = getattr(_local, "out", None)
     _local.out = start
@@ -311,7 +346,8 @@ def _dump(obj: object, prefix: bytes, start: object) -> tuple[Message, Scratchpa
         pickler.clear_memo()
         buf.seek(0)
         buf.truncate()
-        _local.pickler = cached
+        if make is None:
+            _local.pickler = cached
     if isinstance(pad, Scratchpad):
         return pad.message(body), pad
     return Message(body), None

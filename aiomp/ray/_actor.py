@@ -29,6 +29,7 @@ import pickle
 import types
 from typing import Any
 
+from .._child.info import set_worker_info
 from .._pool import protocol as P
 
 #: Flags in a task's blob (the wire format's own, for the same meanings).
@@ -66,10 +67,13 @@ class TaskActor:
         self._cancelled: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def init(self, blob: bytes) -> tuple[Any, ...]:
-        """Run the pool's initializer; ``(True, pid, node id)`` or ``(False, ErrorPayload)``."""
+    async def init(self, blob: bytes, who: tuple[int, int]) -> tuple[Any, ...]:
+        """Record ``who`` (slot, pool size) as this actor's ``aiomp.get_worker_info()``,
+        then run the pool's initializer; ``(True, pid, node id)`` or
+        ``(False, ErrorPayload)``."""
         import ray
 
+        set_worker_info(*who)
         self._loop = asyncio.get_running_loop()
         try:
             initializer, initargs = pickle.loads(blob)

@@ -121,10 +121,12 @@ class ActorHandle(Handle):
         # What ``ref.future()`` and ``await ref`` use, without a concurrent Future between.
         ref._on_completed(settled)
 
-    def init(self, blob: bytes) -> None:
-        """Have the actor run the pool's initializer; ``on_ready`` gets the answer."""
+    def init(self, blob: bytes, who: tuple[int, int]) -> None:
+        """Have the actor record ``who`` (its slot, the pool's size: its
+        ``get_worker_info()``) and run the pool's initializer; ``on_ready`` gets the
+        answer."""
         self.pending += 1
-        self._watch(self.actor.init.remote(blob), self._init_done)
+        self._watch(self.actor.init.remote(blob, who), self._init_done)
 
     def _init_done(self, answer: Any) -> None:
         self._settle()

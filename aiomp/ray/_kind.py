@@ -328,7 +328,7 @@ class RayKind(WorkerKind):
         assert loop is not None
         h = ActorHandle(slot, actor, loop, options.grace, events)
         self.handles[h] = None
-        h.init(self._init_blob)
+        h.init(self._init_blob, (slot, options.processes))
         return h
 
     def _fn_key(self, fn: object) -> bytes:

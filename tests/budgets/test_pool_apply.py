@@ -262,7 +262,7 @@ async def test_try_send_now_declines_whenever_the_frame_must_wait() -> None:
     try:
         frame = P.noargs_task(1, P.F_APPLY | P.F_NOARGS, 7)
         assert not h.try_send_now(frame, 7)  # no DEF of 7 sent yet
-        h.fns.add(7)
+        h.fns[7] = None  # as if its DEF had been sent
         assert h.try_send_now(frame, 7)
         assert tasks_r.recv(100) == frame
         h._outbox.append(b"earlier")

@@ -42,7 +42,7 @@ LAYERS: list[set[str]] = [
     {"_child"},
     {"_spawn"},
     {"_pool"},
-    {"ray"},
+    {"ray", "_first", "_data"},
     {"__init__"},
 ]
 
@@ -58,6 +58,7 @@ CHILD: set[str] = {
     "aiomp._child",
     "aiomp._pool.protocol",
     "aiomp._pool.worker_main",
+    "aiomp._pool.health",
     "aiomp._process.mp_private",
 }
 #: Packages all of whose modules are child-side (the rest of CHILD are single modules).

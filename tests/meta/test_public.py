@@ -86,8 +86,11 @@ def test_spawn_signature() -> None:
             "daemon",
             "grace_period",
             "output",
+            "env",
+            "rendezvous",
         ]
         assert params["output"].default == "prefix"  # the README's default
+        assert params["env"].default is None and params["rendezvous"].default is False
         assert params["nprocs"].default == 1
         assert params["args"].default == ()
         assert params["start_method"].default == "spawn"
@@ -95,7 +98,15 @@ def test_spawn_signature() -> None:
         assert params["grace_period"].default == 5.0
         assert all(
             params[p].kind is inspect.Parameter.KEYWORD_ONLY
-            for p in ("args", "start_method", "daemon", "grace_period", "output")
+            for p in (
+                "args",
+                "start_method",
+                "daemon",
+                "grace_period",
+                "output",
+                "env",
+                "rendezvous",
+            )
         )
 
 

@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-OPTIONAL = ("torch", "ray", "cupy", "tqdm")
+OPTIONAL = ("torch", "ray", "cupy", "tqdm", "fastapi", "uvicorn")
 
 
 def python_blocks() -> list[tuple[int, str]]:

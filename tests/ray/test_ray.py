@@ -481,3 +481,44 @@ async def test_more_actors_than_fit_serve_with_those_that_fit(
         async with pool(2, num_cpus=3) as p:  # the head has 4 CPUs: one fits
             assert "2 actors asked, and the cluster's nodes can hold 1" in caplog.text
             assert await p.apply(funcs.square, (5,)) == 25
+
+
+@LOOPS
+async def test_worker_info_and_batched(anyio_backend: object) -> None:
+    """issue 28: an actor's get_worker_info() is its slot; pool.batched works on Ray,
+    stack=True included (read-only views through the object store), and each caller of a
+    failing batch gets the error."""
+    from tests.children import serve
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1) as p:
+            who = await p.apply(serve.who)
+            assert who is not None and who[:4] == (0, 1, None, None)
+            b = p.batched(serve.double_all, max_batch_size=4, max_delay=0.05)
+            got = await _gather(b, list(range(6)))
+            assert [r[0] for r in got] == [2 * x for x in range(6)]
+            assert max(r[1] for r in got) == 4
+            s = p.batched(serve.stacked_times_two, max_batch_size=3, stack=True)
+            rows = await _gather(s, [np.full((128, 128), float(i)) for i in range(3)])
+            for i, r in enumerate(rows):
+                assert (r == 2.0 * i).all() and not r.flags.writeable
+            bad = p.batched(serve.raise_value_error, max_batch_size=2)
+            for exc in await _gather(bad, [1, 2], catch=True):
+                assert isinstance(exc, ValueError) and exc.__cause__ is not None
+
+
+async def _gather(call: Any, xs: list[Any], catch: bool = False) -> list[Any]:
+    out: list[Any] = [None] * len(xs)
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await call(xs[i])
+        except Exception as exc:
+            if not catch:
+                raise
+            out[i] = exc
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(xs)):
+            tg.start_soon(one, i)
+    return out

@@ -60,8 +60,9 @@ async def test_a_reported_error_acts_before_the_childs_teardown_ends(
     start_method: str, gate: Gate
 ) -> None:
     """Rank 0 reports its error and then never finishes exiting (a non-daemon thread
-    blocks its teardown) while rank 1 runs: the error must end the block, and both be
-    terminated, with no exit to wait for."""
+    blocks its teardown) while rank 1 runs: the error must end the block, rank 1 be
+    terminated, and rank 0, which is exiting on its own, be SIGKILLed once the grace
+    period has passed (issue 31 item 3: a failing rank gets no SIGTERM)."""
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessRaisedException, match="rank 0 failed") as info:
             async with aiomp.spawn(
@@ -73,7 +74,7 @@ async def test_a_reported_error_acts_before_the_childs_teardown_ends(
             ) as ctx:
                 await anyio.sleep_forever()
     assert info.value.error_index == 0
-    assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM, -signal.SIGTERM]
+    assert [p.exitcode for p in ctx.processes] == [-signal.SIGKILL, -signal.SIGTERM]
 
 
 @pytest.mark.anyio

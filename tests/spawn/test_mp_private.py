@@ -35,6 +35,27 @@ def test_a_process_keeps_its_status_in_its_popen() -> None:
         proc.close()
 
 
+def test_a_forgotten_child_is_reaped_with_its_peak_rss_by_its_owner_alone() -> None:
+    """Issue 30: multiprocessing's next start does not reap a child taken off its list,
+    so its owner gets its rusage (peak RSS) with its status."""
+    ctx = multiprocessing.get_context("fork")
+    proc = ctx.Process(target=os._exit, args=(7,))
+    proc.start()
+    mp_private.forget_child(proc)
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # it has exited
+        other = ctx.Process(target=int)
+        other.start()  # polls the list of children: not ours any more
+        other.join(60)
+        code, peak = mp_private.reap(proc)
+        assert code == 7 and proc.exitcode == 7
+        assert peak is not None and peak > 1 << 20
+        assert mp_private.reap(proc) == (7, None)
+    finally:
+        proc.join(60)
+        proc.close()
+
+
 def test_a_reaped_process_closes_its_sentinel_and_keeps_its_status() -> None:
     proc = multiprocessing.get_context("spawn").Process(target=int)
     proc.start()

@@ -160,8 +160,9 @@ async def test_an_error_reaches_the_parent_while_the_child_and_a_grandchild_hold
     """The child reports its error, then never exits (a non-daemon thread), and a
     grandchild holds a copy of its report socket: there is no exit and no last close to
     hear. The child ends the socket's sending side after its report, so the error still
-    ends the block, which terminates it, and the grandchild with it (its process group:
-    issue 25 item 5)."""
+    ends the block; the child, exiting on its own, is SIGKILLed once the grace period
+    has passed (issue 31 item 3: a child that reported its error gets no SIGTERM), and
+    the grandchild with it (its process group: issue 25 item 5)."""
     with anyio.fail_after(TIMEOUT):
         with pytest.raises(aiomp.ProcessRaisedException, match="rank 0 failed"):
             async with aiomp.spawn(
@@ -172,7 +173,7 @@ async def test_an_error_reaches_the_parent_while_the_child_and_a_grandchild_hold
                 grace_period=GRACE,
             ) as ctx:
                 await anyio.sleep_forever()
-        assert [p.exitcode for p in ctx.processes] == [-signal.SIGTERM]
+        assert [p.exitcode for p in ctx.processes] == [-signal.SIGKILL]
         grandchild = (await gate.ready(2))[100]
         try:
             fd = os.pidfd_open(grandchild)

@@ -38,6 +38,8 @@ class FakeHandle:
         self.alive = True
         self.exit_requested = False
         self.killed = False
+        self.oom_killed = False  # what a process handle learns of its death
+        self.peak_rss: int | None = None
 
     @property
     def name(self) -> str:

@@ -1,0 +1,372 @@
+"""``aiomp.DataLoader``: torch's ``DataLoader`` names and meanings, async and sync, over an
+:class:`aiomp.Pool` of persistent workers that survives them."""
+
+from __future__ import annotations
+
+import functools
+import secrets
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import anyio
+import anyio.abc
+
+from .._loop import running_asyncio_loop, trio_running
+from .._loop.taskhost import TaskHost
+from .._pool.pool import Pool
+from .epoch import Epoch
+from .sampling import Sampling, is_map_style
+from .streams import StreamEpoch
+from .worker import init as _init_worker
+
+if TYPE_CHECKING:
+    from anyio.from_thread import BlockingPortal
+
+
+class DataLoader:
+    """Batches of ``dataset`` built by ``num_workers`` worker processes.
+
+    ::
+
+        async with aiomp.DataLoader(dataset, 64, shuffle=True) as loader:
+            for epoch in range(10):
+                async for images, labels in loader:   # one epoch
+                    ...
+
+        with aiomp.DataLoader(dataset, 64, shuffle=True) as loader:   # no event loop
+            for images, labels in loader:
+                ...
+
+    torch's names and meanings: ``dataset`` is map-style (``__getitem__`` and ``__len__``:
+    a torch ``Dataset``, a list, an array) or iterable-style (a torch ``IterableDataset`` or
+    any object with ``__iter__`` and no ``__getitem__``; each worker runs its own iterator
+    and shards it by ``get_worker_info()``, as in torch). ``sampler`` and
+    ``batch_sampler`` take torch's samplers; ``shuffle``, ``drop_last``, ``collate_fn``
+    (default: :func:`default_collate`, straight into shared memory),
+    ``worker_init_fn(worker_id)`` and ``prefetch_factor`` (at most
+    ``prefetch_factor * num_workers`` batches requested and not yet handed out) as
+    torch's. Workers are persistent: started by ``async with`` / ``with``, kept over
+    epochs. ``start_method`` and ``env`` are the Pool's.
+
+    ``seed`` (default: drawn when the loader is made, :attr:`seed`): batch ``k`` of epoch
+    ``e`` is built with Python's ``random``, numpy's global RNG and torch's seeded from
+    ``(seed, e, k)``, and shuffling is drawn from ``(seed, e)``: one seed, the same
+    batches, whatever ``num_workers``.
+
+    Faults: a worker that dies while building a batch is replaced and the batch built
+    again, up to ``max_retries`` times, then :class:`aiomp.BrokenWorkerError` names the
+    batch (``batch_index``, ``indices``). An exception raised by the dataset or
+    ``collate_fn`` is raised here as its own type, the worker's traceback as its
+    ``__cause__`` and a note naming the batch. ``timeout`` seconds from the moment a
+    worker takes a batch: ``TimeoutError``, the worker replaced. Each of these is raised
+    by the step that would have handed the batch out; iterating on gives the later
+    batches, and the next epoch is whole.
+
+    Resume: :meth:`state_dict` / :meth:`load_state_dict` (see there).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        *,
+        shuffle: bool = False,
+        sampler: Iterable[Any] | None = None,
+        batch_sampler: Iterable[list[Any]] | None = None,
+        num_workers: int = 2,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        drop_last: bool = False,
+        seed: int | None = None,
+        worker_init_fn: Callable[[int], object] | None = None,
+        prefetch_factor: int = 2,
+        timeout: float | None = None,
+        max_retries: int = 2,
+        in_order: bool = True,
+        start_method: str = "spawn",
+        env: Any = None,
+    ) -> None:
+        _check(num_workers, prefetch_factor, timeout, max_retries)
+        self.dataset = dataset
+        self.map_style = is_map_style(dataset)
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                    "sampler, and drop_last"
+                )
+            batch_size, drop_last = None, False
+        elif batch_size is None:
+            raise ValueError("batch_size=None (no batching) is not supported: use batch_size=1")
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if not self.map_style and (sampler is not None or batch_sampler is not None or shuffle):
+            raise ValueError(
+                "DataLoader with an iterable-style dataset: expected unspecified sampler, "
+                "batch_sampler and shuffle options"
+            )
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.in_order = in_order
+        #: The seed every batch's RNGs and the shuffling derive from.
+        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.sampling = (
+            Sampling(len(dataset), batch_size, shuffle, sampler, batch_sampler, drop_last)
+            if self.map_style
+            else None
+        )
+        options: dict[str, Any] = {} if env is None else {"env": env}
+        #: The workers' pool, made when the loader is entered (a pool made here and
+        #: never entered would warn of it when collected).
+        self._new_pool = functools.partial(
+            Pool,
+            num_workers,
+            initializer=_init_worker,
+            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn),
+            start_method=start_method,
+            **options,
+        )
+        self._pool: Pool | None = None
+        self._host: TaskHost | None = None
+        self._next_epoch = 0  # the epoch the next ``async for`` iterates
+        self._skip = 0  # batches of it already handed out (resumed)
+        self._current: Epoch | StreamEpoch | None = None
+        self._skip_sampler = False  # resumed by the user sampler's own state
+        #: Batch requests running (of any epoch): leaving with some terminates workers.
+        self.in_flight = 0
+        self._drained: anyio.Event | None = None  # set when in_flight comes back to 0
+        self._portal: BlockingPortal | None = None
+        self._portal_cm: Any = None
+
+    def __len__(self) -> int:
+        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``)."""
+        if self.sampling is not None:
+            return len(self.sampling)
+        assert self.batch_size is not None
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"<aiomp.DataLoader {type(self.dataset).__name__} batch_size={self.batch_size} "
+            f"num_workers={self.num_workers} seed={self.seed}>"
+        )
+
+    @property
+    def pool(self) -> Pool:
+        """The workers' pool, while the loader is entered."""
+        if self._pool is None:
+            raise RuntimeError("use `async with loader:` (or `with loader:`) first")
+        return self._pool
+
+    # -- epochs and resume -------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
+        self._next_epoch, self._skip = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is, as a small picklable dict: ``epoch``, ``batches`` (handed
+        out of it so far), ``seed``, and ``sampler`` (a user sampler's ``state_dict()``,
+        if it has one). Taken inside an epoch, it points at the next batch of it; taken
+        after, at the start of the next epoch."""
+        current = self._current
+        if current is not None and not (
+            self.sampling is not None and current.handed_count >= len(self.sampling)
+        ):
+            epoch, batches = current.epoch, current.handed_count
+        elif current is not None:
+            epoch, batches = current.epoch + 1, 0
+        else:
+            epoch, batches = self._next_epoch, self._skip
+        state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
+        user = None if self.sampling is None else self.sampling.user_sampler()
+        if user is not None and hasattr(user, "state_dict"):
+            state["sampler"] = user.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where ``state`` (from :meth:`state_dict`) was taken: the next ``async
+        for`` / ``for`` starts at its next batch, with its seed, whatever ``num_workers``.
+        The skipped batches are not built (their sample indices are skipped in the
+        sampler's order; a user sampler with ``load_state_dict`` is restored instead and
+        iterated from where it was). An iterable-style dataset restarts the stored epoch
+        from its start (its iterators' positions live in the workers that ran them)."""
+        self.seed = int(state["seed"])
+        self._next_epoch = int(state["epoch"])
+        self._skip = int(state["batches"]) if self.map_style else 0
+        user = None if self.sampling is None else self.sampling.user_sampler()
+        if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
+            user.load_state_dict(state["sampler"])
+            self._skip_sampler = True
+
+    # -- async -------------------------------------------------------------------------
+    async def __aenter__(self) -> Self:
+        """Start the workers (concurrently: returns before they are ready). On failure or
+        cancellation nothing is left running."""
+        self._pool = pool = self._new_pool()
+        await pool.__aenter__()
+        host = TaskHost(lambda: None)
+        try:
+            await host.start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await pool.__aexit__(None, None, None)
+            self._pool = None
+            raise
+        self._host = host
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        """Stop the workers. Batches still being built (an epoch left early) are waited
+        for up to 5 s, then dropped and their workers terminated (SIGTERM, the Pool's
+        grace period, SIGKILL; shielded and bounded). On cancellation or an exception
+        from the body: no wait."""
+        self._abandon()
+        host, self._host = self._host, None
+        if exc is None and self.in_flight:
+            # Nobody will take the batches still being built: let them finish for a
+            # while (as torch joins its workers), then stop the workers still busy.
+            with anyio.move_on_after(DRAIN_SECONDS):
+                while self.in_flight:
+                    self._drained = anyio.Event()
+                    await self._drained.wait()
+            if self.in_flight:
+                exc = _Leaving()
+        try:
+            if host is not None:
+                await host.stop(exc)
+        finally:
+            pool, self._pool = self.pool, None
+            await pool.__aexit__(type(exc) if exc else None, exc, tb)
+        return None
+
+    def __aiter__(self) -> Epoch | StreamEpoch:
+        """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
+        if self._host is None:
+            raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
+        self._abandon()
+        epoch, skip = self._next_epoch, self._skip
+        self._next_epoch, self._skip = epoch + 1, 0
+        current: Epoch | StreamEpoch
+        if self.sampling is None:
+            current = StreamEpoch(self, epoch)
+        else:
+            from_sampler, self._skip_sampler = self._skip_sampler, False
+            batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
+            current = Epoch(self, epoch, skip, batches)
+        self._current = current
+        return current
+
+    def _abandon(self) -> None:
+        """Drop the epoch left early, if any: its batches in flight are discarded."""
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def host_tg(self) -> anyio.abc.TaskGroup:
+        assert self._host is not None and self._host.tg is not None
+        return self._host.tg
+
+    def fetched(self) -> None:
+        """Called as a batch request (or a shard) ends."""
+        self.in_flight -= 1
+        if not self.in_flight and self._drained is not None:
+            self._drained.set()
+
+    def finished(self, epoch: Epoch | StreamEpoch) -> None:
+        """Called by ``epoch`` at its end."""
+        if self._current is epoch:
+            self._current = None
+
+    # -- sync --------------------------------------------------------------------------
+    def __enter__(self) -> Self:
+        """Start the workers for a program with no event loop: the loader's async side
+        runs on a private event loop in a thread, which this thread waits for."""
+        if running_asyncio_loop() is not None or trio_running():
+            raise RuntimeError(
+                "`with loader:` blocks its thread: in async code use `async with loader:`"
+            )
+        from anyio.from_thread import start_blocking_portal
+
+        cm = start_blocking_portal()
+        portal = cm.__enter__()
+        try:
+            portal.call(self.__aenter__)
+        except BaseException as exc:
+            cm.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._portal, self._portal_cm = portal, cm
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the workers as ``async with`` does, then the private loop."""
+        portal, cm = self._portal, self._portal_cm
+        self._portal = self._portal_cm = None
+        if portal is None:
+            return
+        try:
+            portal.call(self.__aexit__, exc_type, exc, tb)
+        finally:
+            cm.__exit__(None, None, None)
+
+    def __iter__(self) -> Iterator[Any]:
+        """One epoch, for a sync loop (inside ``with loader:``)."""
+        portal = self._portal
+        if portal is None:
+            raise RuntimeError("use `with loader:` before iterating in sync code")
+        epoch = portal.call(self.__aiter__)
+        step = _step(epoch)
+        while True:
+            more, batch = portal.call(step)
+            if not more:
+                return
+            yield batch
+            del batch  # hold one batch at a time, as an async for does
+
+
+#: How long leaving the loader waits for batches still being built before it stops their
+#: workers (torch's loader joins its workers for 5 s before terminating them).
+DRAIN_SECONDS = 5.0
+
+
+class _Leaving(Exception):
+    """What the loader's block is left with when it is left normally: the Pool must not
+    wait for batches nobody will take."""
+
+
+def _step(epoch: Epoch | StreamEpoch) -> Callable[[], Any]:
+    async def step() -> tuple[bool, Any]:
+        try:
+            return True, await epoch.__anext__()
+        except StopAsyncIteration:
+            return False, None
+
+    return step
+
+
+def _check(num_workers: int, prefetch_factor: int, timeout: float | None, retries: int) -> None:
+    if num_workers < 1:
+        raise ValueError(
+            f"num_workers must be at least 1 (loading in the consumer would block its event "
+            f"loop), not {num_workers}"
+        )
+    if prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor must be at least 1, not {prefetch_factor}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive or None, not {timeout}")
+    if retries < 0:
+        raise ValueError(f"max_retries must be at least 0, not {retries}")

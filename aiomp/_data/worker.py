@@ -1,0 +1,134 @@
+"""What a :class:`aiomp.DataLoader` worker runs: its Pool initializer and its batch tasks.
+
+The dataset, ``collate_fn`` and ``worker_init_fn`` come once, in the Pool's initializer;
+a batch task carries only its batch index, sample indices and seed. Before building a
+batch the worker seeds Python's ``random``, numpy's global generator (if numpy is loaded)
+and torch's (if torch is loaded) from the batch's seed, and sets ``seed`` on its worker
+information, so a batch's content depends on ``(seed, epoch, batch index)`` alone.
+
+Standard library at module level: numpy and torch are used only where the dataset loaded
+them already.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import random
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .._child import info as _info
+from .collate import default_collate
+
+
+class _State:
+    """This worker's loader: set once by :func:`init`."""
+
+    dataset: Any = None
+    collate: Callable[[Any], Any] = staticmethod(default_collate)
+    info: _info.WorkerInfo | None = None
+
+
+_state = _State()
+
+
+def _slot() -> int:
+    """This worker's slot in its Pool: from the Pool's own record when it sets one, else
+    from the process name the Pool gives its workers (``aiomp-pool-<slot>``)."""
+    known = _info.get_worker_info()
+    if known is not None:
+        return known.id
+    name = multiprocessing.current_process().name
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def init(
+    dataset: Any,
+    num_workers: int,
+    seed: int,
+    collate_fn: Callable[[Any], Any] | None,
+    worker_init_fn: Callable[[int], object] | None,
+) -> None:
+    """The Pool's initializer: record who this worker is (``aiomp.get_worker_info()`` and,
+    where torch is loaded, ``torch.utils.data.get_worker_info()``), then run
+    ``worker_init_fn(id)`` as torch does, with the RNGs seeded for this worker."""
+    from .sampling import derive
+
+    slot = _slot()
+    _state.dataset = dataset
+    if collate_fn is not None:
+        _state.collate = collate_fn
+    _state.info = _info.set_worker_info(slot, num_workers, derive(seed, slot), dataset)
+    if "torch" in sys.modules:
+        import torch.utils.data  # noqa: F401  (loaded by the dataset already: cheap)
+    _seed(_state.info.seed or 0)
+    if worker_init_fn is not None:
+        worker_init_fn(slot)
+
+
+def _seed(seed: int) -> None:
+    """Seed the RNGs a sample may use, and point torch's worker record at ours."""
+    info = _state.info
+    assert info is not None
+    info.seed = seed
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed & 0xFFFFFFFF)
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "manual_seed"):
+        torch.manual_seed(seed)
+    # torch's get_worker_info() returns this module global: ours has the same names.
+    twi = sys.modules.get("torch.utils.data._utils.worker")
+    if twi is not None and getattr(twi, "_worker_info", None) is not info:
+        twi._worker_info = info  # type: ignore[attr-defined]
+
+
+def ready() -> None:
+    """Nothing: a task that returns once a worker is ready to take one."""
+
+
+def build(indices: list[Any], seed: int) -> Any:
+    """One batch of a map-style dataset: its samples, collated."""
+    _seed(seed)
+    dataset = _state.dataset
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
+    return _state.collate(samples)
+
+
+def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any) -> None:
+    """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
+    as ``(shard, j, batch)``, then ``(shard, -1, None)``.
+
+    While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
+    the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
+    Batch ``j`` is built with the RNGs seeded from ``(seed, epoch, shard, j)``. A closed
+    queue (the consumer left the epoch) ends it quietly.
+    """
+    from .._errors import QueueClosed
+    from .sampling import derive
+
+    info = _state.info
+    assert info is not None
+    own, info.id = info.id, shard
+    try:
+        _seed(derive(seed, epoch, shard, 0))
+        samples = iter(_state.dataset)
+        for j in itertools.count():
+            _seed(derive(seed, epoch, shard, j))
+            batch = list(itertools.islice(samples, batch_size))
+            if not batch or (len(batch) < batch_size and drop_last):
+                break
+            queue.sync.put((shard, j, _state.collate(batch)))
+            del batch
+        queue.sync.put((shard, -1, None))
+    except QueueClosed:
+        pass
+    finally:
+        info.id = own

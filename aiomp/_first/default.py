@@ -1,0 +1,131 @@
+"""``aiomp.run_sync``: a function run in the running event loop's default pool.
+
+One :class:`aiomp.Pool` per running event loop (asyncio, uvloop) or trio run, made by the
+first ``run_sync`` on it, of :func:`aiomp._process.cpus.cpu_count` workers. Its keeper
+task (:func:`aiomp._loop.runscope.start_for_run`) opens it, holds it while the loop runs
+and leaves it when the loop's end cancels the task: the workers are then terminated and
+reaped (nothing can be waiting for them by then). The keeper owns the pool, so that no
+caller's task is tied to it (a trio nursery lives in the task that opened it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from .._errors import BrokenPoolError
+from .._loop import is_cancellation
+from .._loop.runscope import run_key, start_for_run
+from .._pool.pool import Pool
+from .._pool.process_handle import ProcessHandle
+from .._pool.tasks import fn_info
+from .._process.checks import check_function
+from .._process.child import KILL_TIMEOUT
+from .._process.cpus import cpu_count
+from .._wire import byvalue
+
+log = logging.getLogger("aiomp")
+
+#: The default pool's start method: the one CUDA programs need, and Python 3.14's
+#: default is forkserver only where a fork server is already warm.
+START_METHOD = "spawn"
+
+
+class DefaultPool:
+    """The running loop's default pool and its state: ``ready`` is set once it is open
+    (or could not be: ``error``)."""
+
+    __slots__ = ("error", "pool", "ready")
+
+    def __init__(self) -> None:
+        self.pool = Pool(cpu_count(), start_method=START_METHOD)
+        self.ready = anyio.Event()
+        self.error: BaseException | None = None
+
+
+#: run key (an asyncio loop, a trio run's root task) -> its default pool
+_pools: dict[object, DefaultPool] = {}
+
+
+def default_pool(key: object = None) -> Pool | None:
+    """The default pool of the running loop (or of the loop ``key``), None before its first
+    ``run_sync`` and after its end."""
+    default = _pools.get(run_key() if key is None else key)
+    return None if default is None else default.pool
+
+
+async def run_sync(
+    fn: Callable[..., Any], /, *args: Any, timeout: float | None = None, **kwargs: Any
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a worker process of this event loop's default pool.
+
+    ``fn`` may be sync or ``async def``, and a lambda, a closure or a function typed into a
+    notebook (it travels by value). The pool is made on the first call on a loop, with one
+    worker per CPU this process may use (its affinity capped by its cgroup's CPU quota),
+    and closed when the loop ends (``asyncio.run``, uvloop, or the end of ``trio.run``;
+    at the latest at interpreter exit). ``fn`` is pickled first: one that cannot be
+    pickled even by value (it holds a lock) raises ``pickle.PicklingError`` before any
+    worker starts. Exceptions, ``timeout=`` and cancellation are
+    :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out call stops its task, terminating
+    its worker if need be, and a new worker takes its place.
+    """
+    info = fn_info(fn)
+    if START_METHOD not in info.checked:
+        check_function(fn, START_METHOD)
+        info.checked.add(START_METHOD)
+    key = run_key()
+    default = _pools.get(key)
+    if default is None:
+        # Arguments that cannot be pickled raise before the pool starts (the next calls
+        # pickle them as the Pool does, with its message).
+        byvalue.dumps((args, kwargs)).discard()
+        default = _pools[key] = DefaultPool()
+        start_for_run(lambda: _keep(key, default))
+    if not default.ready.is_set():
+        await default.ready.wait()
+    if default.error is not None:
+        raise BrokenPoolError(f"the default pool could not start: {default.error}")
+    return await default.pool.apply(fn, args, kwargs or None, timeout=timeout)
+
+
+async def _keep(key: object, default: DefaultPool) -> None:
+    """Hold ``default``'s pool open until the loop's end cancels this task."""
+    try:
+        async with default.pool:
+            default.ready.set()
+            await anyio.sleep_forever()
+    except BaseException as exc:
+        if is_cancellation(exc):
+            raise
+        default.error = exc
+        log.error("aiomp: the default pool failed", exc_info=exc)
+    finally:
+        if _pools.get(key) is default:
+            del _pools[key]
+        default.ready.set()
+
+
+def _end_at_exit() -> None:
+    """At interpreter exit, SIGKILL and reap the workers of the default pools whose loop
+    never ended (a loop driven by hand, a notebook's kernel), quietly: nothing can be
+    waiting for them. Registered after ``aiomp._process.child``'s exit hook, so it runs
+    first (atexit is last-in, first-out), and that hook, which warns of children still
+    running, finds none of these."""
+    handles = [h for d in list(_pools.values()) for h in d.pool._engine.live_handles()]
+    children = [h.child for h in handles if isinstance(h, ProcessHandle)]
+    for child in children:
+        child.sent_kill = True  # (the SIGKILL is not news: no line logged for it)
+        child.signal(signal.SIGKILL)
+    deadline = time.monotonic() + KILL_TIMEOUT
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_end_at_exit)
+run_sync.__module__ = "aiomp"

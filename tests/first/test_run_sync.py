@@ -1,0 +1,209 @@
+"""``aiomp.run_sync`` (issue 29): one call, a default pool per event loop.
+
+Every async test runs on a plain ``asyncio.run`` loop, uvloop and ``trio.run`` (conftest),
+each on a fresh loop: so each test also checks that its loop's default pool is closed with
+the loop (the autouse leak check finds no child and no fd left after it).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+
+import anyio
+import pytest
+
+import aiomp
+from aiomp._first import default as first
+from aiomp._process import cpus
+from tests._run import REPO
+from tests.children import pool as funcs
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 60
+
+
+async def test_runs_a_function_in_a_worker() -> None:
+    with anyio.fail_after(TIMEOUT):
+        square, pid = await aiomp.run_sync(funcs.square_and_pid, 7)
+        assert square == 49 and pid != os.getpid()
+        assert await aiomp.run_sync(pow, 2, 10) == 1024
+        assert await aiomp.run_sync(int, "ff", base=16) == 255  # keyword arguments
+
+
+async def test_lambdas_closures_and_local_methods_travel_by_value() -> None:
+    base = 10
+
+    def closure(x: int) -> int:
+        return x + base
+
+    class Local:
+        def __init__(self, k: int) -> None:
+            self.k = k
+
+        def times(self, x: int) -> int:
+            return self.k * x
+
+    async def local_async(x: int) -> int:
+        return x - 1
+
+    with anyio.fail_after(TIMEOUT):
+        assert await aiomp.run_sync(lambda x: x * 2, 21) == 42
+        assert await aiomp.run_sync(closure, 5) == 15
+        assert await aiomp.run_sync(Local(3).times, 4) == 12
+        assert await aiomp.run_sync(local_async, 1) == 0
+
+
+async def test_a_function_capturing_a_lock_is_refused_before_any_worker_starts() -> None:
+    lock = threading.Lock()
+
+    def holds(x: int) -> int:
+        with lock:
+            return x
+
+    before = _children()
+    with pytest.raises(pickle.PicklingError, match="cannot be pickled") as info:
+        await aiomp.run_sync(holds, 1)
+    assert "lock" in str(info.value)
+    with pytest.raises(TypeError, match="lock"):
+        await aiomp.run_sync(funcs.square_and_pid, threading.Lock())
+    assert first.default_pool() is None  # no default pool was made for them
+    assert _children() == before
+
+
+def _children() -> list[int]:
+    try:
+        with open(f"/proc/self/task/{os.getpid()}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:  # pragma: no cover - a kernel without the file
+        return []
+
+
+async def test_one_pool_per_loop_reused_across_calls() -> None:
+    with anyio.fail_after(TIMEOUT):
+        assert first.default_pool() is None  # made on first use only
+        await aiomp.run_sync(os.getpid)
+        pool = first.default_pool()
+        assert pool is not None
+        assert pool.processes == cpus.cpu_count()
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(aiomp.run_sync, funcs.square_and_pid, i)
+        assert first.default_pool() is pool
+
+
+async def test_timeout_and_cancellation_as_pool_apply() -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(TimeoutError):
+            await aiomp.run_sync(time.sleep, 30, timeout=0.2)
+        with anyio.move_on_after(0.2) as scope:
+            await aiomp.run_sync(time.sleep, 30)
+        assert scope.cancelled_caught
+        # The killed workers were replaced: the pool serves on.
+        assert await aiomp.run_sync(pow, 3, 2) == 9
+
+
+async def test_exceptions_are_raised_in_the_caller() -> None:
+    with anyio.fail_after(TIMEOUT), pytest.raises(ValueError, match="invalid literal"):
+        await aiomp.run_sync(int, "not a number")
+
+
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop", "trio"])
+def test_each_loop_gets_its_own_pool_closed_with_it(runner: str) -> None:
+    """Two runs, one after the other, in a fresh interpreter: each run's pool is its own,
+    and none of its workers is left once the run has ended."""
+    program = _PROGRAM % {"runner": runner}
+    proc = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=TIMEOUT * 2,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    first, second = (line.split() for line in proc.stdout.splitlines()[:2])
+    assert first[0] != second[0]  # pool ids
+    assert set(first[1:]).isdisjoint(second[1:])  # worker pids
+
+
+_PROGRAM = """
+import os, sys
+import aiomp
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+async def main():
+    await aiomp.run_sync(os.getpid)
+    from aiomp._first import default as first
+    pool = first.default_pool()
+    pids = pool.pids()
+    return id(pool), pids
+
+def run(fn):
+    runner = %(runner)r
+    if runner == "trio":
+        import trio
+        return trio.run(fn)
+    import asyncio
+    factory = None
+    if runner == "uvloop":
+        import uvloop
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as r:
+        return r.run(fn())
+
+seen = []
+for _ in range(2):
+    pool_id, pids = run(main)
+    assert pids, "no worker was ready"
+    left = [p for p in pids if alive(p)]
+    assert not left, f"workers left after the loop closed: {left}"
+    seen.append((pool_id, pids))
+for pool_id, pids in seen:
+    print(pool_id, *pids)
+"""
+
+
+def test_a_loop_closed_without_asyncio_run_is_cleaned_at_exit() -> None:
+    """A loop driven by hand and never closed: the workers end with the interpreter."""
+    program = (
+        "import asyncio, os\n"
+        "import aiomp\n"
+        "loop = asyncio.new_event_loop()\n"
+        "print(loop.run_until_complete(aiomp.run_sync(os.getpid)), flush=True)\n"
+        "from aiomp._first import default as first\n"
+        "print(*first.default_pool(loop).pids(), flush=True)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "still running at interpreter exit" not in proc.stderr  # expected, not a leak
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) >= 2
+    # Killed and reaped by the interpreter's exit, before it ended.
+    assert not [p for p in pids[1:] if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
