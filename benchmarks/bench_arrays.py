@@ -140,7 +140,7 @@ async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
     pinning = c.pin_parent()
-    missing = c.aiomp_missing("_context", "_queue", "_numpy", "_shm")
+    missing = c.aiomp_missing("_spawn", "_queue", "_arrays", "_memory")
     has_torch = c.have("torch")
     links: list[AiompLink | TorchLink] = []
     shared: list[h.Variant] = []

@@ -330,7 +330,7 @@ def rates(per_item: float, nbytes: int) -> str:
 
 async def main() -> None:
     c.unpin_parent()
-    missing = c.aiomp_missing("_context", "_queue")
+    missing = c.aiomp_missing("_spawn", "_queue")
     variants: list[Variant] = [MpVariant(False), DatagramFloor()]
     if c.have("torch"):
         variants.append(MpVariant(True))

@@ -265,7 +265,7 @@ async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
     pinning = c.pin_parent()
-    missing = c.aiomp_missing("_context", "_queue")
+    missing = c.aiomp_missing("_spawn", "_queue")
     batches, n = c.reps(10, 2), c.reps(500, 200)
 
     variants: list[h.Variant] = [h.SocketFloor(), MpQueue()]

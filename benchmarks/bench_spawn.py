@@ -130,7 +130,7 @@ def torch_failure() -> float:
 async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
-    missing = c.aiomp_missing("_context")
+    missing = c.aiomp_missing("_spawn")
     has_torch = c.have("torch")
     if has_torch:
         import torch.multiprocessing  # noqa: F401  (imported before timing, not inside it)

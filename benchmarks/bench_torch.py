@@ -93,7 +93,7 @@ async def main() -> None:
         c.emit("torch", rows, ["torch not installed: nothing measured"])
         return
     pinning = c.pin_parent()
-    missing = c.aiomp_missing("_context", "_queue", "_torch")
+    missing = c.aiomp_missing("_spawn", "_queue", "_arrays.torch")
     links: list[AiompLink | TorchLink] = []
     shared: list[h.Variant] = []
     fresh: list[h.Variant] = [Memcpy(FRESH_SIZE)]
