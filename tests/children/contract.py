@@ -16,7 +16,7 @@ def refuse(what: str) -> None:
 
 def nap(seconds: float) -> float:
     """A sync task that runs longer than the test waits: stopping it kills its worker."""
-    time.sleep(seconds)
+    time.sleep(seconds)  # handshake-free: the work itself; the test stops it first
     return seconds
 
 

@@ -85,7 +85,7 @@ class HangAt:
     def __getitem__(self, i: int) -> int:
         if i == self.bad and not Path(self.marks, "hung").exists():
             Path(self.marks, "hung").touch()
-            time.sleep(3600)
+            time.sleep(3600)  # handshake-free: the hang under test; the timeout kills it
         return i
 
 

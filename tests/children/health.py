@@ -22,7 +22,7 @@ def hang_in_named_function(n: int, address: str) -> None:
 def hang_in_c_sleep(n: int, address: str) -> None:
     """Say ready, then hang inside a C call (time.sleep)."""
     gate_connect(n, address)
-    time.sleep(3600)
+    time.sleep(3600)  # handshake-free: the hang under test (said ready above)
 
 
 def hang_in_c_read(n: int, address: str) -> None:
@@ -37,7 +37,7 @@ def hang_unable_to_print(n: int, address: str) -> None:
     cannot print its stack and ignores SIGTERM; only SIGKILL ends it."""
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     gate_connect(n, address)
-    time.sleep(3600)
+    time.sleep(3600)  # handshake-free: the hang under test (said ready above)
 
 
 def grow(mib: int) -> int:

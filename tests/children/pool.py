@@ -90,7 +90,7 @@ async def exit_task_async(code: int) -> None:
     import asyncio
     import sys
 
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # handshake-free: one loop turn, so the exit is inside a task
     sys.exit(code)
 
 

@@ -52,7 +52,7 @@ async def serving(gate: Gate) -> AsyncIterator[tuple[Any, str]]:
     try:
         while not server.started:  # uvicorn says so by a flag only
             assert not task.done(), task
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # handshake-free: uvicorn's flag, bounded above
         port = server.servers[0].sockets[0].getsockname()[1]
         yield app, f"http://127.0.0.1:{port}"
     finally:
@@ -98,7 +98,7 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 await writer.wait_closed()
                 # The server's own task notices (not a child: nothing to hand-shake with).
                 while app.state.disconnected == 0:  # noqa: ASYNC110
-                    await asyncio.sleep(0.005)
+                    await asyncio.sleep(0.005)  # handshake-free: uvicorn's flag, bounded above
                 gate.release()
                 r = await c.post("/predict", json=body(xs[1]))
                 assert r.status_code == 200
