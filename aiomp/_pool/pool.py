@@ -302,8 +302,9 @@ class Pool:
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
         n = cpu_count() if n is None else n
+        init = (initializer, tuple(initargs))
         envs = _placement.slot_envs(env, n)
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs, max_memory)
+        kind = ProcessKind(start_method, init, output, envs=envs, max_memory=max_memory)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:
