@@ -26,6 +26,7 @@ A *child* module: standard library only (see *Light children* in docs/architectu
 
 from __future__ import annotations
 
+import copyreg
 import signal as _signal
 
 __all__ = (
@@ -45,12 +46,12 @@ __all__ = (
 
 def _rebuilt(exc: BaseException) -> tuple[object, ...]:
     """``__reduce__`` of the exceptions with attributes: rebuilt from ``args`` without
-    calling ``__init__`` (:func:`_new`), then every attribute restored from ``__dict__``."""
-    return _new, (type(exc), exc.args), exc.__dict__
+    calling ``__init__`` (pickle's NEWOBJ: ``cls.__new__(cls, *args)``, no private name
+    in the pickle), then every attribute restored from ``__dict__``."""
+    return _NEWOBJ, (type(exc), *exc.args), exc.__dict__
 
 
-def _new(cls: type[BaseException], args: tuple[object, ...]) -> BaseException:
-    return cls.__new__(cls, *args)
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed
 
 
 class ProcessException(Exception):
