@@ -45,6 +45,8 @@ class DefaultPool:
 
     def __init__(self) -> None:
         self.pool = Pool(cpu_count(), start_method=START_METHOD)
+        # The first call waits for one worker: the others start once it has served it.
+        self.pool._engine.start_first_alone()
         self.ready = anyio.Event()
         self.error: BaseException | None = None
 
