@@ -119,6 +119,8 @@ def launch(
     parent's unguarded main module.
     """
     _lifecycle.run_start_checks()
+    # Up before the child runs, so that registering it (``Child``) is one message.
+    _groups.start_keeper()
     mp: Any = multiprocessing.get_context(start_method)
     kwargs: dict[str, object] = {} if output is None else {"output": output.child_ends()}
     if who is not None:
@@ -135,10 +137,6 @@ def launch(
         )
         with unreadable_main_hidden(), spawn_environment(env if start_method == "spawn" else None):
             proc.start()
-        # Up before the child is registered (``make``: ``Child``), so that that is one
-        # message; started after the child, so that the first child's start does not
-        # wait for the keeper's (the child is armed against our death on its own).
-        _groups.start_keeper()
         if output is not None:
             output.start()
     except BaseException:
