@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .kinds import Handle
-from .scheduler import _OPEN, Scheduler
+from .scheduler import Scheduler
 from .tasks import Task
 
 
@@ -29,11 +29,19 @@ class HoldingScheduler(Scheduler):
 
     def release_held(self) -> None:
         """Ask for the held slots' workers now (nothing if none is held, or the pool is
-        broken or closing: no worker is started for a pool on its way out)."""
-        if self.held and self.broken is None and self._state == _OPEN:
+        broken: no worker is started for a pool on its way out)."""
+        if self.held and self.broken is None:
             self.to_spawn.extend(self.held)
             self.held = ()
             self.on_spawn()
+
+    def close(self) -> None:
+        super().close()
+        self.held = ()  # a closing pool serves what it has with the workers it has
+
+    def terminate(self, error: BaseException) -> None:
+        super().terminate(error)
+        self.held = ()
 
     def ready(self, handle: Handle) -> None:
         super().ready(handle)  # a queued task is sent to it first

@@ -65,7 +65,7 @@ def test_nothing_held_starts_once_the_pool_is_closing_or_broken() -> None:
     r = HoldingRig(2)
     r.sched.close()
     r.sched.ready(r.first)
-    assert r.held == (1,) and not r.sched.to_spawn
+    assert r.held == () and not r.sched.to_spawn
     b = HoldingRig(2)
     b.sched.break_pool(aiomp.BrokenPoolError("broken"))
     b.sched.ready(b.first)
