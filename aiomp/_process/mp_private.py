@@ -178,3 +178,15 @@ def start_deferred_tracker() -> None:
             pass
         finally:
             os.close(r)
+
+
+def _forget_deferred_tracker() -> None:
+    """In a forked child: the deferred tracker is the parent's to start (it shares the
+    parent's tracker, as multiprocessing's own forked children do)."""
+    global _tracker_read_end
+    r, _tracker_read_end = _tracker_read_end, None
+    if r is not None:
+        os.close(r)
+
+
+os.register_at_fork(after_in_child=_forget_deferred_tracker)
