@@ -24,6 +24,7 @@ from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
+from .._process import mp_private
 from .._process.child import Child
 from .._wire import byvalue
 from .._wire import pickling as _reduction
@@ -40,6 +41,9 @@ class ProcessKind(WorkerKind):
     """See the module docstring."""
 
     chunks_per_slot = 4
+    #: Start multiprocessing's resource tracker after the first worker, not before it
+    #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
+    defer_tracker = False
 
     def __init__(
         self,
@@ -91,6 +95,11 @@ class ProcessKind(WorkerKind):
             results, their_results = map(made.enter_context, _stream.stream_socketpair())
             # Where the worker prints its stack as it is terminated (``_pool.health``).
             stacks, their_stacks = map(made.enter_context, socket.socketpair())
+            if self.start_method == "spawn":
+                if self.defer_tracker and not self._init_sends:
+                    mp_private.defer_resource_tracker()
+                else:  # (a worker later than the first: the tracker may wait no longer)
+                    mp_private.start_deferred_tracker()
             with their_results, their_stacks:  # the worker's ends: its copies suffice
                 child = _launch.launch(
                     Child,
@@ -140,6 +149,7 @@ class ProcessKind(WorkerKind):
             raise
 
     async def close(self, linger: bool) -> None:
+        mp_private.start_deferred_tracker()
         init, self._init = self._init, None
         if init is not None:
             init.close()
