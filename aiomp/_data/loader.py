@@ -16,6 +16,7 @@ from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .epoch import Epoch
+from .feeds import FeedEpoch
 from .sampling import Sampling, is_map_style
 from .streams import StreamEpoch
 from .worker import init as _init_worker
@@ -262,7 +263,9 @@ class DataLoader:
         else:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
-            current = Epoch(self, epoch, skip, batches)
+            # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
+            kind = Epoch if self.timeout is not None else FeedEpoch
+            current = kind(self, epoch, skip, batches)
         self._current = current
         return current
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -132,3 +133,36 @@ def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, 
         pass
     finally:
         info.id = own
+
+
+def feed(requests: Any, results: Any, slot: int) -> None:
+    """Build the batches requested on ``requests`` (``(k, indices, seed)``, in order) and put
+    each on ``results`` as ``(slot, k, True, batch)``, or ``(slot, k, False, (error, pid))``
+    where the dataset or ``collate_fn`` raised or the batch cannot be sent. Returns when
+    either queue is closed (the epoch ended or was left).
+
+    One Pool task serves a whole epoch: the next request is already waiting in the
+    worker's queue when a batch is done, so the worker never idles for a round trip to
+    the consumer (see docs/decisions/0043-loader-feeds.md).
+    """
+    from .._child.report import ErrorPayload
+    from .._errors import QueueClosed
+
+    get, put = requests.sync.get, results.sync.put
+    while True:
+        try:
+            k, indices, seed = get()
+        except QueueClosed:
+            return
+        try:
+            item = (slot, k, True, build(indices, seed))
+        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by the consumer
+            item = (slot, k, False, (ErrorPayload.of(exc), os.getpid()))
+        try:
+            put(item)
+        except QueueClosed:
+            return
+        except Exception as exc:  # noqa: BLE001 - the batch cannot be pickled: say so instead
+            why = ErrorPayload.of(exc, "the batch could not be sent to the consumer")
+            put((slot, k, False, (why, os.getpid())))
+        del item
