@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
+    from collections.abc import Callable
 
     from .epoch import Epoch
     from .streams import StreamEpoch
@@ -39,10 +40,10 @@ class Handoff:
     epoch's batches handed to the consumer (what ``state_dict`` reports).
     """
 
-    def __init__(self, epoch: Epoch | StreamEpoch, capacity: int) -> None:
-        self.epoch = epoch
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.base = epoch.handed_count
+        self.epoch: Epoch | StreamEpoch | None = None  # set by the pump as it starts
+        self.base = 0
         self.taken = 0
         self.ended = False  # the consumer has seen the epoch's end
         self.items: deque[tuple[int, Any]] = deque()
@@ -50,13 +51,20 @@ class Handoff:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.room: asyncio.Future[None] | None = None  # the pump's wait for room
 
-    async def pump(self) -> None:
-        """On the loop: move the epoch's batches here until its end or first error.
-        Cancelled by the consumer when it stops (the epoch stays as it was)."""
+    async def pump(self, open_epoch: Callable[[], Epoch | StreamEpoch]) -> None:
+        """On the loop: open the epoch (``loader.__aiter__``: one hop from the consumer's
+        thread starts the epoch and its pump) and move its batches here until its end or
+        first error. Cancelled by the consumer when it stops (the epoch stays as it was)."""
         import asyncio
 
         self.loop = asyncio.get_running_loop()
-        epoch = self.epoch
+        try:
+            epoch = open_epoch()
+        except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
+            self._append(ERROR, exc)
+            return
+        self.base = epoch.handed_count
+        self.epoch = epoch
         while True:
             try:
                 batch = await epoch.__anext__()

@@ -194,7 +194,7 @@ class DataLoader:
         """The epoch being iterated (None between epochs) and its batches handed out; in
         sync code, handed to the consumer's thread (not those waiting in the handoff)."""
         handoff = self._handoff
-        if handoff is not None:
+        if handoff is not None and handoff.epoch is not None:
             return (None, 0) if handoff.ended else (handoff.epoch, handoff.base + handoff.taken)
         current = self._current
         return current, 0 if current is None else current.handed_count
@@ -345,9 +345,8 @@ class DataLoader:
         portal = self._portal
         if portal is None:
             raise RuntimeError("use `with loader:` before iterating in sync code")
-        epoch = portal.call(self.__aiter__)
-        self._handoff = handoff = Handoff(epoch, max(2, self.num_workers))
-        pump = portal.start_task_soon(handoff.pump)
+        self._handoff = handoff = Handoff(max(2, self.num_workers))
+        pump = portal.start_task_soon(handoff.pump, self.__aiter__)
         try:
             while True:
                 kind, value = handoff.get(pump)

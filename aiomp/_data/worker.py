@@ -13,7 +13,6 @@ them already.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import os
 import random
 import sys
@@ -36,16 +35,11 @@ _state = _State()
 
 
 def _slot() -> int:
-    """This worker's slot in its Pool: from the Pool's own record when it sets one, else
-    from the process name the Pool gives its workers (``aiomp-pool-<slot>``)."""
+    """This worker's slot in its Pool, as the Pool recorded it before the initializer."""
     known = _info.get_worker_info()
-    if known is not None:
-        return known.id
-    name = multiprocessing.current_process().name
-    try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return 0
+    if known is None:
+        raise RuntimeError("aiomp.DataLoader's initializer runs in an aiomp.Pool worker only")
+    return known.id
 
 
 def init(
@@ -70,6 +64,20 @@ def init(
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
         worker_init_fn(slot)
+    _warm()
+
+
+def _warm() -> None:
+    """Make this worker's first shared segment for small blocks now, while the Pool is
+    still starting the other workers, rather than on the first batch's path: a batch's
+    small leaves (its labels) go to a segment of their own, allocated whole and
+    pre-faulted (8 MiB). Where numpy is not loaded the default collate makes no array."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return
+    from .._arrays.shared import empty
+
+    empty((1,), np.uint8)  # dropped at once: its block goes back to this worker's pool
 
 
 def _seed(seed: int) -> None:
