@@ -7,7 +7,7 @@ requests from the slot's own :class:`aiomp.Queue` and puts its batches on the ep
 results queue. A worker then finds its next request waiting when it finishes a batch
 (no idle round trip to the consumer), and the consumer has no task to start per batch.
 A batch goes to the slot with the fewest batches owed. See
-docs/decisions/0043-loader-feeds.md.
+docs/decisions/0046-loader-feeds.md.
 
 Faults: a slot's batches come back in the order it was asked for them, and the end of
 its feed task (the worker died, or the Pool failed it) is announced on the same results

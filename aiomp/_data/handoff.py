@@ -8,7 +8,7 @@ on the loop and appends each batch to a small deque, under a lock; the consumer'
 pops from it, waiting on a condition only when it is empty. The loop is woken from the
 consumer's thread only when the pump waits for room (the deque full) and the consumer has
 taken half of it: once per ``capacity // 2`` batches at most, never while the consumer
-is the one waiting. See docs/decisions/0043-loader-feeds.md.
+is the one waiting. See docs/decisions/0046-loader-feeds.md.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def feed(requests: Any, results: Any, slot: int) -> None:
 
     One Pool task serves a whole epoch: the next request is already waiting in the
     worker's queue when a batch is done, so the worker never idles for a round trip to
-    the consumer (see docs/decisions/0043-loader-feeds.md).
+    the consumer (see docs/decisions/0046-loader-feeds.md).
     """
     from .._child.report import ErrorPayload
     from .._errors import QueueClosed
