@@ -111,14 +111,17 @@ def build(indices: list[Any], seed: int) -> Any:
     return _state.collate(samples)
 
 
-def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any) -> None:
+def stream(
+    epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any, skip: int = 0
+) -> None:
     """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
-    as ``(shard, j, batch)``, then ``(shard, -1, None)``.
+    as ``(shard, j, batch)``, then ``(shard, -1, None)``; the first ``skip`` batches are
+    drawn from the iterator but neither collated nor put (a replay after a dead worker).
 
     While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
     the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
-    Batch ``j`` is built with the RNGs seeded from ``(seed, epoch, shard, j)``. A closed
-    queue (the consumer left the epoch) ends it quietly.
+    Batch ``j`` is drawn with the RNGs seeded from ``(seed, epoch, shard, j)``, so a replay
+    draws the same batches. A closed queue (the consumer left the epoch) ends it quietly.
     """
     from .._errors import QueueClosed
     from .sampling import derive
@@ -134,7 +137,8 @@ def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, 
             batch = list(itertools.islice(samples, batch_size))
             if not batch or (len(batch) < batch_size and drop_last):
                 break
-            queue.sync.put((shard, j, _state.collate(batch)))
+            if j >= skip:
+                queue.sync.put((shard, j, _state.collate(batch)))
             del batch
         queue.sync.put((shard, -1, None))
     except QueueClosed:
