@@ -63,15 +63,19 @@ class Epoch:
                 self.close()
                 self.loader.finished(self)
                 raise StopAsyncIteration
-            k, ok, value = await self.receive.receive()
-            self.running -= 1
-            self.ready[k] = (ok, value)
+            await self._receive()
         ok, value = got
         self.handed_count += 1
         self._request()
         if not ok:
             raise value
         return value
+
+    async def _receive(self) -> None:
+        """Wait for one request's outcome and file it in ``ready``."""
+        k, ok, value = await self.receive.receive()
+        self.running -= 1
+        self.ready[k] = (ok, value)
 
     def _take(self) -> tuple[bool, Any] | None:
         """The batch to hand out now, if it is here."""

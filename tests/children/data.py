@@ -183,3 +183,22 @@ def small_shm_main() -> None:
 
 if __name__ == "__main__":
     small_shm_main()
+
+
+class StreamDieAt:
+    """An iterable-style dataset sharded by ``aiomp.get_worker_info`` whose sample ``bad``
+    SIGKILLs its worker once (counted in files under ``marks``)."""
+
+    def __init__(self, n: int, bad: int, marks: str) -> None:
+        self.n, self.bad, self.marks = n, bad, marks
+
+    def __iter__(self) -> Any:
+        import aiomp
+
+        info = aiomp.get_worker_info()
+        assert info is not None
+        for i in range(info.id, self.n, info.num_workers):
+            if i == self.bad and not any(Path(self.marks).iterdir()):
+                Path(self.marks, "0").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield i
