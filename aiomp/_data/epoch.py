@@ -100,10 +100,14 @@ class Epoch:
             if indices is None:
                 self.done = True
                 return
-            loader.host_tg().start_soon(self._fetch, self.next_k, indices)
+            self._dispatch(self.next_k, indices)
             self.next_k += 1
             self.requested += 1
             self.running += 1
+
+    def _dispatch(self, k: int, indices: list[Any]) -> None:
+        """Have batch ``k`` built: a Pool task of its own."""
+        self.loader.host_tg().start_soon(self._fetch, k, indices)
 
     async def _fetch(self, k: int, indices: list[Any]) -> None:
         self.loader.in_flight += 1

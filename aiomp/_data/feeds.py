@@ -53,21 +53,11 @@ class FeedEpoch(Epoch):
         self.ended: dict[int, BaseException] = {}  # slot -> why its feed task ended
         self.tries: dict[int, int] = {}  # batch -> times its worker died building it
 
-    def _request(self) -> None:
-        """Request batches up to the prefetch bound, each from the least-owed slot."""
-        loader = self.loader
-        limit = loader.prefetch_factor * loader.num_workers
-        while not self.done and self.requested < limit:
-            indices = next(self.batches, None)
-            if indices is None:
-                self.done = True
-                return
-            slot = min(range(len(self.owed)), key=lambda s: len(self.owed[s]))
-            self.owed[slot].append((self.next_k, indices))
-            self._send(slot, self.next_k, indices)
-            self.next_k += 1
-            self.requested += 1
-            self.running += 1
+    def _dispatch(self, k: int, indices: list[Any]) -> None:
+        """Have batch ``k`` built by the least-owed slot's worker."""
+        slot = min(range(len(self.owed)), key=lambda s: len(self.owed[s]))
+        self.owed[slot].append((k, indices))
+        self._send(slot, k, indices)
 
     def _send(self, slot: int, k: int, indices: list[Any]) -> None:
         requests = self.requests[slot]

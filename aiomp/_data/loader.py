@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import secrets
 from collections.abc import Callable, Iterable, Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
@@ -232,16 +231,12 @@ class DataLoader:
         self._host = host
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> None:
         """Stop the workers. Batches still being built (an epoch left early) are waited
         for up to 5 s, then dropped and their workers terminated (SIGTERM, the Pool's
         grace period, SIGKILL; shielded and bounded). On cancellation or an exception
         from the body: no wait."""
+        _, exc, tb = exc_info
         self._abandon()
         host, self._host = self._host, None
         if exc is None and self.in_flight:
@@ -259,7 +254,6 @@ class DataLoader:
         finally:
             pool, self._pool = self.pool, None
             await pool.__aexit__(type(exc) if exc else None, exc, tb)
-        return None
 
     def __aiter__(self) -> Epoch | StreamEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
@@ -321,19 +315,14 @@ class DataLoader:
         self._portal, self._portal_cm = portal, cm
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         """Stop the workers as ``async with`` does, then the private loop."""
         portal, cm = self._portal, self._portal_cm
         self._portal = self._portal_cm = None
         if portal is None:
             return
         try:
-            portal.call(self.__aexit__, exc_type, exc, tb)
+            portal.call(self.__aexit__, *exc_info)
         finally:
             cm.__exit__(None, None, None)
 
