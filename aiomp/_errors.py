@@ -26,6 +26,7 @@ A *child* module: standard library only (see *Light children* in docs/architectu
 
 from __future__ import annotations
 
+import copyreg
 import signal as _signal
 
 __all__ = (
@@ -43,6 +44,16 @@ __all__ = (
 )
 
 
+def _rebuilt(exc: BaseException) -> tuple[object, ...]:
+    """``__reduce__`` of the exceptions with attributes: rebuilt from ``args`` without
+    calling ``__init__`` (pickle's NEWOBJ: ``cls.__new__(cls, *args)``, no private name
+    in the pickle), then every attribute restored from ``__dict__``."""
+    return _NEWOBJ, (type(exc), *exc.args), exc.__dict__
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed
+
+
 class ProcessException(Exception):
     """A child process of a :class:`aiomp.ProcessContext` failed.
 
@@ -57,8 +68,7 @@ class ProcessException(Exception):
         self.error_index = error_index
         self.pid = pid
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.msg, self.error_index, self.pid), self.__dict__
+    __reduce__ = _rebuilt
 
     @property
     def error_pid(self) -> int | None:
@@ -74,15 +84,16 @@ class ProcessRaisedException(ProcessException):
     handler tells a child's ``ValueError`` by ``isinstance(exc.__cause__, ValueError)``.
     """
 
-    def __init__(self, msg: str, error_index: int, error_pid: int | None) -> None:
-        super().__init__(msg, error_index, error_pid)
-
 
 class ProcessExitedException(ProcessException):
     """The child died by a signal or exited non-zero without a Python exception.
 
     ``exit_code`` is the process's exit status (negative for a signal, as in
     :attr:`multiprocessing.Process.exitcode`); ``signal_name`` is e.g. ``"SIGSEGV"``.
+    ``oom_killed``: the kernel's OOM killer killed it (its cgroup's ``oom_kill`` count
+    rose as it died of SIGKILL); ``peak_rss``: its peak resident set in bytes, from its
+    rusage once reaped. Both are known for a :class:`aiomp.Pool`'s workers (``peak_rss``
+    is None for a forkserver worker, which the server reaps), False and None elsewhere.
     """
 
     def __init__(
@@ -92,50 +103,22 @@ class ProcessExitedException(ProcessException):
         error_pid: int | None,
         exit_code: int,
         signal_name: str | None = None,
+        *,
+        oom_killed: bool = False,
+        peak_rss: int | None = None,
     ) -> None:
         super().__init__(msg, error_index, error_pid)
         self.exit_code = exit_code
         self.signal_name = signal_name
-
-    def __reduce__(self) -> tuple[object, ...]:
-        args = (self.msg, self.error_index, self.pid, self.exit_code, self.signal_name)
-        return type(self), args, self.__dict__
+        self.oom_killed = oom_killed
+        self.peak_rss = peak_rss
 
 
 class BrokenWorkerError(ProcessExitedException):
     """A :class:`aiomp.Pool` worker died while it held this task.
 
     Only the tasks that worker held fail with it; the pool starts a replacement.
-    ``oom_killed``: the kernel's OOM killer killed it (its cgroup's ``oom_kill`` count
-    rose as it died of SIGKILL); ``peak_rss``: its peak resident set in bytes, from its
-    rusage once reaped (None where unknown: a forkserver worker is reaped by the server).
     """
-
-    def __init__(
-        self,
-        msg: str,
-        error_index: int,
-        error_pid: int | None,
-        exit_code: int,
-        signal_name: str | None = None,
-        oom_killed: bool = False,
-        peak_rss: int | None = None,
-    ) -> None:
-        super().__init__(msg, error_index, error_pid, exit_code, signal_name)
-        self.oom_killed = oom_killed
-        self.peak_rss = peak_rss
-
-    def __reduce__(self) -> tuple[object, ...]:
-        args = (
-            self.msg,
-            self.error_index,
-            self.pid,
-            self.exit_code,
-            self.signal_name,
-            self.oom_killed,
-            self.peak_rss,
-        )
-        return type(self), args, self.__dict__
 
 
 class BrokenPoolError(RuntimeError):
@@ -153,8 +136,7 @@ class BrokenPoolError(RuntimeError):
         self.msg = msg
         self.not_run = not_run
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return type(self), (self.msg, self.not_run), self.__dict__
+    __reduce__ = _rebuilt
 
 
 class QueueClosed(Exception):

@@ -169,7 +169,8 @@ def main() -> None:
             first["anyio"],
             "anyio.to_process.run_sync, first call",
             c.at_most(1.0),
-            f"the default pool starts {_cpus()} worker(s); the call waits for the first",
+            f"the default pool of {_cpus()} worker(s) starts its first alone; the call waits "
+            "for it",
         )
     )
     if have_tp:

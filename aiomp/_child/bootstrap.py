@@ -21,8 +21,11 @@ from .. import _lifecycle
 from .._lifecycle import pid_alive
 from .._loop.forked import forget_async_library
 from .._process import mp_private
+from .._process.start import Start
 from .output import redirect_output
+from .placement import enter
 from .report import report_error
+from .seeds import reseed
 
 _PR_SET_PDEATHSIG = 1
 
@@ -62,28 +65,29 @@ def release_forkserver() -> None:
             pass
 
 
-def begin(
-    parent_pid: int,
-    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None,
-) -> None:
+def begin(start: Start) -> None:
     """What every child aiomp starts does first (spawn's and the Pool's workers).
 
-    Takes over fd 1 and 2 when the parent forwards them, undoes what a fork inherited
-    from the parent's loop, arms the parent-death signal and then, closing the race with
-    a parent that died before it was armed, exits (status 1) if the parent has gone.
-    Last, before any of the caller's code can start a process, it leads a process group
-    of its own (:func:`lead_own_group`).
+    Applies its env and records who it is (``_child.placement``); takes over fd 1 and 2
+    when the parent forwards them, undoes what a fork inherited from the parent's loop,
+    arms the parent-death signal and then, closing the race with a parent that died
+    before it was armed, exits (status 1) if the parent has gone. Then, before any of the
+    caller's code can start a process, it leads a process group of its own
+    (:func:`lead_own_group`); last, a forked child reseeds the global generators.
     """
-    if output is not None:
-        redirect_output(output)
+    enter(start.who, start.env)
+    if start.output is not None:
+        redirect_output(start.output)
     reset_signals()
     forget_async_library()
     set_parent_death_signal()
     # Reparented to init: our parent died (a forkserver child's parent is the server,
     # which exits with our parent once release_forkserver has let go of it).
-    if not pid_alive(parent_pid) or os.getppid() == 1:
+    if not pid_alive(start.parent_pid) or os.getppid() == 1:
         os._exit(1)
     lead_own_group()
+    if start.seed is not None:
+        reseed(start.seed)
 
 
 def lead_own_group() -> None:

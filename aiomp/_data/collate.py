@@ -50,16 +50,21 @@ def default_collate(samples: Sequence[Any]) -> Any:
 def _stack_numpy(samples: Sequence[Any], np: Any) -> Any:
     from .._arrays.shared import empty
 
-    first = np.asarray(samples[0])
-    out = empty((len(samples), *first.shape), first.dtype)
-    for i, sample in enumerate(samples):
-        sample = np.asarray(sample)
-        if sample.shape != first.shape:
+    arrays = [np.asarray(sample) for sample in samples]
+    shape = arrays[0].shape
+    for i, array in enumerate(arrays):
+        if array.shape != shape:
             raise ValueError(
-                f"default_collate: sample {i} of the batch has shape {sample.shape}, "
-                f"sample 0 has {first.shape} (pass collate_fn= to batch them otherwise)"
+                f"default_collate: sample {i} of the batch has shape {array.shape}, "
+                f"sample 0 has {shape} (pass collate_fn= to batch them otherwise)"
             )
-        out[i] = sample
+    out = empty((len(arrays), *shape), arrays[0].dtype)
+    if shape:
+        # One copy loop in C: concatenating along axis 0 into out seen as (n * d0, ...)
+        # costs about half of assigning out[i] sample by sample (64 samples of 12 KiB).
+        np.concatenate(arrays, out=out.reshape(-1, *shape[1:]), casting="unsafe")
+    else:
+        out[:] = arrays
     return out
 
 

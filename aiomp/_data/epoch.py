@@ -63,15 +63,19 @@ class Epoch:
                 self.close()
                 self.loader.finished(self)
                 raise StopAsyncIteration
-            k, ok, value = await self.receive.receive()
-            self.running -= 1
-            self.ready[k] = (ok, value)
+            await self._receive()
         ok, value = got
         self.handed_count += 1
         self._request()
         if not ok:
             raise value
         return value
+
+    async def _receive(self) -> None:
+        """Wait for one request's outcome and file it in ``ready``."""
+        k, ok, value = await self.receive.receive()
+        self.running -= 1
+        self.ready[k] = (ok, value)
 
     def _take(self) -> tuple[bool, Any] | None:
         """The batch to hand out now, if it is here."""
@@ -96,10 +100,14 @@ class Epoch:
             if indices is None:
                 self.done = True
                 return
-            loader.host_tg().start_soon(self._fetch, self.next_k, indices)
+            self._dispatch(self.next_k, indices)
             self.next_k += 1
             self.requested += 1
             self.running += 1
+
+    def _dispatch(self, k: int, indices: list[Any]) -> None:
+        """Have batch ``k`` built: a Pool task of its own."""
+        self.loader.host_tg().start_soon(self._fetch, k, indices)
 
     async def _fetch(self, k: int, indices: list[Any]) -> None:
         self.loader.in_flight += 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import secrets
 from collections.abc import Callable, Iterable, Iterator
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
@@ -16,6 +15,8 @@ from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .epoch import Epoch
+from .feeds import FeedEpoch
+from .handoff import END, ERROR, Handoff
 from .sampling import Sampling, is_map_style
 from .streams import StreamEpoch
 from .worker import init as _init_worker
@@ -141,6 +142,7 @@ class DataLoader:
         self._drained: anyio.Event | None = None  # set when in_flight comes back to 0
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
+        self._handoff: Handoff | None = None  # the sync face's current epoch, if any
 
     def __len__(self) -> int:
         """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``)."""
@@ -167,17 +169,16 @@ class DataLoader:
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
         self._next_epoch, self._skip = int(epoch), 0
+        self._handoff = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as a small picklable dict: ``epoch``, ``batches`` (handed
         out of it so far), ``seed``, and ``sampler`` (a user sampler's ``state_dict()``,
         if it has one). Taken inside an epoch, it points at the next batch of it; taken
         after, at the start of the next epoch."""
-        current = self._current
-        if current is not None and not (
-            self.sampling is not None and current.handed_count >= len(self.sampling)
-        ):
-            epoch, batches = current.epoch, current.handed_count
+        current, handed = self._position()
+        if current is not None and not (self.sampling is not None and handed >= len(self.sampling)):
+            epoch, batches = current.epoch, handed
         elif current is not None:
             epoch, batches = current.epoch + 1, 0
         else:
@@ -188,6 +189,15 @@ class DataLoader:
             state["sampler"] = user.state_dict()
         return state
 
+    def _position(self) -> tuple[Epoch | StreamEpoch | None, int]:
+        """The epoch being iterated (None between epochs) and its batches handed out; in
+        sync code, handed to the consumer's thread (not those waiting in the handoff)."""
+        handoff = self._handoff
+        if handoff is not None and handoff.epoch is not None:
+            return (None, 0) if handoff.ended else (handoff.epoch, handoff.base + handoff.taken)
+        current = self._current
+        return current, 0 if current is None else current.handed_count
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` (from :meth:`state_dict`) was taken: the next ``async
         for`` / ``for`` starts at its next batch, with its seed, whatever ``num_workers``.
@@ -196,6 +206,7 @@ class DataLoader:
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
         self.seed = int(state["seed"])
+        self._handoff = None
         self._next_epoch = int(state["epoch"])
         self._skip = int(state["batches"]) if self.map_style else 0
         user = None if self.sampling is None else self.sampling.user_sampler()
@@ -220,16 +231,12 @@ class DataLoader:
         self._host = host
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
+    async def __aexit__(self, *exc_info: Any) -> None:
         """Stop the workers. Batches still being built (an epoch left early) are waited
         for up to 5 s, then dropped and their workers terminated (SIGTERM, the Pool's
         grace period, SIGKILL; shielded and bounded). On cancellation or an exception
         from the body: no wait."""
+        _, exc, tb = exc_info
         self._abandon()
         host, self._host = self._host, None
         if exc is None and self.in_flight:
@@ -247,7 +254,6 @@ class DataLoader:
         finally:
             pool, self._pool = self.pool, None
             await pool.__aexit__(type(exc) if exc else None, exc, tb)
-        return None
 
     def __aiter__(self) -> Epoch | StreamEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
@@ -262,7 +268,9 @@ class DataLoader:
         else:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
-            current = Epoch(self, epoch, skip, batches)
+            # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
+            kind = Epoch if self.timeout is not None else FeedEpoch
+            current = kind(self, epoch, skip, batches)
         self._current = current
         return current
 
@@ -307,35 +315,38 @@ class DataLoader:
         self._portal, self._portal_cm = portal, cm
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: Any) -> None:
         """Stop the workers as ``async with`` does, then the private loop."""
         portal, cm = self._portal, self._portal_cm
         self._portal = self._portal_cm = None
         if portal is None:
             return
         try:
-            portal.call(self.__aexit__, exc_type, exc, tb)
+            portal.call(self.__aexit__, *exc_info)
         finally:
             cm.__exit__(None, None, None)
 
     def __iter__(self) -> Iterator[Any]:
-        """One epoch, for a sync loop (inside ``with loader:``)."""
+        """One epoch, for a sync loop (inside ``with loader:``). A pump task on the private
+        loop moves the epoch's batches to this thread through a :class:`Handoff` (at most
+        ``max(2, num_workers)`` batches wait there). A batch's error is raised here and
+        ends the ``for``; leaving it early stops the pump."""
         portal = self._portal
         if portal is None:
             raise RuntimeError("use `with loader:` before iterating in sync code")
-        epoch = portal.call(self.__aiter__)
-        step = _step(epoch)
-        while True:
-            more, batch = portal.call(step)
-            if not more:
-                return
-            yield batch
-            del batch  # hold one batch at a time, as an async for does
+        self._handoff = handoff = Handoff(max(2, self.num_workers))
+        pump = portal.start_task_soon(handoff.pump, self.__aiter__)
+        try:
+            while True:
+                kind, value = handoff.get(pump)
+                if kind == END:
+                    return
+                if kind == ERROR:
+                    raise value
+                yield value
+                del value  # hold one batch at a time, as an async for does
+        finally:
+            pump.cancel()
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
@@ -346,16 +357,6 @@ DRAIN_SECONDS = 5.0
 class _Leaving(Exception):
     """What the loader's block is left with when it is left normally: the Pool must not
     wait for batches nobody will take."""
-
-
-def _step(epoch: Epoch | StreamEpoch) -> Callable[[], Any]:
-    async def step() -> tuple[bool, Any]:
-        try:
-            return True, await epoch.__anext__()
-        except StopAsyncIteration:
-            return False, None
-
-    return step
 
 
 def _check(num_workers: int, prefetch_factor: int, timeout: float | None, retries: int) -> None:

@@ -8,6 +8,7 @@ skips batch index lists without building a batch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import random
@@ -45,6 +46,7 @@ def _is_torch_iterable(kind: type) -> bool:
     )
 
 
+@dataclasses.dataclass(frozen=True)
 class Sampling:
     """The batches of each epoch of a map-style dataset: lists of sample indices.
 
@@ -55,21 +57,12 @@ class Sampling:
     state kept in the loader's.
     """
 
-    def __init__(
-        self,
-        size: int,
-        batch_size: int | None,
-        shuffle: bool,
-        sampler: Iterable[Any] | None,
-        batch_sampler: Iterable[list[Any]] | None,
-        drop_last: bool,
-    ) -> None:
-        self.size = size
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.sampler = sampler
-        self.batch_sampler = batch_sampler
-        self.drop_last = drop_last
+    size: int
+    batch_size: int | None
+    shuffle: bool
+    sampler: Iterable[Any] | None
+    batch_sampler: Iterable[list[Any]] | None
+    drop_last: bool
 
     def __len__(self) -> int:
         if self.batch_sampler is not None:

@@ -7,10 +7,15 @@ bounded :class:`aiomp.Queue` of ``prefetch_factor * num_workers`` (the back-pres
 ``in_order=True`` hands the batches out round-robin over the shards, as torch does;
 ``False``, as they come.
 
-A shard whose task fails (the dataset raised, the worker died: not re-issued, its place
-in the iterator is lost) yields that error after its batches, then nothing more; the
-other shards go on. ``timeout`` bounds the wait for each batch: past it, the epoch's
-tasks are cancelled (their workers replaced by the Pool) and ``TimeoutError`` is raised.
+A shard whose worker dies is run again on the replacement, which replays the shard's
+iterator (each batch ``j`` drawn with the same seeds) and puts only the batches after
+those the consumer has received; one the dead worker had put and the consumer had not
+yet taken comes twice, and its copy is dropped by its index. So the shard's batches are
+the same as with no death, up to ``max_retries`` deaths per shard and epoch; past that,
+or where the dataset raised, the shard yields that error after its batches, then nothing
+more; the other shards go on. ``timeout`` bounds the wait for each batch: past it, the
+epoch's tasks are cancelled (their workers replaced by the Pool) and ``TimeoutError`` is
+raised.
 """
 
 from __future__ import annotations
@@ -57,9 +62,13 @@ class StreamEpoch:
         args = (self.epoch, shard, loader.seed, loader.batch_size, loader.drop_last, self.queue)
         try:
             with self.scopes[shard]:
-                await loader.pool.apply(_worker.stream, args)
-        except BrokenWorkerError as exc:
-            self.failures[shard] = broken(exc, self.handed_count, None, 0)
+                for tries in range(loader.max_retries + 1):
+                    try:  # replay the shard, putting what the consumer has not received
+                        await loader.pool.apply(_worker.stream, (*args, self.received[shard]))
+                        break
+                    except BrokenWorkerError as exc:
+                        if tries == loader.max_retries:
+                            self.failures[shard] = broken(exc, self.handed_count, None, tries)
         except Exception as exc:  # noqa: BLE001 - the shard's outcome, raised by __anext__
             exc.add_note(f"aiomp.DataLoader: in worker {shard}'s share of the iterable dataset")
             self.failures[shard] = exc
@@ -97,14 +106,17 @@ class StreamEpoch:
             self.close()
             exc.add_note(f"aiomp.DataLoader: no batch of the iterable dataset in {timeout} s")
             raise
+        if shard in self.ends:
+            return  # a replayed shard's second end
         if j == -1:
             self.ends[shard] = self.received[shard]
         elif j == -2:
             self.ready[shard, self.received[shard]] = (False, self.failures.pop(shard))
             self.ends[shard] = self.received[shard] + 1
-        else:
+        elif j == self.received[shard]:
             self.ready[shard, j] = (True, batch)
             self.received[shard] += 1
+        # else: a batch the dead worker put, put again by its replay: dropped
 
     def _take(self) -> tuple[bool, Any] | None:
         if not self.loader.in_order:

@@ -13,7 +13,7 @@ them already.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
+import os
 import random
 import sys
 from collections.abc import Callable
@@ -35,16 +35,11 @@ _state = _State()
 
 
 def _slot() -> int:
-    """This worker's slot in its Pool: from the Pool's own record when it sets one, else
-    from the process name the Pool gives its workers (``aiomp-pool-<slot>``)."""
+    """This worker's slot in its Pool, as the Pool recorded it before the initializer."""
     known = _info.get_worker_info()
-    if known is not None:
-        return known.id
-    name = multiprocessing.current_process().name
-    try:
-        return int(name.rsplit("-", 1)[1])
-    except (IndexError, ValueError):
-        return 0
+    if known is None:
+        raise RuntimeError("aiomp.DataLoader's initializer runs in an aiomp.Pool worker only")
+    return known.id
 
 
 def init(
@@ -69,6 +64,20 @@ def init(
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
         worker_init_fn(slot)
+    _warm()
+
+
+def _warm() -> None:
+    """Make this worker's first shared segment for small blocks now, while the Pool is
+    still starting the other workers, rather than on the first batch's path: a batch's
+    small leaves (its labels) go to a segment of their own, allocated whole and
+    pre-faulted (8 MiB). Where numpy is not loaded the default collate makes no array."""
+    np = sys.modules.get("numpy")
+    if np is None:
+        return
+    from .._arrays.shared import empty
+
+    empty((1,), np.uint8)  # dropped at once: its block goes back to this worker's pool
 
 
 def _seed(seed: int) -> None:
@@ -102,14 +111,17 @@ def build(indices: list[Any], seed: int) -> Any:
     return _state.collate(samples)
 
 
-def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any) -> None:
+def stream(
+    epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any, skip: int = 0
+) -> None:
     """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
-    as ``(shard, j, batch)``, then ``(shard, -1, None)``.
+    as ``(shard, j, batch)``, then ``(shard, -1, None)``; the first ``skip`` batches are
+    drawn from the iterator but neither collated nor put (a replay after a dead worker).
 
     While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
     the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
-    Batch ``j`` is built with the RNGs seeded from ``(seed, epoch, shard, j)``. A closed
-    queue (the consumer left the epoch) ends it quietly.
+    Batch ``j`` is drawn with the RNGs seeded from ``(seed, epoch, shard, j)``, so a replay
+    draws the same batches. A closed queue (the consumer left the epoch) ends it quietly.
     """
     from .._errors import QueueClosed
     from .sampling import derive
@@ -125,10 +137,44 @@ def stream(epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, 
             batch = list(itertools.islice(samples, batch_size))
             if not batch or (len(batch) < batch_size and drop_last):
                 break
-            queue.sync.put((shard, j, _state.collate(batch)))
+            if j >= skip:
+                queue.sync.put((shard, j, _state.collate(batch)))
             del batch
         queue.sync.put((shard, -1, None))
     except QueueClosed:
         pass
     finally:
         info.id = own
+
+
+def feed(requests: Any, results: Any, slot: int) -> None:
+    """Build the batches requested on ``requests`` (``(k, indices, seed)``, in order) and put
+    each on ``results`` as ``(slot, k, True, batch)``, or ``(slot, k, False, (error, pid))``
+    where the dataset or ``collate_fn`` raised or the batch cannot be sent. Returns when
+    either queue is closed (the epoch ended or was left).
+
+    One Pool task serves a whole epoch: the next request is already waiting in the
+    worker's queue when a batch is done, so the worker never idles for a round trip to
+    the consumer (see docs/decisions/0047-loader-feeds.md).
+    """
+    from .._child.report import ErrorPayload
+    from .._errors import QueueClosed
+
+    get, put = requests.sync.get, results.sync.put
+    while True:
+        try:
+            k, indices, seed = get()
+        except QueueClosed:
+            return
+        try:
+            item = (slot, k, True, build(indices, seed))
+        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by the consumer
+            item = (slot, k, False, (ErrorPayload.of(exc), os.getpid()))
+        try:
+            put(item)
+        except QueueClosed:
+            return
+        except Exception as exc:  # noqa: BLE001 - the batch cannot be pickled: say so instead
+            why = ErrorPayload.of(exc, "the batch could not be sent to the consumer")
+            put((slot, k, False, (why, os.getpid())))
+        del item

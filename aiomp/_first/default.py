@@ -24,6 +24,7 @@ from .._loop import is_cancellation
 from .._loop.runscope import run_key, start_for_run
 from .._pool.pool import Pool
 from .._pool.process_handle import ProcessHandle
+from .._pool.process_kind import ProcessKind
 from .._pool.tasks import fn_info
 from .._process.checks import check_function
 from .._process.child import KILL_TIMEOUT
@@ -45,6 +46,12 @@ class DefaultPool:
 
     def __init__(self) -> None:
         self.pool = Pool(cpu_count(), start_method=START_METHOD)
+        # The first call waits for one worker: the others, and multiprocessing's resource
+        # tracker, start once it is ready (decision 0046).
+        engine = self.pool._engine
+        engine.start_first_alone()
+        assert isinstance(engine.kind, ProcessKind)
+        engine.kind.defer_tracker = True
         self.ready = anyio.Event()
         self.error: BaseException | None = None
 

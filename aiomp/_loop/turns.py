@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from . import running_asyncio_loop
 from .watch import ReaderWatch, TaskWatch
@@ -34,19 +34,21 @@ class ReadWatch(Protocol):
     def stop(self) -> None: ...
 
 
-def read_watch(
-    sock: socket.socket,
-    turn: Callable[[], int],
-    at_eof: Callable[[], bool],
-    delay: float,
-    name: str,
-) -> ReadWatch:
+class Turns(NamedTuple):
+    """What a watch calls, and how long it lets a readable socket fill first."""
+
+    turn: Callable[[], int]
+    at_eof: Callable[[], bool]
+    delay: float
+
+
+def read_watch(sock: socket.socket, turns: Turns, name: str) -> ReadWatch:
     """Start watching ``sock`` on the running loop (see the module docstring). On the
     loop's thread, in a task."""
     loop = running_asyncio_loop()
     if loop is not None:
-        return _LoopTurns(loop, sock, turn, at_eof, delay)
-    watch = _TaskTurns(sock, turn, at_eof, delay, name)
+        return _LoopTurns(loop, sock, turns)
+    watch = _TaskTurns(sock, turns, name)
     watch.start()
     return watch
 
@@ -57,16 +59,9 @@ class _LoopTurns:
 
     __slots__ = ("_at_eof", "_delay", "_loop", "_reader", "_timer", "_turn")
 
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sock: socket.socket,
-        turn: Callable[[], int],
-        at_eof: Callable[[], bool],
-        delay: float,
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, turns: Turns) -> None:
         self._loop = loop
-        self._turn, self._at_eof, self._delay = turn, at_eof, delay
+        self._turn, self._at_eof, self._delay = turns
         self._timer: asyncio.Handle | None = None  # the pending coalescing read or next turn
         self._reader = ReaderWatch(loop, sock.fileno(), self._on_readable)
         self._reader.start()
@@ -100,16 +95,9 @@ class _TaskTurns(TaskWatch):
 
     __slots__ = ("_at_eof", "_delay", "_turn")
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        turn: Callable[[], int],
-        at_eof: Callable[[], bool],
-        delay: float,
-        name: str,
-    ) -> None:
+    def __init__(self, sock: socket.socket, turns: Turns, name: str) -> None:
         super().__init__(sock, _never, name, None)
-        self._turn, self._at_eof, self._delay = turn, at_eof, delay
+        self._turn, self._at_eof, self._delay = turns
 
     async def run(self) -> None:
         import trio

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 import anyio
 
 from .. import _loop
-from .._loop.turns import END, IDLE, MORE, ReadWatch, read_watch
+from .._loop.turns import END, IDLE, MORE, ReadWatch, Turns, read_watch
 from .._loop.wakeup import Signal
 from .._wire import datagram as _transport
 from .lines import ChildLines
@@ -124,13 +124,10 @@ class Forwarder:
         self._child = []
         for i, ours in enumerate(self._parent):
             assert ours is not None
-            self._watches[i] = read_watch(
-                ours,
-                functools.partial(self._turn, i),
-                functools.partial(self._at_eof, i),
-                COALESCE,
-                f"aiomp output [{self._name}]",
+            turns = Turns(
+                functools.partial(self._turn, i), functools.partial(self._at_eof, i), COALESCE
             )
+            self._watches[i] = read_watch(ours, turns, f"aiomp output [{self._name}]")
 
     # -- the child's exit, and waiting for the streams ---------------------------------
     def child_exited(self) -> None:

@@ -24,6 +24,7 @@ from .._loop import running_asyncio_loop
 from .._loop.cancel import CancelProbe
 from .._loop.taskhost import TaskHost
 from .._loop.wakeup import Signal, Wakeup
+from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh
@@ -134,7 +135,11 @@ class Engine:
         self._wake = Wakeup(self.loop)
         self.state = OPEN
         try:
-            for slot in range(self.processes):
+            first = self.processes
+            if isinstance(self.sched, HoldingScheduler) and first > 1:
+                first = 1
+                self.sched.hold(range(1, self.processes))
+            for slot in range(first):
                 if slot:
                     # A spawn start forks and execs (a few ms): let the loop breathe
                     # between starts rather than block it for all of them at once.
@@ -150,6 +155,13 @@ class Engine:
             await self.shutdown(graceful=False)
             await host.stop(exc)
             raise
+
+    def start_first_alone(self) -> None:
+        """Before :meth:`open`: start the first worker alone and the others once it is
+        ready (:mod:`aiomp._pool.holding`; ``run_sync``'s default pool)."""
+        assert self.state == NEW
+        self.sched = HoldingScheduler(self.concurrency, self.sched.maxtasks, self._spawn_soon)
+        self.on_result = self.sched.complete
 
     async def _run_watch(self, watch: Any) -> None:
         assert self._watch is not None

@@ -202,22 +202,24 @@ class MemoryGuard:
 
 
 # -- what a task fails with when its worker dies --------------------------------------------
-def death_error(handle: Handle, exitcode: int | None, task: str, reason: str = "") -> BaseException:
-    """What task ``task`` (its name) fails with when ``handle``'s worker dies while running
-    it (``exitcode`` None: the worker survived SIGKILL, in uninterruptible sleep, and the
-    pool gives up); ``reason``: the pool's, when it killed it."""
+def death_error(
+    handle: Handle, exitcode: int | None, during: str, reason: str = ""
+) -> BaseException:
+    """What fails when ``handle``'s worker dies ``during`` (``"while it ran <task>"``,
+    ``"during start-up"``); ``exitcode`` None: the worker survived SIGKILL, in
+    uninterruptible sleep, and the pool gives up; ``reason``: the pool's, when it killed it."""
     if exitcode is None:
-        return RuntimeError(f"{handle.name} could not be terminated while it ran {task}")
+        return RuntimeError(f"{handle.name} could not be terminated {during}")
     what, sig = exit_description(exitcode)
     if handle.oom_killed:
         what = f"was killed by the OOM killer ({what})"
     peak = "" if handle.peak_rss is None else f"; its peak RSS: {handle.peak_rss >> 20} MiB"
     return BrokenWorkerError(
-        f"{handle.name} {what} while it ran {task}{reason}{peak}",
+        f"{handle.name} {what} {during}{reason}{peak}",
         handle.slot,
         handle.pid,
         exitcode,
         sig,
-        handle.oom_killed,
-        handle.peak_rss,
+        oom_killed=handle.oom_killed,
+        peak_rss=handle.peak_rss,
     )

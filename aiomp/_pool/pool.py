@@ -33,7 +33,7 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias, TypeVar, overload
 
 from .._output import forwarder as _output
 from .._process import checks as _process
@@ -50,6 +50,10 @@ __all__ = ("Pool", "PoolStatistics")
 
 S = TypeVar("S")
 T = TypeVar("T")
+#: What map and imap take: items, from a sync or an async iterable.
+Inputs: TypeAlias = Iterable[S] | AsyncIterable[S]
+#: ``on_progress(done, total)``, called as results come in.
+Progress: TypeAlias = Callable[[int, int], object] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,20 +125,20 @@ class _Map(Protocol):
     async def __call__(
         self,
         fn: Callable[[S], Awaitable[T]],
-        iterable: Iterable[S] | AsyncIterable[S],
+        iterable: Inputs[S],
         chunksize: int | None = None,
         *,
-        on_progress: Callable[[int, int], object] | None = None,
+        on_progress: Progress = None,
     ) -> list[T]: ...
 
     @overload
     async def __call__(
         self,
         fn: Callable[[S], T],
-        iterable: Iterable[S] | AsyncIterable[S],
+        iterable: Inputs[S],
         chunksize: int | None = None,
         *,
-        on_progress: Callable[[int, int], object] | None = None,
+        on_progress: Progress = None,
     ) -> list[T]: ...
 
 
@@ -145,20 +149,20 @@ class _Starmap(Protocol):
     async def __call__(
         self,
         fn: Callable[..., Awaitable[T]],
-        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        iterable: Inputs[Iterable[Any]],
         chunksize: int | None = None,
         *,
-        on_progress: Callable[[int, int], object] | None = None,
+        on_progress: Progress = None,
     ) -> list[T]: ...
 
     @overload
     async def __call__(
         self,
         fn: Callable[..., T],
-        iterable: Iterable[Iterable[Any]] | AsyncIterable[Iterable[Any]],
+        iterable: Inputs[Iterable[Any]],
         chunksize: int | None = None,
         *,
-        on_progress: Callable[[int, int], object] | None = None,
+        on_progress: Progress = None,
     ) -> list[T]: ...
 
 
@@ -169,10 +173,10 @@ def _map_method(name: str, star: bool, doc: str) -> Any:
     async def method(
         self: Pool,
         fn: Callable[..., Any],
-        iterable: Iterable[Any] | AsyncIterable[Any],
+        iterable: Inputs[Any],
         chunksize: int | None = None,
         *,
-        on_progress: Callable[[int, int], object] | None = None,
+        on_progress: Progress = None,
     ) -> list[Any]:
         return await _calls.map_(self._engine, fn, iterable, chunksize, star, on_progress)
 
@@ -187,7 +191,7 @@ class _Imap(Protocol):
     def __call__(
         self,
         fn: Callable[[S], Awaitable[T]],
-        iterable: Iterable[S] | AsyncIterable[S],
+        iterable: Inputs[S],
         chunksize: int = 1,
         *,
         buffersize: int | None = None,
@@ -197,7 +201,7 @@ class _Imap(Protocol):
     def __call__(
         self,
         fn: Callable[[S], T],
-        iterable: Iterable[S] | AsyncIterable[S],
+        iterable: Inputs[S],
         chunksize: int = 1,
         *,
         buffersize: int | None = None,
@@ -211,7 +215,7 @@ def _imap_method(name: str, ordered: bool, doc: str) -> Any:
     def method(
         self: Pool,
         fn: Callable[[Any], Any],
-        iterable: Iterable[Any] | AsyncIterable[Any],
+        iterable: Inputs[Any],
         chunksize: int = 1,
         *,
         buffersize: int | None = None,
@@ -302,8 +306,9 @@ class Pool:
         if initializer is not None:
             _process.check_function(initializer, start_method, "initializer")
         n = cpu_count() if n is None else n
+        init = (initializer, tuple(initargs))
         envs = _placement.slot_envs(env, n)
-        kind = ProcessKind(start_method, (initializer, tuple(initargs)), output, envs, max_memory)
+        kind = ProcessKind(start_method, init, output, envs=envs, max_memory=max_memory)
         attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
 
     def __repr__(self) -> str:

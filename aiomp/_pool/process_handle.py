@@ -38,6 +38,7 @@ from .._errors import ProcessRaisedException
 from .._loop.wakeup import Signal, Wakeup
 from .._loop.watch import fd_watch
 from .._process import child as _process
+from .._process import mp_private
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
@@ -263,6 +264,7 @@ class ProcessHandle(Handle):
             _transport.close_fds(fds)
             self._oom.look(self.pid)  # (its initializer may have moved it)
             self._events.on_ready(self)
+            mp_private.start_deferred_tracker()  # (after its first task is sent)
         elif op == P.OP_INIT_ERR:
             self._events.on_init_failed(self, self._remote_error(payload, fds))
         else:

@@ -12,6 +12,7 @@ output after it exits.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import types
@@ -23,6 +24,7 @@ from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
+from .._process import mp_private
 from .._process.child import Child
 from .._wire import byvalue
 from .._wire import pickling as _reduction
@@ -39,24 +41,27 @@ class ProcessKind(WorkerKind):
     """See the module docstring."""
 
     chunks_per_slot = 4
+    #: Start multiprocessing's resource tracker after the first worker, not before it
+    #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
+    defer_tracker = False
 
     def __init__(
         self,
         start_method: str,
         init: InitCall,
         output: _output.Output,
+        *,
         envs: list[dict[str, str]] | None = None,
         max_memory: int | None = None,
     ) -> None:
-        self.start_method = start_method
-        #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
-        self._envs = envs
-        #: Retire a worker whose private memory grows past this (see ``_pool.health``).
-        self.max_memory = max_memory
-        #: Frames of the process wire, checked per start method.
-        self.wire = start_method
+        #: The wire's frames are checked per start method: the start method names the wire.
+        self.start_method = self.wire = start_method
         self._init_call = init
         self._output = output
+        #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.
+        self.envs = envs
+        #: Retire a worker whose private memory grows past this (see ``_pool.health``).
+        self.max_memory = max_memory
         self._init: _reduction.Message | None = None
         self._init_sends = 0
         #: A fork copies the parent's generators: each worker gets its own seeds.
@@ -79,56 +84,38 @@ class ProcessKind(WorkerKind):
         """Launch a worker for ``slot``; a start that fails (EMFILE here, EAGAIN in
         launch) closes whatever it made, and the engine tries again."""
         assert self._init is not None
-        fw = None
-        if self._output != "inherit":
-            fw = _output.Forwarder(slot, self._output, label="worker")
-            self._forwarders = [f for f in self._forwarders if not f.closed]
-            self._forwarders.append(fw)
-        try:
-            sock, theirs = _stream.stream_socketpair()
-        except BaseException:
-            if fw is not None:
-                fw.close()
-            raise
-        try:
-            results, their_results = _stream.stream_socketpair()
-        except BaseException:
-            sock.close()
-            theirs.close()
-            if fw is not None:
-                fw.close()
-            raise
-        try:
+        with contextlib.ExitStack() as made:  # closed (each safe to repeat) if it fails
+            fw = None
+            if self._output != "inherit":
+                fw = _output.Forwarder(slot, self._output, label="worker")
+                made.callback(fw.close)
+                self._forwarders = [f for f in self._forwarders if not f.closed]
+                self._forwarders.append(fw)
+            sock, theirs = map(made.enter_context, _stream.stream_socketpair())
+            results, their_results = map(made.enter_context, _stream.stream_socketpair())
             # Where the worker prints its stack as it is terminated (``_pool.health``).
-            stacks, their_stacks = socket.socketpair()
-        except BaseException:
-            for s in (sock, theirs, results, their_results):
-                s.close()
-            if fw is not None:
-                fw.close()
-            raise
-        try:
-            child = _launch.launch(
-                Child,
-                worker_main.main,
-                slot,
-                self.start_method,
-                True,
-                theirs,
-                extra=(their_results, their_stacks, self.max_memory, self._seed(slot)),
-                name=f"aiomp-pool-{slot}",
-                output=fw,
-                who=(slot, options.processes),
-                env=None if self._envs is None else self._envs[slot],
-            )
-        except BaseException:
-            sock.close()
-            results.close()
-            stacks.close()
-            raise
-        finally:
-            their_results.close()
-            their_stacks.close()
+            stacks, their_stacks = map(made.enter_context, socket.socketpair())
+            if self.start_method == "spawn":
+                if self.defer_tracker and not self._init_sends:
+                    mp_private.defer_resource_tracker()
+                else:  # (a worker later than the first: the tracker may wait no longer)
+                    mp_private.start_deferred_tracker()
+            with their_results, their_stacks:  # the worker's ends: its copies suffice
+                child = _launch.launch(
+                    Child,
+                    worker_main.main,
+                    slot,
+                    self.start_method,
+                    True,
+                    theirs,
+                    extra=(their_results, their_stacks, self.max_memory),
+                    name=f"aiomp-pool-{slot}",
+                    output=fw,
+                    who=(slot, options.processes),
+                    env=None if self.envs is None else self.envs[slot],
+                    seed=self._seed(slot),
+                )
+            made.pop_all()
         h = ProcessHandle(
             slot, child, sock, results, running_asyncio_loop(), options.grace, events, stacks
         )
@@ -162,6 +149,7 @@ class ProcessKind(WorkerKind):
             raise
 
     async def close(self, linger: bool) -> None:
+        mp_private.start_deferred_tracker()
         init, self._init = self._init, None
         if init is not None:
             init.close()

@@ -37,7 +37,7 @@ import collections
 from collections.abc import Callable, Iterable
 
 from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
-from .._errors import BrokenPoolError, BrokenWorkerError, exit_description
+from .._errors import BrokenPoolError
 from .health import death_error
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
@@ -191,31 +191,23 @@ class Scheduler:
             self.queue.appendleft(task)
             self.queued += 1
         for task in tasks.values():
-            self._finish(task, False, death_error(handle, exitcode, task.name, w.reason))
-        if exitcode is not None:
-            what, sig = exit_description(exitcode)
-            if not (w.ready or w.killed or w.retiring) and self.broken is None:
-                failures = self.start_failures.get(w.slot, 0) + 1
-                self.start_failures[w.slot] = failures
-                if failures >= MAX_START_FAILURES:
-                    err = BrokenWorkerError(
-                        f"{handle.name} {what} during start-up",
-                        w.slot,
-                        handle.pid,
-                        exitcode,
-                        sig,
-                        handle.oom_killed,
-                        handle.peak_rss,
-                    )
-                    # The guard's hint is in the workers' stderr; the error must say it too.
-                    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
-                    self.break_pool(
-                        BrokenPoolError(
-                            f"the pool's worker {w.slot} died during start-up {failures} times "
-                            f"in a row, the last time: {err}{why}"
-                        ),
-                        cause=err,
-                    )
+            err = death_error(handle, exitcode, f"while it ran {task.name}", w.reason)
+            self._finish(task, False, err)
+        starting = not (w.ready or w.killed or w.retiring)
+        if exitcode is not None and starting and self.broken is None:
+            failures = self.start_failures.get(w.slot, 0) + 1
+            self.start_failures[w.slot] = failures
+            if failures >= MAX_START_FAILURES:
+                err = death_error(handle, exitcode, "during start-up")
+                # The guard's hint is in the workers' stderr; the error must say it too.
+                why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
+                self.break_pool(
+                    BrokenPoolError(
+                        f"the pool's worker {w.slot} died during start-up {failures} times "
+                        f"in a row, the last time: {err}{why}"
+                    ),
+                    cause=err,
+                )
         self._replace(w)
         self._dispatch()
         self._check_drained()

@@ -48,9 +48,8 @@ import types
 
 from .._child import bootstrap as _child
 from .._child import output as _child_output
-from .._child import placement as _placement
 from .._child import runner as _runner
-from .._child.seeds import reseed
+from .._process.start import Start
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
@@ -430,14 +429,10 @@ async def _boxed(coro: Any) -> tuple[bool, Any]:
 def main(
     rank: int,
     stream: socket.socket,
-    parent_pid: int,
+    start: Start,
     results: socket.socket,
     stacks: socket.socket | None = None,
     max_memory: int | None = None,
-    seed: int | None = None,
-    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
-    who: tuple[int, int] | None = None,
-    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a pool worker (``multiprocessing.Process`` target).
 
@@ -445,16 +440,10 @@ def main(
     (``_stream.stream_socketpair``): the pool's messages come on ``stream``, the
     worker's go on ``results``; its stack, should it be terminated, on ``stacks``
     (:func:`aiomp._pool.health.print_stack_on_sigterm`). ``max_memory``: the pool's
-    (see :class:`aiomp._pool.health.MemoryGuard`). ``seed``: the global generators' seed
-    of a worker a fork started (``aiomp._child.seeds``). ``output``: the ends of the
-    parent's output forwarder (``aiomp._output.forwarder``), unless the pool inherits its
-    fds. ``who`` and ``env``: its slot and the pool's size, and its slot's env
-    (``_child.placement``).
+    (see :class:`aiomp._pool.health.MemoryGuard`). ``start``: see
+    :class:`aiomp._child.bootstrap.Start`.
     """
-    _placement.enter(who, env)
-    _child.begin(parent_pid, output)
-    if seed is not None:
-        reseed(seed)
+    _child.begin(start)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if stacks is not None:
         _health.print_stack_on_sigterm(stacks)
@@ -466,8 +455,8 @@ def main(
         pass
     worker = Server(_stream.Stream(stream), _stream.Stream(results))
     worker.max_memory = max_memory
-    if output is not None:
-        worker.records = (output[3], output[4])
+    if start.output is not None:
+        worker.records = (start.output[3], start.output[4])
     try:
         if not worker.initialize():
             sys.exit(1)

@@ -4,16 +4,16 @@ A container limited to 2 CPUs on a 64-core host sees 64 in its affinity mask; on
 cgroup's quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``) says 2.
 The quota of the process's own group and of each ancestor up to the hierarchy's mount
 counts: the smallest one caps. Owns nothing; read on each call (a process may be moved).
+Paths are strings (``os.path``): ``run_sync``'s first call reads this, and ``pathlib``
+would be one more import on its way (decision 0046).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
-_PROC = Path("/proc/self")
-_ROOT = Path("/")
+PathLike = str | os.PathLike[str]
 
 
 def cpu_count() -> int:
@@ -33,21 +33,26 @@ def capped(affinity: int, quota: float | None) -> int:
     return max(1, affinity)
 
 
-def cgroup_quota(proc: Path = _PROC, root: Path = _ROOT) -> float | None:
+def cgroup_quota(proc: PathLike = "/proc/self", root: PathLike = "/") -> float | None:
     """The smallest CPU quota (in CPUs) of this process's cgroup and its ancestors, v2 and
     v1 alike, or None where there is none. ``proc`` and ``root`` stand for ``/proc/self``
     and ``/`` (tests point them at sample files). Unreadable or garbled files count as no
     quota: a count that is too high is the old behaviour, never an error."""
     try:
-        groups = (proc / "cgroup").read_text()
-        mounts = (proc / "mountinfo").read_text()
+        groups = _read(os.path.join(proc, "cgroup"))
+        mounts = _read(os.path.join(proc, "mountinfo"))
     except OSError:
         return None
     quotas = [q for q in _quotas(groups, mounts, root) if q is not None]
     return min(quotas, default=None)
 
 
-def _quotas(groups: str, mounts: str, root: Path) -> list[float | None]:
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _quotas(groups: str, mounts: str, root: PathLike) -> list[float | None]:
     found: list[float | None] = []
     for line in groups.splitlines():
         hierarchy, _, rest = line.partition(":")
@@ -86,29 +91,29 @@ def _mount(mounts: str, version: str) -> tuple[str, str] | None:
     return None
 
 
-def _group_dirs(root: Path, mount_point: str, mount_root: str, path: str) -> list[Path]:
+def _group_dirs(root: PathLike, mount_point: str, mount_root: str, path: str) -> list[str]:
     """The group's directory and its ancestors' up to the mount point. A path under the
     mount's own root (v1 without a cgroup namespace: ``/docker/abc`` mounted as ``/``)
     is made relative to it; ancestors above the mount cannot be seen."""
     if mount_root != "/" and (path == mount_root or path.startswith(mount_root + "/")):
         path = path[len(mount_root) :]
     parts = [p for p in path.split("/") if p and p != ".."]
-    base = root / mount_point.lstrip("/")
-    return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+    base = os.path.join(root, mount_point.lstrip("/"))
+    return [os.path.join(base, *parts[:n]) for n in range(len(parts), -1, -1)]
 
 
-def _v2_quota(group: Path) -> float | None:
+def _v2_quota(group: str) -> float | None:
     try:
-        quota, period = (group / "cpu.max").read_text().split()
+        quota, period = _read(os.path.join(group, "cpu.max")).split()
         return None if quota == "max" else int(quota) / int(period)
     except (OSError, ValueError):
         return None
 
 
-def _v1_quota(group: Path) -> float | None:
+def _v1_quota(group: str) -> float | None:
     try:
-        quota = int((group / "cpu.cfs_quota_us").read_text())
-        period = int((group / "cpu.cfs_period_us").read_text())
+        quota = int(_read(os.path.join(group, "cpu.cfs_quota_us")))
+        period = int(_read(os.path.join(group, "cpu.cfs_period_us")))
     except (OSError, ValueError):
         return None
     return None if quota <= 0 or period <= 0 else quota / period

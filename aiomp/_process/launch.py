@@ -25,6 +25,7 @@ from . import groups as _groups
 from . import mp_private
 from .child import Child
 from .placement import spawn_environment
+from .start import Start
 
 #: What the fork server imports once, so that the children it forks start with it loaded:
 #: unpickling the sockets a child is given imports popen_forkserver; arming the
@@ -99,20 +100,21 @@ def launch(
     output: Forwarder | None = None,
     who: tuple[int, int] | None = None,
     env: dict[str, str] | None = None,
+    seed: int | None = None,
 ) -> C:
-    """Start one process running ``target(rank, channel, parent_pid, *extra)``; return
-    ``make(rank, process, start_method, output)`` (:class:`Child` or a subclass).
+    """Start one process running ``target(rank, channel, start, *extra)``, ``start`` the
+    :class:`~aiomp._child.bootstrap.Start` the target hands to
+    :func:`aiomp._child.bootstrap.begin` first thing; return ``make(rank, process,
+    start_method, output)`` (:class:`Child` or a subclass).
 
     ``channel`` is the child's end of a socket pair the caller made and keeps the other
-    end of; it is closed here, started or not. With ``output``, the target also gets
-    ``output=(stdout_end, stderr_end, ...)`` as a keyword, to hand to
-    :func:`aiomp._child.bootstrap.begin`; the returned child owns the forwarder from then
-    on (and it is closed here if the start fails). ``who`` (``(slot or rank, how
-    many)``) and ``env`` go to the target as keywords for
-    :func:`aiomp._child.placement.enter`, its first call; under ``spawn`` the env is in
-    the new interpreter's initial environment instead (:mod:`.placement`). Returns at
-    once (the child boots concurrently). Call :func:`prepare_forkserver` first for
-    ``"forkserver"``. Must run on the event loop's thread, in a task.
+    end of; it is closed here, started or not. With ``output``, ``start`` holds the ends
+    of that forwarder, and the returned child owns it from then on (it is closed here if
+    the start fails). ``who`` (``(slot or rank, how many)``), ``env`` and ``seed`` (the
+    global generators' seed of a forked child) travel in ``start``; under ``spawn`` the
+    env is in the new interpreter's initial environment instead (:mod:`.placement`).
+    Returns at once (the child boots concurrently). Call :func:`prepare_forkserver`
+    first for ``"forkserver"``. Must run on the event loop's thread, in a task.
 
     The start checks registered with ``_lifecycle`` run first: ``target``'s module has
     imported the child bootstrap, whose check stops a spawn child re-running its
@@ -122,16 +124,12 @@ def launch(
     # Up before the child runs, so that registering it (``Child``) is one message.
     _groups.start_keeper()
     mp: Any = multiprocessing.get_context(start_method)
-    kwargs: dict[str, object] = {} if output is None else {"output": output.child_ends()}
-    if who is not None:
-        kwargs["who"] = who
-    if env and start_method != "spawn":
-        kwargs["env"] = env
+    ends = None if output is None else output.child_ends()
+    start = Start(os.getpid(), ends, who, None if start_method == "spawn" else env, seed)
     try:
         proc = mp.Process(
             target=target,
-            args=(rank, channel, os.getpid(), *extra),
-            kwargs=kwargs,
+            args=(rank, channel, start, *extra),
             daemon=daemon,
             name=name or f"aiomp-{rank}",
         )

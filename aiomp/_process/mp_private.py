@@ -7,11 +7,14 @@ fails loudly when Python moves one, instead of a caller falling back in silence.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: a child must not pay for importing typing
 if TYPE_CHECKING:
     import multiprocessing.process
+    from typing import Any
 
 
 def inheriting() -> bool:
@@ -112,3 +115,78 @@ def reap(process: multiprocessing.process.BaseProcess) -> tuple[int | None, int 
         return None, None
     popen.returncode = os.waitstatus_to_exitcode(status)
     return popen.returncode, usage.ru_maxrss * 1024  # (Linux counts it in KiB)
+
+
+#: The read end of the resource tracker's pipe while its process is deferred
+#: (:func:`defer_resource_tracker`), else None.
+_tracker_read_end: int | None = None
+
+
+def defer_resource_tracker() -> None:
+    """If multiprocessing's resource tracker is not running, make the pipe it will read
+    now and start its process later (:func:`start_deferred_tracker`).
+
+    A spawn start makes multiprocessing start the tracker first (its fd is passed at the
+    child's exec), and its interpreter then starts beside the child's and competes with
+    it for the CPUs: the first ``run_sync`` waits for that child (decision 0046). With
+    the pipe's write end as the tracker's fd, ``getfd()`` finds it alive (its read end
+    is open here) and hands it to the child as before; what is sent meanwhile waits in
+    the pipe for the tracker."""
+    global _tracker_read_end
+    from multiprocessing import resource_tracker
+
+    tracker: Any = resource_tracker._resource_tracker
+    with tracker._lock:
+        if _tracker_read_end is not None or tracker._fd is not None:
+            return
+        r, w = os.pipe()
+        tracker._fd = w
+        _tracker_read_end = r
+
+
+def start_deferred_tracker() -> None:
+    """Start the resource tracker's process deferred by :func:`defer_resource_tracker`
+    (nothing if none is), as ``ResourceTracker.ensure_running`` does, on the pipe made
+    then. Where it cannot start, the pipe's read end is closed all the same: the next
+    ``getfd()`` finds the tracker dead and starts one (with multiprocessing's warning)."""
+    global _tracker_read_end
+    from multiprocessing import resource_tracker, spawn, util
+
+    tracker: Any = resource_tracker._resource_tracker
+    mp_util: Any = util
+    with tracker._lock:
+        r, _tracker_read_end = _tracker_read_end, None
+        if r is None:
+            return
+        try:
+            fds = [r]
+            try:
+                fds.insert(0, sys.stderr.fileno())
+            except Exception:  # noqa: BLE001 - no stderr: as ensure_running
+                pass
+            exe = spawn.get_executable()
+            args = [exe, *mp_util._args_from_interpreter_flags()]
+            args += ["-c", f"from multiprocessing.resource_tracker import main;main({r})"]
+            ignored = resource_tracker._IGNORED_SIGNALS  # type: ignore[attr-defined]
+            # Blocked until it has its handlers, as ensure_running does (bpo-33613).
+            signal.pthread_sigmask(signal.SIG_BLOCK, ignored)
+            try:
+                tracker._pid = mp_util.spawnv_passfds(exe, args, fds)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, ignored)
+        except OSError:
+            pass
+        finally:
+            os.close(r)
+
+
+def _forget_deferred_tracker() -> None:
+    """In a forked child: the deferred tracker is the parent's to start (it shares the
+    parent's tracker, as multiprocessing's own forked children do)."""
+    global _tracker_read_end
+    r, _tracker_read_end = _tracker_read_end, None
+    if r is not None:
+        os.close(r)
+
+
+os.register_at_fork(after_in_child=_forget_deferred_tracker)

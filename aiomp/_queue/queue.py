@@ -37,6 +37,7 @@ import queue as _stdqueue
 import socket
 import time
 import weakref
+from collections.abc import Sequence
 
 from .. import _loop
 from .._errors import QueueClosed
@@ -104,28 +105,27 @@ class Queue(QueueCore):
             recv.close()
             _datagram.close_fds([fd for fd in fds if fd >= 0])
             raise
-        self._setup(os.urandom(16), maxsize, send, recv, *fds)
+        self._setup(os.urandom(16), maxsize, (send, recv), fds)
 
     def _setup(
         self,
         token: bytes,
         maxsize: int,
-        send: socket.socket,
-        recv: socket.socket,
-        items: int,
-        room: int,
-        log: int,
+        pair: tuple[socket.socket, socket.socket],
+        fds: Sequence[int],
     ) -> None:
+        """``pair``: the sending and receiving sockets; ``fds``: the items and room
+        eventfds and the overflow log's memfd (items -1 for an unbounded queue)."""
         self._token = token
         self._maxsize = maxsize
-        self._send = send
-        self._recv = recv
-        # Bounded: wake-up tokens for consumers, never fewer than the items (see
-        # _overflow, "Bounded"). Unbounded: -1 (qsize counts in the log's header).
-        self._items = items
-        # Written when an item that frees room is taken: a put waiting for a slot
-        # (bounded), or for the overflow's fd vault, waits on it. close() writes it too.
-        self._room = room
+        send, recv = self._send, self._recv = pair
+        # The items eventfd of a bounded queue: wake-up tokens for consumers, never fewer
+        # than the items (see _overflow, "Bounded"); -1 when unbounded (qsize counts in
+        # the log's header). The room eventfd: written when an item that frees room is
+        # taken; a put waiting for a slot (bounded), or for the overflow's fd vault, waits
+        # on it. close() writes it too.
+        items, room, log = fds
+        self._items, self._room = items, room
         # Consumers wait for the socket, or for the tokens of a bounded queue.
         self._wait_fd = items if maxsize else recv.fileno()
         # The fds parked with overflowed items travel the socket pair backwards.
@@ -329,15 +329,8 @@ def _rebuild_queue(
         return existing  # the message's fds are closed by loads
     take = _pickling.take_fd
     q = Queue.__new__(Queue)
-    q._setup(
-        token,
-        maxsize,
-        socket.socket(fileno=take(send)),
-        socket.socket(fileno=take(recv)),
-        take(items) if maxsize else -1,
-        take(room),
-        take(log),
-    )
+    pair = socket.socket(fileno=take(send)), socket.socket(fileno=take(recv))
+    q._setup(token, maxsize, pair, (take(items) if maxsize else -1, take(room), take(log)))
     return q
 
 

@@ -142,10 +142,11 @@ def _start_one(
             start_method,
             daemon,
             theirs,
-            extra=(fn, start_method == "spawn", payload, seed),
+            extra=(fn, start_method == "spawn", payload),
             output=fw,
             who=who[:2],
             env=who[2],
+            seed=seed,
         )
     except BaseException:
         ours.close()

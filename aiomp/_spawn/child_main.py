@@ -17,10 +17,9 @@ import sys
 
 from .._child.bootstrap import begin, exit_fast
 from .._child.output import forward_logging
-from .._child.placement import enter
 from .._child.report import report_error, send_message
 from .._child.runner import run_fn
-from .._child.seeds import reseed
+from .._process.start import Start
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
 
@@ -28,26 +27,17 @@ from .._wire import pickling as _reduction
 def main(
     rank: int,
     sock: socket.socket,
-    parent_pid: int,
+    start: Start,
     fn: object = None,
     spawned: bool = False,
     payload: bytes | None = None,
-    seed: int | None = None,
-    output: tuple[socket.socket, socket.socket, bool, socket.socket, int] | None = None,
-    who: tuple[int, int] | None = None,
-    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a child :func:`aiomp.spawn` started (``multiprocessing.Process``
-    target). ``spawned``: started by the ``spawn`` method, whose children exit through
-    the interpreter's teardown (fork and forkserver children skip it already).
-    ``payload``: the datagram of ``(fn, args, is_async)`` when it came with the start;
-    None: it arrives on ``sock`` (it holds fds). ``who`` and ``env``: its rank and
-    nprocs, and its env (``_child.placement``), first of all. ``seed``: the global
-    generators' seed of a child a fork started (``aiomp._child.seeds``)."""
-    enter(who, env)
-    begin(parent_pid, output)
-    if seed is not None:
-        reseed(seed)
+    target). ``start``: see :class:`aiomp._child.bootstrap.Start`. ``spawned``: started
+    by the ``spawn`` method, whose children exit through the interpreter's teardown (fork
+    and forkserver children skip it already). ``payload``: the datagram of ``(fn, args,
+    is_async)`` when it came with the start; None: it arrives on ``sock`` (it holds fds)."""
+    begin(start)
     if payload is None:
         got = _transport.recv_sync(sock)
         assert got is not None
@@ -59,8 +49,8 @@ def main(
     if fn is None:
         fn = payload_fn
     del got, body, fds, payload, loaded
-    if output is not None:
-        forward_logging(output[3], output[4])
+    if start.output is not None:
+        forward_logging(start.output[3], start.output[4])
     try:
         result = run_fn(fn, (rank, *args), is_async)
     except SystemExit:

@@ -113,14 +113,23 @@ class Stream:
         del fds[:nfds]
         return data, taken
 
-    def _fill(self, flags: int) -> bool:
-        """Read once; False if nothing was there. Raises :class:`Closed` at EOF."""
+    def _read(self, flags: int) -> tuple[bytes, list[int]] | bool:
+        """Read once: False if nothing was there (a non-blocking read), else True, what
+        came now buffered. The common case, one whole frame without fds read while nothing
+        was buffered, is returned as it came, past the buffer (msg_flags echoes
+        MSG_CMSG_CLOEXEC on Linux: only truncation matters). Raises :class:`Closed` at EOF.
+        """
         try:
             data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, flags)
         except BlockingIOError:
             return False
         except ConnectionResetError as exc:
             raise Closed from exc
+        whole = not anc and not mflags & TRUNCATED and len(data) >= FRAME_SIZE
+        if whole and self._pos == len(self._buf):
+            n, nfds = FRAME.unpack_from(data)
+            if not nfds and n + FRAME_SIZE == len(data):
+                return data[FRAME_SIZE:], []
         self._absorb(data, anc, mflags)
         return True
 
@@ -147,27 +156,12 @@ class Stream:
         caller that waits for readability must call this again until it returns None.
         Raises :class:`Closed` at EOF.
         """
-        if self._pos == len(self._buf):
-            # Nothing buffered: read once. The common case, one whole frame without fds,
-            # is returned as it came, past the buffer (msg_flags echoes MSG_CMSG_CLOEXEC
-            # on Linux: only truncation matters); _fill's read, inlined.
-            # hot path: tests/budgets
-            try:
-                data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, RECV_FLAGS)
-            except BlockingIOError:
-                return None
-            except ConnectionResetError as exc:
-                raise Closed from exc
-            if not anc and not mflags & TRUNCATED and len(data) >= FRAME_SIZE:
-                n, nfds = FRAME.unpack_from(data)
-                if not nfds and n + FRAME_SIZE == len(data):
-                    return data[FRAME_SIZE:], []
-            self._absorb(data, anc, mflags)
+        if self._pos != len(self._buf) and (got := self.take()) is not None:
+            return got
+        read = self._read(RECV_FLAGS)
+        if read is True:
             return self.take()
-        got = self.take()
-        if got is None and self._fill(RECV_FLAGS):
-            got = self.take()
-        return got
+        return None if read is False else read
 
     def recv_sync(self, deadline: float | None = None) -> tuple[bytes, list[int]] | None:
         """One frame, blocking while there is none; None if ``deadline`` passes first.
@@ -175,28 +169,16 @@ class Stream:
         Without a deadline this is one blocking ``recvmsg`` per read (the cheap wake-up),
         unless an event loop made the socket non-blocking: then it polls.
         """
-        if deadline is None and self._pos == len(self._buf):
-            # One blocking read, and its fast path as in try_recv. hot path: tests/budgets
-            try:
-                data, anc, mflags, _ = self.sock.recvmsg(_STREAM_RECV_SIZE, ANC_SIZE, RECV_BLOCKING)
-            except BlockingIOError:
-                pass  # an event loop made the socket non-blocking: wait below
-            except ConnectionResetError as exc:
-                raise Closed from exc
-            else:
-                if not anc and not mflags & TRUNCATED and len(data) >= FRAME_SIZE:
-                    n, nfds = FRAME.unpack_from(data)
-                    if not nfds and n + FRAME_SIZE == len(data):
-                        return data[FRAME_SIZE:], []
-                self._absorb(data, anc, mflags)
-        while (got := self.take()) is None:
-            if deadline is None and self._fill(RECV_BLOCKING):
-                continue
-            if not self._fill(RECV_FLAGS) and not wait_fd_sync(
-                self.sock.fileno(), deadline=deadline
-            ):
-                return None
-        return got
+        flags = RECV_BLOCKING if deadline is None else RECV_FLAGS
+        while True:
+            if self._pos != len(self._buf) and (got := self.take()) is not None:
+                return got
+            read = self._read(flags)
+            if read is False:  # a deadline, or an event loop made the socket non-blocking
+                if not wait_fd_sync(self.sock.fileno(), deadline=deadline):
+                    return None
+            elif read is not True:
+                return read
 
     async def recv_async(self) -> tuple[bytes, list[int]]:
         """One frame, waiting on the event loop. On cancellation nothing is consumed."""

@@ -92,16 +92,16 @@ class Pool(_pool.Pool):
         self,
         processes: int | None = None,
         *,
-        initializer: Callable[..., object] | None = None,
-        initargs: Iterable[object] = (),
-        maxtasksperchild: int | None = None,
-        concurrency: int = 1,
-        grace_period: float = 5.0,
         address: str | None = None,
         num_cpus: float = 1,
         num_gpus: float = 0,
         resources: Mapping[str, float] | None = None,
         runtime_env: Mapping[str, Any] | None = None,
+        concurrency: int = 1,
+        initializer: Callable[..., object] | None = None,
+        initargs: Iterable[object] = (),
+        maxtasksperchild: int | None = None,
+        grace_period: float = 5.0,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = _pool.check_options(
             processes, concurrency, maxtasksperchild, grace_period

@@ -132,34 +132,6 @@ def add_one(samples: list[int]) -> list[int]:
     return [s + 1 for s in samples]
 
 
-try:
-    import torch as _torch
-    from torch.utils.data import Dataset as _Dataset
-    from torch.utils.data import IterableDataset as _IterableDataset
-
-    class TorchSquares(_Dataset):  # type: ignore[type-arg]
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def __len__(self) -> int:
-            return self.n
-
-        def __getitem__(self, i: int) -> tuple[Any, int]:
-            return _torch.full((2, 2), float(i)) + _torch.rand(()), i
-
-    class TorchRange(_IterableDataset):  # type: ignore[type-arg]
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def __iter__(self) -> Any:
-            info = _torch.utils.data.get_worker_info()
-            assert info is not None
-            return iter(range(info.id, self.n, info.num_workers))
-
-except ImportError:  # pragma: no cover - torch is a test dependency
-    pass
-
-
 class Big:
     """Samples of 8 MiB each (float64 ``i`` everywhere): a batch of 4 is 32 MiB."""
 
@@ -183,3 +155,22 @@ def small_shm_main() -> None:
 
 if __name__ == "__main__":
     small_shm_main()
+
+
+class StreamDieAt:
+    """An iterable-style dataset sharded by ``aiomp.get_worker_info`` whose sample ``bad``
+    SIGKILLs its worker once (counted in files under ``marks``)."""
+
+    def __init__(self, n: int, bad: int, marks: str) -> None:
+        self.n, self.bad, self.marks = n, bad, marks
+
+    def __iter__(self) -> Any:
+        import aiomp
+
+        info = aiomp.get_worker_info()
+        assert info is not None
+        for i in range(info.id, self.n, info.num_workers):
+            if i == self.bad and not any(Path(self.marks).iterdir()):
+                Path(self.marks, "0").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield i

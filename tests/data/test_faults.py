@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 import aiomp
-from tests.children.data import DieAt, HangAt, RaiseAt
+from tests.children.data import DieAt, HangAt, RaiseAt, StreamDieAt
 
 pytestmark = pytest.mark.anyio
 FS = "forkserver"
@@ -97,6 +97,23 @@ async def test_a_hung_worker_times_out_and_is_replaced(tmp_path: Path) -> None:
             assert [list(b) async for b in it] == [[4, 5], [6, 7]]
             assert [list(b) async for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
             assert loader.pool.statistics().replaced >= 1
+
+
+async def test_an_iterable_dataset_s_dead_worker_is_replayed(tmp_path: Path) -> None:
+    """Issue 27 (iterable-style): the worker of shard 1 dies at sample 9 (its 5th sample,
+    batch 2 of the shard); the replacement replays the shard and every batch comes once,
+    in the order of an epoch with no death."""
+    with anyio.fail_after(90):
+        async with aiomp.DataLoader(
+            StreamDieAt(16, bad=9, marks=str(tmp_path)), 2, num_workers=2, start_method=FS
+        ) as loader:
+            got = [list(b) async for b in loader]
+            again = [list(b) async for b in loader]
+    shard0 = [[0, 2], [4, 6], [8, 10], [12, 14]]
+    shard1 = [[1, 3], [5, 7], [9, 11], [13, 15]]
+    expected = [b for pair in zip(shard0, shard1, strict=True) for b in pair]
+    assert got == again == expected
+    assert _count(tmp_path) == 1
 
 
 def _count(marks: Path) -> int:

@@ -14,7 +14,7 @@ import aiomp
 torch = pytest.importorskip("torch")
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler  # noqa: E402
 
-from tests.children.data import TorchRange, TorchSquares  # noqa: E402
+from tests.children.data_torch import TorchRange, TorchSquares  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 FS = "forkserver"

@@ -20,6 +20,7 @@ import pytest
 import aiomp
 from aiomp._first import default as first
 from aiomp._process import cpus
+from tests._gate import Gate
 from tests._run import REPO
 from tests.children import pool as funcs
 
@@ -95,6 +96,23 @@ async def test_one_pool_per_loop_reused_across_calls() -> None:
             for i in range(8):
                 tg.start_soon(aiomp.run_sync, funcs.square_and_pid, i)
         assert first.default_pool() is pool
+
+
+async def test_the_first_worker_starts_alone_then_the_pool_fills(gate: Gate) -> None:
+    """Issue 29, the first call (no slower than anyio's): the default pool starts one
+    worker for it and the others once that one is ready; then it has them all, each
+    taking a call at once."""
+    n = cpus.cpu_count()
+    with anyio.fail_after(TIMEOUT):
+        await aiomp.run_sync(os.getpid)
+        pool = first.default_pool()
+        assert pool is not None and pool.processes == n
+        async with anyio.create_task_group() as tg:
+            for key in range(n):
+                tg.start_soon(aiomp.run_sync, funcs.block_at_gate, key, gate.address)
+            pids = await gate.ready(n)  # n calls running at once: n workers
+            assert len(set(pids.values())) == n
+            gate.release()
 
 
 async def test_timeout_and_cancellation_as_pool_apply() -> None:

@@ -60,6 +60,7 @@ CHILD: set[str] = {
     "aiomp._pool.worker_main",
     "aiomp._pool.health",
     "aiomp._process.mp_private",
+    "aiomp._process.start",
 }
 #: Packages all of whose modules are child-side (the rest of CHILD are single modules).
 CHILD_PACKAGES: set[str] = {"aiomp._wire", "aiomp._memory", "aiomp._queue", "aiomp._child"}

@@ -106,3 +106,39 @@ def test_the_fork_server_keeps_its_pid_preloads_and_alive_fd() -> None:
 
 def test_atexit_can_run_its_functions_now() -> None:
     assert callable(atexit._run_exitfuncs)
+
+
+_DEFERRED_TRACKER = textwrap.dedent(
+    """
+    import multiprocessing, os
+    from multiprocessing import resource_tracker, shared_memory
+    from aiomp._process import mp_private
+
+    if __name__ == "__main__":
+        tracker = resource_tracker._resource_tracker
+        mp_private.defer_resource_tracker()
+        assert tracker._fd is not None and tracker._pid is None
+        name = f"aiomp-test-tracker-{os.getpid()}"
+        # made and never unlinked: the tracker unlinks it when the parent ends
+        new = dict(name=name, create=True, size=4096)
+        child = multiprocessing.get_context("spawn").Process(
+            target=shared_memory.SharedMemory, kwargs=new
+        )
+        child.start()  # given the deferred pipe as its tracker's fd
+        child.join(60)
+        assert child.exitcode == 0 and tracker._pid is None
+        mp_private.start_deferred_tracker()
+        assert tracker._pid is not None and os.path.exists(f"/proc/{tracker._pid}")
+        mp_private.start_deferred_tracker()  # nothing deferred any more: nothing done
+        print(name)
+    """
+)
+
+
+def test_the_resource_tracker_can_start_after_the_first_spawn_child() -> None:
+    """Issue 29, the first call (decision 0046): multiprocessing's tracker, deferred past
+    the first child's start, still gets what that child registered, and cleans it up."""
+    out = run_python("-c", _DEFERRED_TRACKER)
+    name = out.stdout.split()[-1]
+    assert "leaked shared_memory" in out.stderr, out.stderr
+    assert not os.path.exists(f"/dev/shm/{name}")

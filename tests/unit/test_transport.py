@@ -706,11 +706,12 @@ async def test_forget_stops_watching_and_closes_the_duplicate(
     rd.forget(fd)  # idempotent
 
 
-def test_a_whole_frame_is_read_in_one_python_call(stream_pair: tuple[st.Stream, st.Stream]) -> None:
+def test_a_whole_frame_is_read_in_two_python_calls(
+    stream_pair: tuple[st.Stream, st.Stream],
+) -> None:
     """The Pool's round trip reads one whole frame per message on each side (the parent
-    with ``try_recv``, a sync worker with ``recv_sync``); both went through ``_read``, a
-    frame more per message. Now the read and its fast path are written out in each: one
-    Python call, and the frame comes back past the buffer."""
+    with ``try_recv``, a sync worker with ``recv_sync``): the call, and ``_read``, the one
+    read with its fast path, which hands the frame back past the buffer (no ``take``)."""
     import sys
 
     a, b = stream_pair
@@ -729,5 +730,5 @@ def test_a_whole_frame_is_read_in_one_python_call(stream_pair: tuple[st.Stream, 
         finally:
             sys.setprofile(None)
         assert got == (b"hello", [])
-        assert seen == [read.__name__], seen
+        assert seen == [read.__name__, "_read"], seen
         assert b.take() is None

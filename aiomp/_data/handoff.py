@@ -1,0 +1,120 @@
+"""The sync face's channel: batches from the private loop thread to the consumer's thread.
+
+``for batch in loader`` runs no event loop in its thread: the loader's async side runs on
+a private loop (anyio's blocking portal, always asyncio). A portal call per batch costs a
+task on that loop and two thread hops per batch (measured: a third of the sync consumer's
+CPU per batch, light samples). Instead one *pump* task per epoch iterates the async epoch
+on the loop and appends each batch to a small deque, under a lock; the consumer's thread
+pops from it, waiting on a condition only when it is empty. The loop is woken from the
+consumer's thread only when the pump waits for room (the deque full) and the consumer has
+taken half of it: once per ``capacity // 2`` batches at most, never while the consumer
+is the one waiting. See docs/decisions/0047-loader-feeds.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+    from collections.abc import Callable
+
+    from .epoch import Epoch
+    from .streams import StreamEpoch
+
+#: What the pump appends: a batch, the epoch's end, or the error to raise.
+BATCH, END, ERROR = 0, 1, 2
+
+#: How long the consumer waits on the condition before it looks whether the pump died.
+POLL_SECONDS = 0.5
+
+
+class Handoff:
+    """The batches of one epoch on their way from the pump to a sync consumer.
+
+    ``capacity``: at most this many batches wait here (taken off the epoch, not yet by
+    the consumer), on top of the epoch's own prefetch bound. ``base + taken`` is the
+    epoch's batches handed to the consumer (what ``state_dict`` reports).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.epoch: Epoch | StreamEpoch | None = None  # set by the pump as it starts
+        self.base = 0
+        self.taken = 0
+        self.ended = False  # the consumer has seen the epoch's end
+        self.items: deque[tuple[int, Any]] = deque()
+        self.cond = threading.Condition(threading.Lock())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.room: asyncio.Future[None] | None = None  # the pump's wait for room
+
+    async def pump(self, open_epoch: Callable[[], Epoch | StreamEpoch]) -> None:
+        """On the loop: open the epoch (``loader.__aiter__``: one hop from the consumer's
+        thread starts the epoch and its pump) and move its batches here until its end or
+        first error. Cancelled by the consumer when it stops (the epoch stays as it was)."""
+        import asyncio
+
+        self.loop = asyncio.get_running_loop()
+        try:
+            epoch = open_epoch()
+        except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
+            self._append(ERROR, exc)
+            return
+        self.base = epoch.handed_count
+        self.epoch = epoch
+        while True:
+            try:
+                batch = await epoch.__anext__()
+            except StopAsyncIteration:
+                self._append(END, None)
+                return
+            except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
+                self._append(ERROR, exc)
+                return
+            room = self._append(BATCH, batch)
+            del batch
+            if room is not None:
+                await room
+
+    def _append(self, kind: int, value: Any) -> asyncio.Future[None] | None:
+        """Append an item; return the future to wait on when the deque is now full."""
+        with self.cond:
+            self.items.append((kind, value))
+            self.cond.notify()
+            if len(self.items) < self.capacity:
+                return None
+            assert self.loop is not None
+            self.room = self.loop.create_future()
+            return self.room
+
+    def get(self, pump: concurrent.futures.Future[None]) -> tuple[int, Any]:
+        """In the consumer's thread: the next item, waiting while there is none.
+        Raises what stopped the pump if it stopped without saying (the loop ended)."""
+        with self.cond:
+            while not self.items:
+                if pump.done():
+                    pump.result()  # raises its error
+                    raise RuntimeError("aiomp.DataLoader: the loader's loop stopped")
+                self.cond.wait(POLL_SECONDS)
+            kind, value = self.items.popleft()
+            room = self.room
+            if room is not None and len(self.items) <= self.capacity // 2:
+                self.room = None
+            else:
+                room = None
+        if room is not None:
+            assert self.loop is not None
+            self.loop.call_soon_threadsafe(_wake, room)
+        if kind == BATCH:
+            self.taken += 1
+        elif kind == END:
+            self.ended = True
+        return kind, value
+
+
+def _wake(room: asyncio.Future[None]) -> None:
+    if not room.done():  # not cancelled meanwhile
+        room.set_result(None)

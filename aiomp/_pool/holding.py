@@ -1,0 +1,63 @@
+"""A scheduler that starts a pool's first worker alone: ``run_sync``'s default pool.
+
+The first call on a fresh pool waits for one worker's start. Started together, the
+other workers' interpreters compete with that one for the CPUs (on two cores, three
+interpreters start at once), and their launches hold the parent's loop. So the engine
+starts only slot 0, and :class:`HoldingScheduler` holds the other slots until that
+worker is ready (the first task is sent to it first), more tasks wait than workers are
+starting, or a worker has exited. Why: docs/decisions/0046-default-pool-first-alone.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .kinds import Handle
+from .scheduler import Scheduler
+from .tasks import Task
+
+
+class HoldingScheduler(Scheduler):
+    """A :class:`Scheduler` whose slots given to :meth:`hold` wait (see the module
+    docstring)."""
+
+    held: tuple[int, ...] = ()
+
+    def hold(self, slots: Iterable[int]) -> None:
+        """Start no worker for ``slots`` until :meth:`release_held`."""
+        self.held = tuple(slots)
+
+    def release_held(self) -> None:
+        """Ask for the held slots' workers now (nothing if none is held, or the pool is
+        broken: no worker is started for a pool on its way out)."""
+        if self.held and self.broken is None:
+            self.to_spawn.extend(self.held)
+            self.held = ()
+            self.on_spawn()
+
+    def close(self) -> None:
+        super().close()
+        self.held = ()  # a closing pool serves what it has with the workers it has
+
+    def terminate(self, error: BaseException) -> None:
+        super().terminate(error)
+        self.held = ()
+
+    def ready(self, handle: Handle) -> None:
+        super().ready(handle)  # a queued task is sent to it first
+        self.release_held()
+
+    def exited(
+        self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""
+    ) -> None:
+        super().exited(handle, exitcode, unsent, why)
+        self.release_held()
+
+    def submit(self, task: Task) -> None:
+        super().submit(task)
+        if self.held and self.queued > self._starting():
+            self.release_held()  # more tasks wait than workers are starting for them
+
+    def _starting(self) -> int:
+        """Workers started and not ready yet (nor on their way out)."""
+        return sum(1 for w in self.workers.values() if not (w.ready or w.killed or w.gone))
