@@ -11,12 +11,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_python(
-    *argv: str, timeout: float = 60, env: Mapping[str, str] | None = None
+    *argv: str,
+    timeout: float = 60,
+    env: Mapping[str, str] | None = None,
+    input: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``python *argv`` in the repository's root, its output captured as text; asserts
-    that it exited 0 (the assertion's message is its output)."""
+    """``python *argv`` in the repository's root (``input`` on its stdin), its output
+    captured as text; asserts that it exited 0 (the assertion's message is its output)."""
     proc = subprocess.run(
         [sys.executable, *argv],
+        input=input,
         cwd=REPO,
         env=env,
         text=True,

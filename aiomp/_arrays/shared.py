@@ -74,6 +74,20 @@ def zeros(shape: int | tuple[int, ...], dtype: Any = float) -> np.ndarray[Any, A
     return _new_like(shape, np.dtype(dtype), "C", zero=True)
 
 
+def stack(arrays: list[np.ndarray[Any, Any]], shared: bool = True) -> np.ndarray[Any, Any]:
+    """``np.stack(arrays)``, ``arrays`` all of one shape, built in shared memory (``empty``)
+    unless not ``shared``, in the first one's dtype. One copy loop in C: concatenating along
+    axis 0 into the output seen as ``(n * d0, ...)`` costs about half of assigning it row
+    by row (64 arrays of 12 KiB)."""
+    shape = arrays[0].shape
+    out = (empty if shared else np.empty)((len(arrays), *shape), arrays[0].dtype)
+    if shape:
+        np.concatenate(arrays, out=out.reshape(-1, *shape[1:]), casting="unsafe")
+    else:
+        out[:] = arrays
+    return out
+
+
 def _layout(arr: np.ndarray[Any, Any]) -> Literal["C", "F"]:
     return "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
 

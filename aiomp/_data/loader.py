@@ -17,7 +17,7 @@ from .._pool.pool import Pool
 from .epoch import Epoch
 from .feeds import FeedEpoch
 from .handoff import END, ERROR, Handoff
-from .sampling import Sampling, is_map_style
+from .sampling import Sampling, batch_count, is_map_style
 from .streams import StreamEpoch
 from .worker import init as _init_worker
 
@@ -149,8 +149,7 @@ class DataLoader:
         if self.sampling is not None:
             return len(self.sampling)
         assert self.batch_size is not None
-        n = len(self.dataset)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return batch_count(len(self.dataset), self.batch_size, self.drop_last)
 
     def __repr__(self) -> str:
         return (

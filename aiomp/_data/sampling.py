@@ -23,6 +23,11 @@ def derive(seed: int, *parts: int) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
 
+def batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches ``samples`` make (the last one short unless ``drop_last``)."""
+    return samples // batch_size if drop_last else -(-samples // batch_size)
+
+
 def is_map_style(dataset: object) -> bool:
     """Map-style: ``__getitem__`` and ``__len__`` (torch's ``Dataset``, a list, an array).
     Iterable-style: ``__iter__`` without ``__getitem__`` (torch's ``IterableDataset``)."""
@@ -69,7 +74,7 @@ class Sampling:
             return len(self.batch_sampler)  # type: ignore[arg-type]
         n = self.size if self.sampler is None else len(self.sampler)  # type: ignore[arg-type]
         assert self.batch_size is not None
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return batch_count(n, self.batch_size, self.drop_last)
 
     def user_sampler(self) -> object:
         return self.batch_sampler if self.batch_sampler is not None else self.sampler

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from .._child import info as _info
+from .._child.seeds import reseed
 from .collate import default_collate
 
 
@@ -85,13 +85,9 @@ def _seed(seed: int) -> None:
     info = _state.info
     assert info is not None
     info.seed = seed
-    random.seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed & 0xFFFFFFFF)
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "manual_seed"):
-        torch.manual_seed(seed)
+    if "numpy" in sys.modules:  # numpy loads numpy.random on first use: a sample's draw
+        import numpy.random  # noqa: F401 - must find it seeded
+    reseed(seed)
     # torch's get_worker_info() returns this module global: ours has the same names.
     twi = sys.modules.get("torch.utils.data._utils.worker")
     if twi is not None and getattr(twi, "_worker_info", None) is not info:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +20,11 @@ import anyio
 from .._errors import BrokenPoolError
 from .._loop import is_cancellation
 from .._loop.runscope import run_key, start_for_run
-from .._pool.pool import Pool
+from .._pool.pool import Pool, first_worker_alone
 from .._pool.process_handle import ProcessHandle
-from .._pool.process_kind import ProcessKind
 from .._pool.tasks import fn_info
 from .._process.checks import check_function
-from .._process.child import KILL_TIMEOUT
+from .._process.child import kill_and_reap
 from .._process.cpus import cpu_count
 from .._wire import byvalue
 
@@ -42,16 +39,12 @@ class DefaultPool:
     """The running loop's default pool and its state: ``ready`` is set once it is open
     (or could not be: ``error``)."""
 
-    __slots__ = ("error", "pool", "ready")
+    __slots__ = ("engine", "error", "pool", "ready")
 
     def __init__(self) -> None:
-        self.pool = Pool(cpu_count(), start_method=START_METHOD)
         # The first call waits for one worker: the others, and multiprocessing's resource
         # tracker, start once it is ready (decision 0046).
-        engine = self.pool._engine
-        engine.start_first_alone()
-        assert isinstance(engine.kind, ProcessKind)
-        engine.kind.defer_tracker = True
+        self.pool, self.engine = first_worker_alone(cpu_count(), START_METHOD)
         self.ready = anyio.Event()
         self.error: BaseException | None = None
 
@@ -124,14 +117,8 @@ def _end_at_exit() -> None:
     waiting for them. Registered after ``aiomp._process.child``'s exit hook, so it runs
     first (atexit is last-in, first-out), and that hook, which warns of children still
     running, finds none of these."""
-    handles = [h for d in list(_pools.values()) for h in d.pool._engine.live_handles()]
-    children = [h.child for h in handles if isinstance(h, ProcessHandle)]
-    for child in children:
-        child.sent_kill = True  # (the SIGKILL is not news: no line logged for it)
-        child.signal(signal.SIGKILL)
-    deadline = time.monotonic() + KILL_TIMEOUT
-    for child in children:
-        child.process.join(max(0.0, deadline - time.monotonic()))
+    handles = [h for d in list(_pools.values()) for h in d.engine.live_handles()]
+    kill_and_reap([h.child for h in handles if isinstance(h, ProcessHandle)], quiet=True)
 
 
 atexit.register(_end_at_exit)

@@ -180,19 +180,10 @@ class Batched(Generic[X, R]):
         return self._engine.kind.encode((tid, self._fn, self._info, self._flags, (xs,), None, None))
 
     def _stacked(self, rows: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
-        import numpy as np
+        from .._arrays.shared import stack
 
-        first = rows[0]
-        shape = (len(rows), *first.shape)
-        if self._engine.wire is None:  # Ray's kind: its object store takes it whole
-            out = np.empty(shape, first.dtype)
-        else:
-            from .._arrays.shared import empty
-
-            out = empty(shape, first.dtype)
-        for i, row in enumerate(rows):
-            out[i] = row
-        return out
+        # Ray's kind (no process wire): its object store takes the array whole.
+        return stack(rows, shared=self._engine.wire is not None)
 
     # -- outcomes (maybe in a loop callback: only Signals) ---------------------------
     def _done(self, batch: _Batch, task: Task) -> None:

@@ -87,7 +87,10 @@ class Engine:
         concurrency: int,
         maxtasksperchild: int | None,
         grace: float,
+        first_alone: bool = False,
     ) -> None:
+        """``first_alone``: start the first worker alone and the others once it is ready
+        (:mod:`aiomp._pool.holding`; ``run_sync``'s default pool)."""
         self.kind = kind
         #: ``kind.wire``: where tasks are process-wire frames, ``apply`` builds ``fn()``'s.
         self.wire = kind.wire
@@ -95,7 +98,8 @@ class Engine:
         self.concurrency = concurrency
         self.grace = grace
         self.state = NEW
-        self.sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon)
+        scheduler = HoldingScheduler if first_alone else Scheduler
+        self.sched = scheduler(concurrency, maxtasksperchild, self._spawn_soon)
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
         self.handles: dict[Handle, None] = {}
@@ -135,11 +139,7 @@ class Engine:
         self._wake = Wakeup(self.loop)
         self.state = OPEN
         try:
-            first = self.processes
-            if isinstance(self.sched, HoldingScheduler) and first > 1:
-                first = 1
-                self.sched.hold(range(1, self.processes))
-            for slot in range(first):
+            for slot in self.sched.initial_slots(self.processes):
                 if slot:
                     # A spawn start forks and execs (a few ms): let the loop breathe
                     # between starts rather than block it for all of them at once.
@@ -155,13 +155,6 @@ class Engine:
             await self.shutdown(graceful=False)
             await host.stop(exc)
             raise
-
-    def start_first_alone(self) -> None:
-        """Before :meth:`open`: start the first worker alone and the others once it is
-        ready (:mod:`aiomp._pool.holding`; ``run_sync``'s default pool)."""
-        assert self.state == NEW
-        self.sched = HoldingScheduler(self.concurrency, self.sched.maxtasks, self._spawn_soon)
-        self.on_result = self.sched.complete
 
     async def _run_watch(self, watch: Any) -> None:
         assert self._watch is not None

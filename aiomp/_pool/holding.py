@@ -23,9 +23,10 @@ class HoldingScheduler(Scheduler):
 
     held: tuple[int, ...] = ()
 
-    def hold(self, slots: Iterable[int]) -> None:
-        """Start no worker for ``slots`` until :meth:`release_held`."""
-        self.held = tuple(slots)
+    def initial_slots(self, processes: int) -> range:
+        """The first slot only: the others are held until :meth:`release_held`."""
+        self.held = tuple(range(1, processes))
+        return range(min(processes, 1))
 
     def release_held(self) -> None:
         """Ask for the held slots' workers now (nothing if none is held, or the pool is

@@ -41,9 +41,6 @@ class ProcessKind(WorkerKind):
     """See the module docstring."""
 
     chunks_per_slot = 4
-    #: Start multiprocessing's resource tracker after the first worker, not before it
-    #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
-    defer_tracker = False
 
     def __init__(
         self,
@@ -53,7 +50,11 @@ class ProcessKind(WorkerKind):
         *,
         envs: list[dict[str, str]] | None = None,
         max_memory: int | None = None,
+        defer_tracker: bool = False,
     ) -> None:
+        #: Start multiprocessing's resource tracker after the first worker, not before it
+        #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
+        self.defer_tracker = defer_tracker
         #: The wire's frames are checked per start method: the start method names the wire.
         self.start_method = self.wire = start_method
         self._init_call = init

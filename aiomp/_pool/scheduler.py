@@ -125,6 +125,10 @@ class Scheduler:
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
+    def initial_slots(self, processes: int) -> range:
+        """The slots whose workers the pool starts as it opens: all of them."""
+        return range(processes)
+
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
         self.workers[handle] = WorkerSlot(handle)

@@ -227,11 +227,13 @@ class Child:
                 log.warning("Terminating process %d via signal SIGTERM", self.pid)
             self.signal(signal.SIGTERM)
 
-    def kill(self, why: str = "") -> None:
-        """SIGKILL it (logged once); safe to call again or after it has exited."""
+    def kill(self, why: str = "", quiet: bool = False) -> None:
+        """SIGKILL it (logged once, unless ``quiet``: the kill is not news); safe to call
+        again or after it has exited."""
         if not (self.sent_kill or self.poll_exit()):
             self.sent_kill = True
-            log.warning("Terminating process %d via signal SIGKILL%s", self.pid, why)
+            if not quiet:
+                log.warning("Terminating process %d via signal SIGKILL%s", self.pid, why)
             self.signal(signal.SIGKILL)
 
     def _release(self) -> None:
@@ -270,10 +272,16 @@ def _kill_at_exit() -> None:
         len(live),
         [c.pid for c in live],
     )
-    for c in live:
-        c.kill(" (interpreter exit)")
+    kill_and_reap(live, " (interpreter exit)")
+
+
+def kill_and_reap(children: list[Child], why: str = "", quiet: bool = False) -> None:
+    """SIGKILL ``children`` (:meth:`Child.kill`) and join them, :data:`KILL_TIMEOUT` for
+    them all: for exit hooks, where no loop runs."""
+    for c in children:
+        c.kill(why, quiet)
     deadline = time.monotonic() + KILL_TIMEOUT
-    for c in live:
+    for c in children:
         c.process.join(max(0.0, deadline - time.monotonic()))
 
 

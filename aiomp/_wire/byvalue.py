@@ -42,7 +42,7 @@ def dumps(obj: object, prefix: bytes = b"") -> pickling.Message:
     except Exception:  # noqa: BLE001 - pickled again by value, which raises what stays
         pass
     else:
-        if _MAIN not in msg.body or main_importable():
+        if main_importable() or _MAIN not in msg.body:
             return msg
         msg.discard()  # it names the interactive __main__: no child can import that
     return pickling.dumps_with(_by_value_pickler, obj, prefix)
@@ -52,11 +52,19 @@ def main_importable() -> bool:
     """Whether spawn/forkserver children can import ``__main__``: it was run by module
     name (``python -m``) or from a file. A notebook, a REPL and ``python -c`` have no
     file; ``python -`` names ``<stdin>``, which a child cannot read again."""
+    global _main_checked
     main = sys.modules.get("__main__")
-    if getattr(main, "__spec__", None) is not None:
-        return True
-    path = getattr(main, "__file__", None)
-    return isinstance(path, str) and os.path.isfile(path)
+    if _main_checked[0] is not main:  # once per __main__, not once per task
+        path = getattr(main, "__file__", None)
+        importable = getattr(main, "__spec__", None) is not None or (
+            isinstance(path, str) and os.path.isfile(path)
+        )
+        _main_checked = (main, importable)
+    return _main_checked[1]
+
+
+#: The ``__main__`` module :func:`main_importable` last looked at, and its answer.
+_main_checked: tuple[object, bool] = (None, False)
 
 
 def _by_value_pickler(buf: io.BytesIO) -> pickle.Pickler:

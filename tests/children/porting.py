@@ -22,8 +22,7 @@ def fail_with_a_slow_atexit(rank: int, address: str, marker: str) -> None:
     import atexit
 
     def finish() -> None:
-        # handshake-free: long enough for a SIGTERM sent at the report to cut it
-        time.sleep(0.3)
+        time.sleep(0.3)  # handshake-free: long enough for a SIGTERM at the report to cut it
         with open(marker, "w") as f:
             f.write("finished")
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Callable
@@ -23,7 +21,7 @@ import pytest
 
 import aiomp
 from aiomp._wire import byvalue
-from tests._run import REPO
+from tests._run import run_python
 from tests.children import pool as funcs
 
 TIMEOUT = 60
@@ -149,17 +147,7 @@ _EXPECTED = ["spawn 42 7", "forkserver 42 7"]
 
 
 def _run(argv: list[str], stdin: str | None = None) -> list[str]:
-    proc = subprocess.run(
-        [sys.executable, *argv],
-        input=stdin,
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=TIMEOUT * 2,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout.splitlines()
+    return run_python(*argv, input=stdin, timeout=TIMEOUT * 2).stdout.splitlines()
 
 
 def test_functions_typed_into_python_c() -> None:

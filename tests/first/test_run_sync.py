@@ -21,7 +21,7 @@ import aiomp
 from aiomp._first import default as first
 from aiomp._process import cpus
 from tests._gate import Gate
-from tests._run import REPO
+from tests._run import REPO, run_python
 from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
@@ -203,14 +203,7 @@ def test_a_loop_closed_without_asyncio_run_is_cleaned_at_exit() -> None:
         "from aiomp._first import default as first\n"
         "print(*first.default_pool(loop).pids(), flush=True)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", program],
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    proc = run_python("-c", program, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     assert "still running at interpreter exit" not in proc.stderr  # expected, not a leak
     pids = [int(p) for p in proc.stdout.split()]

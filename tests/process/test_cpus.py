@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 
 import aiomp
 from aiomp._process import cpus
-from tests._run import REPO
+from tests._run import run_python
 
 V2_MOUNTS = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 V1_MOUNTS = (
@@ -41,9 +39,15 @@ def _quota(root: Path) -> float | None:
     return cpus.cgroup_quota(proc=root / "proc" / "self", root=root)
 
 
-def test_v2_quota_of_the_group(tmp_path: Path) -> None:
-    root = _tree(
-        tmp_path,
+#: cgroup v1 without a cgroup namespace: the group's path repeats the mount's root.
+_V1_DOCKER_MOUNTS = V1_MOUNTS.replace(
+    " / /sys/fs/cgroup/cpu,cpuacct", " /docker/abc /sys/fs/cgroup/cpu,cpuacct"
+)
+_V1 = "/sys/fs/cgroup/cpu,cpuacct"
+
+#: (the process's /proc/self/cgroup, its mountinfo, the cgroup files, the quota in CPUs)
+QUOTAS = {
+    "v2 quota of the group": (
         "0::/kubepods/pod1\n",
         V2_MOUNTS,
         {
@@ -51,13 +55,9 @@ def test_v2_quota_of_the_group(tmp_path: Path) -> None:
             "/sys/fs/cgroup/kubepods/cpu.max": "max 100000\n",
             "/sys/fs/cgroup/cpu.max": "max 100000\n",
         },
-    )
-    assert _quota(root) == 1.5
-
-
-def test_v2_an_ancestor_caps_the_group(tmp_path: Path) -> None:
-    root = _tree(
-        tmp_path,
+        1.5,
+    ),
+    "v2 an ancestor caps the group": (
         "0::/a/b/c\n",
         V2_MOUNTS,
         {
@@ -65,45 +65,34 @@ def test_v2_an_ancestor_caps_the_group(tmp_path: Path) -> None:
             "/sys/fs/cgroup/a/b/cpu.max": "400000 100000\n",
             "/sys/fs/cgroup/a/cpu.max": "200000 50000\n",  # 4 CPUs
         },
-    )
-    assert _quota(root) == 4.0
-
-
-def test_v2_no_quota(tmp_path: Path) -> None:
-    root = _tree(tmp_path, "0::/\n", V2_MOUNTS, {"/sys/fs/cgroup/cpu.max": "max 100000\n"})
-    assert _quota(root) is None
-
-
-def test_v1_quota_and_mount_root(tmp_path: Path) -> None:
-    """cgroup v1 without a cgroup namespace: the group's path repeats the mount's root."""
-    mounts = V1_MOUNTS.replace(
-        " / /sys/fs/cgroup/cpu,cpuacct", " /docker/abc /sys/fs/cgroup/cpu,cpuacct"
-    )
-    root = _tree(
-        tmp_path,
+        4.0,
+    ),
+    "v2 no quota": ("0::/\n", V2_MOUNTS, {"/sys/fs/cgroup/cpu.max": "max 100000\n"}, None),
+    "v1 quota and mount root": (
         "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
-        mounts,
-        {
-            "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "50000\n",
-            "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n",
-        },
-    )
-    assert _quota(root) == 0.5
-
-
-def test_v1_unlimited_and_ancestors(tmp_path: Path) -> None:
-    root = _tree(
-        tmp_path,
+        _V1_DOCKER_MOUNTS,
+        {f"{_V1}/cpu.cfs_quota_us": "50000\n", f"{_V1}/cpu.cfs_period_us": "100000\n"},
+        0.5,
+    ),
+    "v1 unlimited and ancestors": (
         "4:cpu,cpuacct:/slice/job\n",
         V1_MOUNTS,
         {
-            "/sys/fs/cgroup/cpu,cpuacct/slice/job/cpu.cfs_quota_us": "-1\n",
-            "/sys/fs/cgroup/cpu,cpuacct/slice/job/cpu.cfs_period_us": "100000\n",
-            "/sys/fs/cgroup/cpu,cpuacct/slice/cpu.cfs_quota_us": "300000\n",
-            "/sys/fs/cgroup/cpu,cpuacct/slice/cpu.cfs_period_us": "100000\n",
+            f"{_V1}/slice/job/cpu.cfs_quota_us": "-1\n",
+            f"{_V1}/slice/job/cpu.cfs_period_us": "100000\n",
+            f"{_V1}/slice/cpu.cfs_quota_us": "300000\n",
+            f"{_V1}/slice/cpu.cfs_period_us": "100000\n",
         },
-    )
-    assert _quota(root) == 3.0
+        3.0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", QUOTAS)
+def test_the_quota_from_sample_files(case: str, tmp_path: Path) -> None:
+    cgroup, mounts, files, expected = QUOTAS[case]
+    root = _tree(tmp_path, cgroup, mounts, files)
+    assert _quota(root) == expected
 
 
 def test_missing_or_garbled_files_mean_no_quota(tmp_path: Path) -> None:
@@ -136,14 +125,7 @@ def test_a_real_cgroup_quota_caps_the_count() -> None:
             "from aiomp._process import cpus\n"
             "print(len(os.sched_getaffinity(0)), cpus.cpu_count(), aiomp.Pool().processes)\n"
         )
-        out = subprocess.run(
-            [sys.executable, "-c", program],
-            cwd=REPO,
-            text=True,
-            capture_output=True,
-            timeout=60,
-            check=True,
-        ).stdout.split()
+        out = run_python("-c", program).stdout.split()
         assert out[1:] == ["1", "1"], out
     finally:
         group.rmdir()

@@ -1791,8 +1791,7 @@ async def test_a_stopped_holder_killed_while_others_wait_for_the_overflow_lock()
         async with anyio.create_task_group() as tg:
             tg.start_soon(async_get)
             tg.start_soon(sync_get)
-            # handshake-free: a thread blocked in a timed lock says nothing; both wait
-            await anyio.sleep(0.2)
+            await anyio.sleep(0.2)  # handshake-free: a thread blocked in a lock says nothing
             assert got == []
             os.kill(ctx.pids()[0], signal.SIGKILL)
         with pytest.raises(aiomp.ProcessExitedException, match="SIGKILL"):

@@ -27,6 +27,7 @@ import pytest
 
 import aiomp
 from tests._gate import Gate
+from tests._run import run_python
 from tests.children import common as funcs
 from tests.children import spawn as funcs_context
 
@@ -1119,14 +1120,7 @@ def test_function_from_a_script_read_from_stdin() -> None:
     """Regression (issue 11): a function defined in ``python -`` was not detected; the
     child died with ``FileNotFoundError: '<stdin>'`` and the parent saw "exit code 1".
     Issue 29: such a function travels by value (it was refused)."""
-    out = subprocess.run(
-        [sys.executable, "-"],
-        input=_STDIN_SCRIPT,
-        cwd=REPO,
-        text=True,
-        capture_output=True,
-        timeout=TIMEOUT,
-    )
+    out = run_python("-", input=_STDIN_SCRIPT, timeout=TIMEOUT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["joined"]
 

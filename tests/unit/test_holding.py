@@ -18,8 +18,8 @@ class HoldingRig(Rig):
     def __init__(self, processes: int = 3) -> None:
         super().__init__(0)
         self.sched = HoldingScheduler(1, None, self._spawn, self._drained)
-        self.sched.hold(range(1, processes))
-        self.first = self.start(0, ready=False)
+        (first,) = self.sched.initial_slots(processes)
+        self.first = self.start(first, ready=False)
 
     @property
     def held(self) -> tuple[int, ...]:
