@@ -60,7 +60,7 @@ async def _make_default() -> DefaultPool:
     imports and builds the pool (decision 0048). A failure closes what was started.
     """
     processes = cpu_count()
-    kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_tracker=True)
+    kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_helpers=True)
     kind.launch_ahead(0, processes)
     try:
         # Imported here, after the launch, on purpose (see above).

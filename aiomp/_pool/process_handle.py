@@ -39,7 +39,7 @@ from .._loop.taskhost import Started
 from .._loop.wakeup import Signal, Wakeup
 from .._loop.watch import fd_watch
 from .._process import child as _process
-from .._process import mp_private
+from .._process import launch as _launch
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
@@ -264,8 +264,9 @@ class ProcessHandle(Handle):
         elif op == P.OP_READY:
             _transport.close_fds(fds)
             self._oom.look(self.pid)  # (its initializer may have moved it)
+            # Before any task is sent: the keeper watches over what the task starts.
+            _launch.start_deferred_helpers()
             self._events.on_ready(self)
-            mp_private.start_deferred_tracker()  # (after its first task is sent)
         elif op == P.OP_INIT_ERR:
             self._events.on_init_failed(self, self._remote_error(payload, fds))
         else:

@@ -27,7 +27,6 @@ from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
-from .._process import mp_private
 from .._process.child import KILL_TIMEOUT, Child
 from .._wire import byvalue
 from .._wire import pickling as _reduction
@@ -68,11 +67,12 @@ class ProcessKind(WorkerKind):
         *,
         envs: list[dict[str, str]] | None = None,
         max_memory: int | None = None,
-        defer_tracker: bool = False,
+        defer_helpers: bool = False,
     ) -> None:
-        #: Start multiprocessing's resource tracker after the first worker, not before it
-        #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
-        self.defer_tracker = defer_tracker
+        #: Start aiomp's keeper and multiprocessing's resource tracker once the first
+        #: worker is ready, not beside it (``_process.launch.defer_helpers``;
+        #: ``run_sync``'s default pool).
+        self.defer_helpers = defer_helpers
         #: The wire's frames are checked per start method: the start method names the wire.
         self.start_method = self.wire = start_method
         self._init_call = init
@@ -154,11 +154,10 @@ class ProcessKind(WorkerKind):
             results, their_results = map(made.enter_context, _stream.stream_socketpair())
             # Where the worker prints its stack as it is terminated (``_pool.health``).
             stacks, their_stacks = map(made.enter_context, socket.socketpair())
-            if self.start_method == "spawn":
-                if self.defer_tracker and not self._launches:
-                    mp_private.defer_resource_tracker()
-                else:  # (a worker later than the first: the tracker may wait no longer)
-                    mp_private.start_deferred_tracker()
+            if self.defer_helpers and not self._launches:
+                _launch.defer_helpers(self.start_method)
+            else:  # (a worker later than the first: the helpers may wait no longer)
+                _launch.start_deferred_helpers()
             with their_results, their_stacks:  # the worker's ends: its copies suffice
                 child = _launch.launch(
                     Child,
@@ -203,7 +202,7 @@ class ProcessKind(WorkerKind):
 
     async def close(self, linger: bool) -> None:
         await self.discard_ahead()
-        mp_private.start_deferred_tracker()
+        _launch.start_deferred_helpers()
         init, self._init = self._init, None
         if init is not None:
             init.close()

@@ -96,6 +96,8 @@ def signal_group(pidfd: int, leader: int, sig: int, by_number: bool) -> bool:
 _lock = _thread.allocate_lock()  # (starting a keeper; held a few milliseconds, once)
 #: This process's end of its keeper's socket; None: none started (or none could be).
 _sock: socket.socket | None = None
+#: The keeper's end of that socket while its process is deferred (:func:`start_keeper`).
+_unstarted: socket.socket | None = None
 #: The children registered: pid -> pidfd, borrowed from its ``Child`` until unregistered.
 _registered: dict[int, int] = {}
 #: Messages the socket had no room for (a stopped keeper): sent before the next one.
@@ -123,9 +125,12 @@ def unregister(pid: int) -> None:
 def _send(data: bytes, fd: int) -> None:
     if _shells:
         _reap_shells()
-    sock = _sock or start_keeper()
+    sock = _sock
     if sock is None:
-        return
+        sock = start_keeper()
+        if sock is None:
+            return
+        _redeliver(sock, data)  # (those of a deferred keeper that could not start)
     try:
         _flush(sock)
         _deliver(sock, data, fd)
@@ -136,12 +141,19 @@ def _send(data: bytes, fd: int) -> None:
         _log("the keeper process has gone; starting another")
         _forget()
         sock = start_keeper()
-        try:
-            for pid, pidfd in list(_registered.items()):
-                if sock is not None:
-                    _deliver(sock, b"+%d" % pid, pidfd)
-        except OSError:
-            pass
+        if sock is not None:
+            _redeliver(sock, b"")
+
+
+def _redeliver(sock: socket.socket, data: bytes) -> None:
+    """Tell a keeper just started every child registered but the one ``data`` adds."""
+    try:
+        for pid, pidfd in list(_registered.items()):
+            message = b"+%d" % pid
+            if message != data:
+                _deliver(sock, message, pidfd)
+    except OSError:
+        pass
 
 
 def _deliver(sock: socket.socket, data: bytes, fd: int) -> None:
@@ -198,7 +210,7 @@ def _flush(sock: socket.socket) -> None:
             os.close(fd)
 
 
-def start_keeper() -> socket.socket | None:
+def start_keeper(defer: bool = False) -> socket.socket | None:
     """Start this process's keeper; return our end of its socket (None: it could not be
     started, which is logged once).
 
@@ -210,8 +222,16 @@ def start_keeper() -> socket.socket | None:
     wait for that shell, which exits at once (about a millisecond, once). The signals it
     passes on are blocked until it has its handlers: none is lost or ends it meanwhile.
     Where it cannot start (no ``/bin/sh``, a pids limit), the next child tries again.
+
+    With ``defer``, only the socket is made, and what is registered waits in it until
+    :func:`start_deferred_keeper` starts the process: for a first child that runs none
+    of the caller's code before it says it is ready (``run_sync``'s first worker,
+    decision 0048). The keeper has nothing to do before a child leads a group of its own
+    (``_child.begin``, which first arms the parent-death signal and exits if the parent
+    has gone), and its interpreter would start beside the child's and the parent's wait
+    for the shell would come before the child's launch.
     """
-    global _sock
+    global _sock, _unstarted
     if _sock is not None:
         return _sock
     with _lock:
@@ -228,15 +248,41 @@ def start_keeper() -> socket.socket | None:
                 _send_now(ours, b"P", me)  # the first message: who to watch
             finally:
                 os.close(me)
-            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()))
+            if not defer:
+                _spawn(theirs, stand_in=_is_foreground(os.getpgrp()))
         except OSError as exc:
             ours.close()
+            theirs.close()
             _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
             return None
-        finally:
+        if defer:
+            _unstarted = theirs
+        else:
             theirs.close()
         _sock = ours
         return ours
+
+
+def start_deferred_keeper() -> None:
+    """Start the keeper's process that :func:`start_keeper` deferred (nothing if none
+    is), on the socket made then: it reads what was registered meanwhile. Where it cannot
+    start, the socket is let go of, and the next child starts a keeper that learns every
+    child registered."""
+    global _unstarted
+    with _lock:
+        theirs, _unstarted = _unstarted, None
+        if theirs is None:
+            return
+        try:
+            # Not waiting for the shell: its child inherits the socket's end as the shell
+            # starts, and what was registered is safe from then on.
+            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()), wait=False)
+        except OSError as exc:
+            _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
+            _forget()
+            return
+        finally:
+            theirs.close()
 
 
 _WITHOUT = (
@@ -254,11 +300,13 @@ def _log(text: str, once: bool = False) -> None:
         logging.getLogger("aiomp").warning("aiomp: %s", text)
 
 
-def _spawn(end: socket.socket, stand_in: bool) -> None:
+def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
     """posix_spawn ``sh -c '"$@" &' ... python -I -S <this file>`` with ``end`` on
     :data:`KEEPER_FD` and /dev/null on 0-2 (it must not hold the parent's output open:
     whoever reads it waits for its end), in a session of its own unless ``stand_in``;
-    wait for the shell. Raises OSError where it did not start."""
+    wait for the shell (unless not ``wait``: it is reaped later, and a keeper it could
+    not start is found gone at the next message). Raises OSError where it did not
+    start."""
     fd = end.fileno()
     src = os.dup(fd) if fd == KEEPER_FD else fd  # (dup2 onto itself would keep CLOEXEC)
     try:
@@ -289,7 +337,7 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
     # sleeps (bash: 1, 2, 4, 8 s): wait briefly, on the loop's thread, then reap it later.
     ready = select.poll()
     ready.register(pidfd, select.POLLIN)
-    if not ready.poll(SHELL_WAIT_MS):
+    if not ready.poll(SHELL_WAIT_MS if wait else 0):
         _shells.append(pidfd)
         return
     status = _reap(pidfd)
@@ -343,10 +391,13 @@ def _forget() -> None:
     """Let go of the keeper's socket and of what was queued for it: in a fork of this
     process (the keeper is not its keeper: it starts its own with its first child), or
     once the keeper has gone."""
-    global _sock
+    global _sock, _unstarted
     if _sock is not None:
         _sock.close()
         _sock = None
+    if _unstarted is not None:
+        _unstarted.close()
+        _unstarted = None
     for _, fd in _pending:
         if fd >= 0:
             os.close(fd)

@@ -239,6 +239,50 @@ def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: st
             parent.communicate()
 
 
+_RUN_SYNC_PARENT = textwrap.dedent("""
+    import sys
+
+    import anyio
+
+    import aiomp
+    from tests.children import groups as funcs
+
+    async def main():
+        await aiomp.run_sync(funcs.descendants_then_block, 1, "\\0" + sys.argv[1])
+
+    if __name__ == "__main__":
+        anyio.run(main, backend=sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_parents_sigkill_takes_the_descendants_of_run_syncs_first_call(
+    backend: str,
+) -> None:
+    """``run_sync``'s first worker starts before the keeper does (decision 0048): the
+    keeper is up before that worker runs anything of the caller's, so the descendants
+    its first call starts die with the parent all the same."""
+    gate = Gate()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _RUN_SYNC_PARENT, gate.address[1:], backend],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pids = gate.ready_sync(2, timeout=TIMEOUT)
+        with watching(pids.values()) as fds:
+            parent.kill()
+            parent.communicate(timeout=TIMEOUT)
+            assert all_exit_sync(fds), "descendants outlived their parent's SIGKILL"
+    finally:
+        gate.close()
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+
+
 # -- the terminal -----------------------------------------------------------------------
 
 _CTRL_C_PARENT = textwrap.dedent("""
@@ -573,3 +617,43 @@ def test_a_slow_shell_starting_the_keeper_does_not_hold_the_loop() -> None:
     took = float(out.stdout.split("first start took ")[1].split()[0])
     assert took < 0.8, out.stdout
     assert "shells waiting: 1" in out.stdout and "shells left: 0" in out.stdout, out.stdout
+
+
+_DEFERRED_KEEPER_FAILS = textwrap.dedent("""
+    import errno, os, subprocess
+
+    from aiomp._process import groups
+
+    # What is registered: a process leading a group of its own, as a child does.
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    me = os.pidfd_open(child.pid)
+
+    real_spawn, real_deliver = groups._spawn, groups._deliver
+    delivered = []
+
+    def no_shell(end, stand_in, wait=True):
+        raise OSError(errno.EAGAIN, "fork: resource temporarily unavailable")
+
+    def deliver(sock, data, fd):
+        delivered.append(data.decode())
+        real_deliver(sock, data, fd)
+
+    groups._deliver = deliver
+    groups.start_keeper(defer=True)
+    groups.register(1001, me)  # waits in the socket for the deferred keeper
+    groups._spawn = no_shell
+    groups.start_deferred_keeper()  # cannot start: the socket is let go of
+    assert groups._sock is None and groups._unstarted is None
+    groups._spawn = real_spawn
+    delivered.clear()
+    groups.register(1002, me)  # the next child starts a keeper, which learns both
+    print(*delivered)
+    child.kill()
+    child.wait()
+""")
+
+
+def test_a_deferred_keeper_that_cannot_start_is_started_with_the_next_child() -> None:
+    proc = run_python("-c", _DEFERRED_KEEPER_FAILS, timeout=TIMEOUT)
+    assert proc.stdout.split() == ["+1001", "+1002"]
+    assert "no keeper process" in proc.stderr
