@@ -125,35 +125,30 @@ def unregister(pid: int) -> None:
 def _send(data: bytes, fd: int) -> None:
     if _shells:
         _reap_shells()
-    sock = _sock
+    sock = _sock or _restart(data)
     if sock is None:
-        sock = start_keeper()
-        if sock is None:
-            return
-        _redeliver(sock, data)  # (those of a deferred keeper that could not start)
+        return
     try:
         _flush(sock)
         _deliver(sock, data, fd)
     except OSError as exc:
         if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
             return  # (ETOOMANYREFS) this one is lost: the parent still kills it
-        # It has gone (killed by hand): a new one learns every child registered.
         _log("the keeper process has gone; starting another")
         _forget()
-        sock = start_keeper()
-        if sock is not None:
-            _redeliver(sock, b"")
+        _restart(b"")
 
 
-def _redeliver(sock: socket.socket, data: bytes) -> None:
-    """Tell a keeper just started every child registered but the one ``data`` adds."""
+def _restart(data: bytes) -> socket.socket | None:
+    """Start a keeper; tell it each child registered but the one ``data`` adds (next)."""
+    sock = start_keeper()
     try:
         for pid, pidfd in list(_registered.items()):
-            message = b"+%d" % pid
-            if message != data:
-                _deliver(sock, message, pidfd)
+            if sock is not None and b"+%d" % pid != data:
+                _deliver(sock, b"+%d" % pid, pidfd)
     except OSError:
         pass
+    return sock
 
 
 def _deliver(sock: socket.socket, data: bytes, fd: int) -> None:
@@ -223,13 +218,8 @@ def start_keeper(defer: bool = False) -> socket.socket | None:
     passes on are blocked until it has its handlers: none is lost or ends it meanwhile.
     Where it cannot start (no ``/bin/sh``, a pids limit), the next child tries again.
 
-    With ``defer``, only the socket is made, and what is registered waits in it until
-    :func:`start_deferred_keeper` starts the process: for a first child that runs none
-    of the caller's code before it says it is ready (``run_sync``'s first worker,
-    decision 0048). The keeper has nothing to do before a child leads a group of its own
-    (``_child.begin``, which first arms the parent-death signal and exits if the parent
-    has gone), and its interpreter would start beside the child's and the parent's wait
-    for the shell would come before the child's launch.
+    With ``defer``, only the socket is made: what is registered waits in it until
+    :func:`start_deferred_keeper` (``run_sync``'s first worker: decision 0048).
     """
     global _sock, _unstarted
     if _sock is not None:
@@ -255,27 +245,21 @@ def start_keeper(defer: bool = False) -> socket.socket | None:
             theirs.close()
             _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
             return None
-        if defer:
-            _unstarted = theirs
-        else:
+        _sock, _unstarted = ours, (theirs if defer else None)
+        if not defer:
             theirs.close()
-        _sock = ours
         return ours
 
 
 def start_deferred_keeper() -> None:
-    """Start the keeper's process that :func:`start_keeper` deferred (nothing if none
-    is), on the socket made then: it reads what was registered meanwhile. Where it cannot
-    start, the socket is let go of, and the next child starts a keeper that learns every
-    child registered."""
+    """Start the keeper's process :func:`start_keeper` deferred, if any. Where it cannot
+    start, the next child starts one, which learns every child registered."""
     global _unstarted
     with _lock:
         theirs, _unstarted = _unstarted, None
         if theirs is None:
             return
-        try:
-            # Not waiting for the shell: its child inherits the socket's end as the shell
-            # starts, and what was registered is safe from then on.
+        try:  # (the shell holds the keeper's end from its start: no wait for it)
             _spawn(theirs, stand_in=_is_foreground(os.getpgrp()), wait=False)
         except OSError as exc:
             _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
@@ -304,9 +288,8 @@ def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
     """posix_spawn ``sh -c '"$@" &' ... python -I -S <this file>`` with ``end`` on
     :data:`KEEPER_FD` and /dev/null on 0-2 (it must not hold the parent's output open:
     whoever reads it waits for its end), in a session of its own unless ``stand_in``;
-    wait for the shell (unless not ``wait``: it is reaped later, and a keeper it could
-    not start is found gone at the next message). Raises OSError where it did not
-    start."""
+    wait for the shell, unless not ``wait`` (a keeper it fails to start is found gone at
+    the next message). Raises OSError where it did not start."""
     fd = end.fileno()
     src = os.dup(fd) if fd == KEEPER_FD else fd  # (dup2 onto itself would keep CLOEXEC)
     try:
