@@ -54,10 +54,11 @@ class DefaultPool:
 async def _make_default() -> DefaultPool:
     """The default pool of this loop, its first worker launched first of all.
 
-    The first call waits for one worker's start: the other workers, and multiprocessing's
-    resource tracker, start once it is ready (decision 0046). It is launched before the
-    rest of the pool is even imported, so that its interpreter boots while this process
-    imports and builds the pool (decision 0048). A failure closes what was started.
+    The first call waits for one worker's start: the other workers start once its first
+    result is in, aiomp's keeper and multiprocessing's resource tracker once it is ready
+    (decision 0046). It is launched before the rest of the pool is even imported, so that
+    its interpreter boots while this process imports and builds the pool (decision 0048).
+    A failure closes what was started.
     """
     processes = cpu_count()
     kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_helpers=True)

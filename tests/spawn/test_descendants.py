@@ -215,18 +215,25 @@ def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: st
     """The parent is SIGKILLed (alone, or with its whole process group, as ``kill -9 -PGID``
     does): its children die by their parent-death signal, and its keeper (out of the
     parent's group and session: no terminal here) takes the descendants."""
+    _sigkill_parent(_PARENT, start_method, reports=4, whole_group=target == "group")
+
+
+def _sigkill_parent(program: str, arg: str, reports: int, whole_group: bool = False) -> None:
+    """Run ``program`` (the gate's address and ``arg`` its arguments) in a group of its
+    own; once its descendants have reported, SIGKILL it (or its whole group): they must
+    all exit."""
     gate = Gate()
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, gate.address[1:], start_method],
+        [sys.executable, "-c", program, gate.address[1:], arg],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # a group of its own, to SIGKILL whole
     )
     try:
-        pids = gate.ready_sync(4, timeout=TIMEOUT)
+        pids = gate.ready_sync(reports, timeout=TIMEOUT)
         with watching(pids.values()) as fds:
-            if target == "group":
+            if whole_group:
                 os.killpg(parent.pid, signal.SIGKILL)
             else:
                 parent.kill()
@@ -262,25 +269,7 @@ def test_the_parents_sigkill_takes_the_descendants_of_run_syncs_first_call(
     """``run_sync``'s first worker starts before the keeper does (decision 0048): the
     keeper is up before that worker runs anything of the caller's, so the descendants
     its first call starts die with the parent all the same."""
-    gate = Gate()
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _RUN_SYNC_PARENT, gate.address[1:], backend],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        pids = gate.ready_sync(2, timeout=TIMEOUT)
-        with watching(pids.values()) as fds:
-            parent.kill()
-            parent.communicate(timeout=TIMEOUT)
-            assert all_exit_sync(fds), "descendants outlived their parent's SIGKILL"
-    finally:
-        gate.close()
-        if parent.poll() is None:
-            parent.kill()
-            parent.communicate()
+    _sigkill_parent(_RUN_SYNC_PARENT, backend, reports=2)
 
 
 # -- the terminal -----------------------------------------------------------------------
