@@ -13,20 +13,24 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._errors import BrokenPoolError
 from .._loop import is_cancellation
 from .._loop.runscope import run_key, start_for_run
-from .._pool.pool import Pool, first_worker_alone
 from .._pool.process_handle import ProcessHandle
+from .._pool.process_kind import ProcessKind
 from .._pool.tasks import fn_info
 from .._process.checks import check_function
 from .._process.child import kill_and_reap
 from .._process.cpus import cpu_count
 from .._wire import byvalue
+
+if TYPE_CHECKING:
+    from .._pool.engine import Engine
+    from .._pool.pool import Pool
 
 log = logging.getLogger("aiomp")
 
@@ -41,12 +45,32 @@ class DefaultPool:
 
     __slots__ = ("engine", "error", "pool", "ready")
 
-    def __init__(self) -> None:
-        # The first call waits for one worker: the others, and multiprocessing's resource
-        # tracker, start once it is ready (decision 0046).
-        self.pool, self.engine = first_worker_alone(cpu_count(), START_METHOD)
+    def __init__(self, pool: Pool, engine: Engine) -> None:
+        self.pool, self.engine = pool, engine
         self.ready = anyio.Event()
         self.error: BaseException | None = None
+
+
+async def _make_default() -> DefaultPool:
+    """The default pool of this loop, its first worker launched first of all.
+
+    The first call waits for one worker's start: the other workers start once its first
+    result is in, aiomp's keeper and multiprocessing's resource tracker once it is ready
+    (decision 0046). It is launched before the rest of the pool is even imported, so that
+    its interpreter boots while this process imports and builds the pool (decision 0048).
+    A failure closes what was started.
+    """
+    processes = cpu_count()
+    kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_helpers=True)
+    kind.launch_ahead(0, processes)
+    try:
+        # Imported here, after the launch, on purpose (see above).
+        from .._pool.pool import first_worker_alone
+
+        return DefaultPool(*first_worker_alone(kind, processes))
+    except BaseException:
+        await kind.close(False)  # shielded
+        raise
 
 
 #: run key (an asyncio loop, a trio run's root task) -> its default pool
@@ -85,7 +109,7 @@ async def run_sync(
         # Arguments that cannot be pickled raise before the pool starts (the next calls
         # pickle them as the Pool does, with its message).
         byvalue.dumps((args, kwargs)).discard()
-        default = _pools[key] = DefaultPool()
+        default = _pools[key] = await _make_default()
         start_for_run(lambda: _keep(key, default))
     if not default.ready.is_set():
         await default.ready.wait()
@@ -99,7 +123,13 @@ async def _keep(key: object, default: DefaultPool) -> None:
     try:
         async with default.pool:
             default.ready.set()
-            await anyio.sleep_forever()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                # The loop's end: nothing can wait for these workers any more, and their
+                # termination is no news (not logged as that of a survivor).
+                for h in default.engine.live_handles():
+                    h.expect_kill()
     except BaseException as exc:
         if is_cancellation(exc):
             raise

@@ -118,8 +118,11 @@ class FdSet:
             self._epoll = select.epoll()
             self._loop = loop
             try:
+                # Shielded: at trio.run's end, trio cancels the system tasks while
+                # shielded shutdowns (a pool terminating its workers) still wait here;
+                # the last waiter to leave stops it.
                 watch = fd_watch(
-                    loop, self._epoll.fileno(), self._poll, "aiomp fd set", self._failed
+                    loop, self._epoll.fileno(), self._poll, "aiomp fd set", self._failed, True
                 )
                 watch.start()
             except BaseException:

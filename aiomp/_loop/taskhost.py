@@ -4,7 +4,8 @@ that entered it (see *Hosted task group* in docs/architecture.md)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -87,6 +88,53 @@ class TaskHost:
         if not self._task.cancelled() and (failed := self._task.exception()) is not None:
             raise failed
         return False
+
+
+class Started:
+    """The coroutines of tasks started in anyio task groups, each closed if its task was
+    cancelled before its first step.
+
+    anyio (4.14 and later) runs a task's coroutine inside a wrapper coroutine of its own:
+    a task cancelled before its first step (``asyncio.run`` cancels the tasks left at its
+    end, and a worker may just have been started) never awaits the coroutine, which
+    Python reports at collection as "coroutine ... was never awaited". Call :meth:`close`
+    once the group has exited (or its owner is done with it, however it ends): only
+    coroutines never started are closed, so nothing running is touched.
+    """
+
+    __slots__ = ("_coros",)
+
+    def __init__(self) -> None:
+        self._coros: list[Coroutine[Any, Any, Any]] = []
+
+    def start_soon(
+        self, tg: anyio.abc.TaskGroup, fn: Callable[[], Coroutine[Any, Any, Any]]
+    ) -> None:
+        """``tg.start_soon(fn)``, its coroutine kept until :meth:`close`."""
+        coro = fn()
+        # (Those that have finished are let go: a pool starts many workers in its life.)
+        self._coros = [c for c in self._coros if _unfinished(c)]
+        self._coros.append(coro)
+        tg.start_soon(_given, coro, name=getattr(fn, "__qualname__", None))
+
+    def close(self) -> None:
+        """Close the coroutines whose task never started them."""
+        coros, self._coros = [c for c in self._coros if _unfinished(c)], []
+        if coros:
+            import inspect  # (only here: costly to import, and rarely needed)
+
+            for c in coros:
+                if inspect.getcoroutinestate(c) == inspect.CORO_CREATED:
+                    c.close()
+
+
+def _unfinished(coro: Coroutine[Any, Any, Any]) -> bool:
+    """Whether ``coro`` has not finished (nor been closed): it still has its frame."""
+    return getattr(coro, "cr_frame", None) is not None
+
+
+def _given(coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
+    return coro
 
 
 async def exit_task_group(tg: anyio.abc.TaskGroup, exc: BaseException | None) -> bool:

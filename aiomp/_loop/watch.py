@@ -48,15 +48,18 @@ def fd_watch(
     on_readable: Callable[[], None],
     name: str = "aiomp fd watch",
     on_error: OnError | None = None,
+    shield: bool = False,
 ) -> FdWatch:
     """A watch calling ``on_readable()`` each time ``fd`` is readable, not yet started.
 
     ``loop``: the running asyncio loop (:func:`aiomp._loop.running_asyncio_loop`), None
-    under trio. ``name`` and ``on_error`` matter only to trio's watch.
+    under trio. ``name``, ``on_error`` and ``shield`` matter only to trio's watch: with
+    ``shield``, a watch started on its own (:meth:`~FdWatch.start`) goes on when
+    ``trio.run``'s end cancels the system tasks, until its owner stops it.
     """
     if loop is not None:
         return ReaderWatch(loop, fd, on_readable)
-    return TaskWatch(fd, on_readable, name, on_error)
+    return TaskWatch(fd, on_readable, name, on_error, shield)
 
 
 class ReaderWatch:
@@ -117,7 +120,7 @@ class TaskWatch:
     """trio: a task that waits on the fd and calls the callback, in a cancel scope that
     :meth:`stop` cancels (trio delivers it at once: the fd leaves trio's epoll then)."""
 
-    __slots__ = ("_fd", "_name", "_on_error", "_on_readable", "_scope", "stopped")
+    __slots__ = ("_fd", "_name", "_on_error", "_on_readable", "_scope", "_shield", "stopped")
 
     def __init__(
         self,
@@ -125,8 +128,10 @@ class TaskWatch:
         on_readable: Callable[[], None],
         name: str,
         on_error: OnError | None,
+        shield: bool = False,
     ) -> None:
         self._fd = fd
+        self._shield = shield
         self._on_readable = on_readable
         self._name = name
         self._on_error = on_error
@@ -143,7 +148,7 @@ class TaskWatch:
         """Watch until :meth:`stop`; on cancellation nothing is left waiting."""
         import trio
 
-        with trio.CancelScope() as scope:
+        with trio.CancelScope(shield=self._shield) as scope:
             self._scope = scope
             await self.run()
 

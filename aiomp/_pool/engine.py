@@ -22,7 +22,7 @@ import anyio.lowlevel
 from .._errors import BrokenWorkerError
 from .._loop import running_asyncio_loop
 from .._loop.cancel import CancelProbe
-from .._loop.taskhost import TaskHost
+from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
 from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
@@ -53,6 +53,7 @@ async def reap(
     for h in handles:
         while not h.dead.is_set():
             try:
+                await h.finish_unwatched()  # (its watcher's task may never run)
                 await h.dead.wait()
             except BaseException as exc:  # noqa: BLE001 - returned once all are reaped
                 interrupted = interrupted or exc
@@ -111,6 +112,8 @@ class Engine:
         self._wake: Wakeup | None = None  # the supervisor's: workers to start
         self._supervisor: anyio.CancelScope | None = None
         self._watch: anyio.CancelScope | None = None  # the kind's own task
+        #: The watchers' coroutines, closed with the group if never started (see there).
+        self._started = Started()
 
     @property
     def tg(self) -> anyio.abc.TaskGroup | None:
@@ -153,7 +156,7 @@ class Engine:
                 tg.start_soon(self._run_watch, watch)
         except BaseException as exc:
             await self.shutdown(graceful=False)
-            await host.stop(exc)
+            await self._stop_host(host, exc)
             raise
 
     async def _run_watch(self, watch: Any) -> None:
@@ -176,12 +179,19 @@ class Engine:
         interrupted = await self.shutdown(graceful=error is None)
         error = error or interrupted
         if error is None:
-            return await host.stop(None)
-        if await host.stop(error) and error is exc:
+            return await self._stop_host(host, None)
+        if await self._stop_host(host, error) and error is exc:
             return True
         if error is exc:
             return False  # the body's exception goes on as it was
         raise error
+
+    async def _stop_host(self, host: TaskHost, error: BaseException | None) -> bool:
+        """``host.stop(error)``, then close the watchers that never ran."""
+        try:
+            return await host.stop(error)
+        finally:
+            self._started.close()
 
     async def _join(self) -> None:
         self.state = CLOSING
@@ -313,7 +323,7 @@ class Engine:
             return
         self.handles[h] = None
         self.sched.add(h)
-        tg.start_soon(h.run)
+        self._started.start_soon(tg, h.run)
 
     # -- what handles report (Events) --------------------------------------------------
     def on_ready(self, handle: Handle) -> None:

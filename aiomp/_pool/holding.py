@@ -4,8 +4,10 @@ The first call on a fresh pool waits for one worker's start. Started together, t
 other workers' interpreters compete with that one for the CPUs (on two cores, three
 interpreters start at once), and their launches hold the parent's loop. So the engine
 starts only slot 0, and :class:`HoldingScheduler` holds the other slots until that
-worker is ready (the first task is sent to it first), more tasks wait than workers are
-starting, or a worker has exited. Why: docs/decisions/0046-default-pool-first-alone.md.
+worker's first result is in (or it is ready with nothing to do): launched between its
+first task and that task's result, they would hold the loop while the result waits.
+They are released earlier when more tasks wait than workers are starting, or a worker
+has exited. Why: docs/decisions/0046-default-pool-first-alone.md.
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ class HoldingScheduler(Scheduler):
 
     def ready(self, handle: Handle) -> None:
         super().ready(handle)  # a queued task is sent to it first
-        self.release_held()
+        w = self.workers.get(handle)
+        if w is None or not w.load:  # it has nothing to do: nobody waits for a result
+            self.release_held()
+
+    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
+        done = super().complete(handle, tid, ok, value)
+        self.release_held()  # the first result is in: the others may start
+        return done
 
     def exited(
         self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""

@@ -45,6 +45,8 @@ class Handle(abc.ABC):
     stack: str | None = None
     #: Whether its kind can keep its stack at a kill (:meth:`expect_kill`).
     prints_stack: bool = False
+    #: Whether :meth:`run` has begun: it runs once (see :meth:`finish_unwatched`).
+    watching: bool = False
 
     @property
     @abc.abstractmethod
@@ -95,7 +97,18 @@ class Handle(abc.ABC):
     async def run(self) -> None:
         """The worker's watcher, a task in the pool's task group: waits until the worker
         has exited (killing it when asked: bounded), then reports ``on_exit`` once and sets
-        :attr:`dead`. Shielded: cancelling the group does not stop it."""
+        :attr:`dead`. Shielded: cancelling the group does not stop it. It runs once: it
+        sets :attr:`watching` first, and returns at once if that is set already."""
+
+    async def finish_unwatched(self) -> None:
+        """If :meth:`run` has not begun, kill the worker at once and run the watcher here,
+        in the caller's task (bounded): its task may have been cancelled before its first
+        step, as ``asyncio.run`` cancels the tasks left at its end, and the exit must be
+        reported all the same. Nothing if it has begun; if the watcher's own task starts
+        later, it returns at once."""
+        if not self.watching:
+            self.kill(now=True)
+            await self.run()
 
 
 class Events(Protocol):

@@ -461,12 +461,11 @@ class Pool:
     )
 
 
-def first_worker_alone(processes: int, start_method: str) -> tuple[Pool, Engine]:
-    """A Pool as ``Pool(processes, start_method=start_method)`` makes it, which starts its
-    first worker alone, and the others and multiprocessing's resource tracker once that
-    one is ready (``run_sync``'s default pool, decision 0046); and its engine."""
+def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
+    """A Pool of ``processes`` workers of ``kind`` that starts its first worker alone,
+    and the others once that one is ready (``run_sync``'s default pool, decision 0046);
+    and its engine."""
     pool = Pool.__new__(Pool)
-    kind = ProcessKind(start_method, (None, ()), "prefix", defer_tracker=True)
     engine = Engine(kind, processes, 1, None, 5.0, first_alone=True)
     attach(pool, engine)
     return pool, engine

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._errors import ProcessRaisedException
+from .._loop.taskhost import Started
 from .._loop.wakeup import Signal, Wakeup
 from .._loop.watch import fd_watch
 from .._process import child as _process
-from .._process import mp_private
+from .._process import launch as _launch
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
@@ -263,8 +264,9 @@ class ProcessHandle(Handle):
         elif op == P.OP_READY:
             _transport.close_fds(fds)
             self._oom.look(self.pid)  # (its initializer may have moved it)
+            # Before any task is sent: the keeper watches over what the task starts.
+            _launch.start_deferred_helpers()
             self._events.on_ready(self)
-            mp_private.start_deferred_tracker()  # (after its first task is sent)
         elif op == P.OP_INIT_ERR:
             self._events.on_init_failed(self, self._remote_error(payload, fds))
         else:
@@ -291,25 +293,30 @@ class ProcessHandle(Handle):
         Shielded: cancelling the pool's task group does not stop it; :meth:`kill` does,
         after the termination it starts, which is bounded.
         """
+        if self.watching:
+            return
+        self.watching = True
         child = self.child
+        started = Started()
         try:
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._watch.serve)
-                    tg.start_soon(self._flush)
+                    started.start_soon(tg, self._watch.serve)
+                    started.start_soon(tg, self._flush)
                     exit_wait = anyio.CancelScope()
 
                     async def killer() -> None:
                         await self._kill.wait()
                         exit_wait.cancel()
 
-                    tg.start_soon(killer)
+                    started.start_soon(tg, killer)
                     with exit_wait:
                         await child.wait_exit()
                     if not child.exited:
                         await terminate_all([child], self._grace)
                     tg.cancel_scope.cancel()
         finally:
+            started.close()
             if not child.exited:
                 # Only a native cancellation of this task (asyncio.run cancelling every
                 # task after its main one ended) gets here: no child may outlive it.

@@ -13,19 +13,21 @@ output after it exits.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import socket
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+
+import anyio
 
 from .._child import seeds as _seeds
 from .._loop import running_asyncio_loop
 from .._output import forwarder as _output
 from .._process import checks as _checks
 from .._process import launch as _launch
-from .._process import mp_private
-from .._process.child import Child
+from .._process.child import KILL_TIMEOUT, Child
 from .._wire import byvalue
 from .._wire import pickling as _reduction
 from .._wire import stream as _stream
@@ -34,7 +36,22 @@ from . import worker_main
 from .kinds import Call, Events, InitCall, Options, WorkerKind
 from .process_handle import ProcessHandle
 
+log = logging.getLogger("aiomp")
+
 _BUILTIN_FUNCTIONS = frozenset((types.BuiltinFunctionType,))
+
+
+class Launched(NamedTuple):
+    """A worker process just launched, and the parent's ends of its three sockets."""
+
+    child: Child
+    sock: socket.socket  # tasks and control frames, to it
+    results: socket.socket  # its results
+    stacks: socket.socket  # the stack it prints as it is terminated
+
+    def close(self) -> None:
+        for s in (self.sock, self.results, self.stacks):
+            s.close()
 
 
 class ProcessKind(WorkerKind):
@@ -50,11 +67,12 @@ class ProcessKind(WorkerKind):
         *,
         envs: list[dict[str, str]] | None = None,
         max_memory: int | None = None,
-        defer_tracker: bool = False,
+        defer_helpers: bool = False,
     ) -> None:
-        #: Start multiprocessing's resource tracker after the first worker, not before it
-        #: (``mp_private.defer_resource_tracker``; ``run_sync``'s default pool).
-        self.defer_tracker = defer_tracker
+        #: Start aiomp's keeper and multiprocessing's resource tracker once the first
+        #: worker is ready, not beside it (``_process.launch.defer_helpers``;
+        #: ``run_sync``'s default pool).
+        self.defer_helpers = defer_helpers
         #: The wire's frames are checked per start method: the start method names the wire.
         self.start_method = self.wire = start_method
         self._init_call = init
@@ -68,6 +86,9 @@ class ProcessKind(WorkerKind):
         #: A fork copies the parent's generators: each worker gets its own seeds.
         self._seed_base = None if start_method == "spawn" else _seeds.base_seed()
         self._forwarders: list[_output.Forwarder] = []
+        #: Workers launched ahead of the engine (:meth:`launch_ahead`), by slot.
+        self._ahead: dict[int, Launched] = {}
+        self._launches = 0  # worker processes launched so far
 
     def describe(self) -> str:
         memory = "" if self.max_memory is None else f" max_memory={self.max_memory}"
@@ -81,10 +102,47 @@ class ProcessKind(WorkerKind):
             await _launch.prepare_forkserver()
         return processes
 
+    def launch_ahead(self, slot: int, processes: int) -> None:
+        """Launch ``slot``'s worker now, before the engine exists: its interpreter boots
+        while the caller imports and builds the rest of the pool, and :meth:`start` for
+        ``slot`` takes it (``run_sync``'s first call; decision 0048). Until then this
+        kind owns it: :meth:`close` (or :meth:`discard_ahead`) kills and reaps it. A
+        launch that fails (EAGAIN, EMFILE) is left to :meth:`start`, which the engine
+        tries again."""
+        try:
+            self._ahead[slot] = self._launch(slot, processes)
+        except OSError as exc:
+            log.debug("aiomp: could not launch worker %d ahead: %s", slot, exc)
+
+    async def discard_ahead(self) -> None:
+        """SIGKILL and reap the workers launched ahead that no :meth:`start` took (the
+        pool failed to open, or never did). Shielded; bounded by the kill."""
+        ahead, self._ahead = self._ahead, {}
+        with anyio.CancelScope(shield=True), anyio.move_on_after(KILL_TIMEOUT):
+            for launched in ahead.values():
+                launched.close()
+                launched.child.kill(quiet=True)
+            for launched in ahead.values():
+                await launched.child.wait_exit()
+
     def start(self, slot: int, events: Events, options: Options) -> ProcessHandle:
-        """Launch a worker for ``slot``; a start that fails (EMFILE here, EAGAIN in
-        launch) closes whatever it made, and the engine tries again."""
+        """Launch a worker for ``slot``, or take the one launched ahead for it; a start
+        that fails (EMFILE here, EAGAIN in launch) closes whatever it made, and the
+        engine tries again."""
         assert self._init is not None
+        launched = self._ahead.pop(slot, None) or self._launch(slot, options.processes)
+        child, sock, results, stacks = launched
+        h = ProcessHandle(
+            slot, child, sock, results, running_asyncio_loop(), options.grace, events, stacks
+        )
+        if self._init_sends:
+            self._init.sent_again()
+        self._init_sends += 1
+        h.send_control(*self._init.framed())
+        return h
+
+    def _launch(self, slot: int, processes: int) -> Launched:
+        """Start ``slot``'s worker process with its sockets and output forwarder."""
         with contextlib.ExitStack() as made:  # closed (each safe to repeat) if it fails
             fw = None
             if self._output != "inherit":
@@ -96,11 +154,10 @@ class ProcessKind(WorkerKind):
             results, their_results = map(made.enter_context, _stream.stream_socketpair())
             # Where the worker prints its stack as it is terminated (``_pool.health``).
             stacks, their_stacks = map(made.enter_context, socket.socketpair())
-            if self.start_method == "spawn":
-                if self.defer_tracker and not self._init_sends:
-                    mp_private.defer_resource_tracker()
-                else:  # (a worker later than the first: the tracker may wait no longer)
-                    mp_private.start_deferred_tracker()
+            if self.defer_helpers and not self._launches:
+                _launch.defer_helpers(self.start_method)
+            else:  # (a worker later than the first: the helpers may wait no longer)
+                _launch.start_deferred_helpers()
             with their_results, their_stacks:  # the worker's ends: its copies suffice
                 child = _launch.launch(
                     Child,
@@ -112,24 +169,18 @@ class ProcessKind(WorkerKind):
                     extra=(their_results, their_stacks, self.max_memory),
                     name=f"aiomp-pool-{slot}",
                     output=fw,
-                    who=(slot, options.processes),
+                    who=(slot, processes),
                     env=None if self.envs is None else self.envs[slot],
                     seed=self._seed(slot),
                 )
             made.pop_all()
-        h = ProcessHandle(
-            slot, child, sock, results, running_asyncio_loop(), options.grace, events, stacks
-        )
-        if self._init_sends:
-            self._init.sent_again()
-        self._init_sends += 1
-        h.send_control(*self._init.framed())
-        return h
+        self._launches += 1
+        return Launched(child, sock, results, stacks)
 
     def _seed(self, slot: int) -> int | None:
         """The seed of the worker starting now in ``slot`` (None under spawn: fresh)."""
         base = self._seed_base
-        return None if base is None else _seeds.child_seed(base, slot, self._init_sends)
+        return None if base is None else _seeds.child_seed(base, slot, self._launches)
 
     def encode(self, call: Call) -> Any:
         """Task ``tid``'s frame or :class:`~aiomp._pool.protocol.TaskMessage`; raises
@@ -150,7 +201,8 @@ class ProcessKind(WorkerKind):
             raise
 
     async def close(self, linger: bool) -> None:
-        mp_private.start_deferred_tracker()
+        await self.discard_ahead()
+        _launch.start_deferred_helpers()
         init, self._init = self._init, None
         if init is not None:
             init.close()

@@ -96,6 +96,8 @@ def signal_group(pidfd: int, leader: int, sig: int, by_number: bool) -> bool:
 _lock = _thread.allocate_lock()  # (starting a keeper; held a few milliseconds, once)
 #: This process's end of its keeper's socket; None: none started (or none could be).
 _sock: socket.socket | None = None
+#: The keeper's end of that socket while its process is deferred (:func:`start_keeper`).
+_unstarted: socket.socket | None = None
 #: The children registered: pid -> pidfd, borrowed from its ``Child`` until unregistered.
 _registered: dict[int, int] = {}
 #: Messages the socket had no room for (a stopped keeper): sent before the next one.
@@ -123,7 +125,7 @@ def unregister(pid: int) -> None:
 def _send(data: bytes, fd: int) -> None:
     if _shells:
         _reap_shells()
-    sock = _sock or start_keeper()
+    sock = _sock or _restart(data)
     if sock is None:
         return
     try:
@@ -132,16 +134,21 @@ def _send(data: bytes, fd: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
             return  # (ETOOMANYREFS) this one is lost: the parent still kills it
-        # It has gone (killed by hand): a new one learns every child registered.
         _log("the keeper process has gone; starting another")
         _forget()
-        sock = start_keeper()
-        try:
-            for pid, pidfd in list(_registered.items()):
-                if sock is not None:
-                    _deliver(sock, b"+%d" % pid, pidfd)
-        except OSError:
-            pass
+        _restart(b"")
+
+
+def _restart(data: bytes) -> socket.socket | None:
+    """Start a keeper; tell it each child registered but the one ``data`` adds (next)."""
+    sock = start_keeper()
+    try:
+        for pid, pidfd in list(_registered.items()):
+            if sock is not None and b"+%d" % pid != data:
+                _deliver(sock, b"+%d" % pid, pidfd)
+    except OSError:
+        pass
+    return sock
 
 
 def _deliver(sock: socket.socket, data: bytes, fd: int) -> None:
@@ -198,7 +205,7 @@ def _flush(sock: socket.socket) -> None:
             os.close(fd)
 
 
-def start_keeper() -> socket.socket | None:
+def start_keeper(defer: bool = False) -> socket.socket | None:
     """Start this process's keeper; return our end of its socket (None: it could not be
     started, which is logged once).
 
@@ -210,8 +217,11 @@ def start_keeper() -> socket.socket | None:
     wait for that shell, which exits at once (about a millisecond, once). The signals it
     passes on are blocked until it has its handlers: none is lost or ends it meanwhile.
     Where it cannot start (no ``/bin/sh``, a pids limit), the next child tries again.
+
+    With ``defer``, only the socket is made: what is registered waits in it until
+    :func:`start_deferred_keeper` (``run_sync``'s first worker: decision 0048).
     """
-    global _sock
+    global _sock, _unstarted
     if _sock is not None:
         return _sock
     with _lock:
@@ -228,15 +238,35 @@ def start_keeper() -> socket.socket | None:
                 _send_now(ours, b"P", me)  # the first message: who to watch
             finally:
                 os.close(me)
-            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()))
+            if not defer:
+                _spawn(theirs, stand_in=_is_foreground(os.getpgrp()))
         except OSError as exc:
             ours.close()
+            theirs.close()
             _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
             return None
+        _sock, _unstarted = ours, (theirs if defer else None)
+        if not defer:
+            theirs.close()
+        return ours
+
+
+def start_deferred_keeper() -> None:
+    """Start the keeper's process :func:`start_keeper` deferred, if any. Where it cannot
+    start, the next child starts one, which learns every child registered."""
+    global _unstarted
+    with _lock:
+        theirs, _unstarted = _unstarted, None
+        if theirs is None:
+            return
+        try:  # (the shell holds the keeper's end from its start: no wait for it)
+            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()), wait=False)
+        except OSError as exc:
+            _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
+            _forget()
+            return
         finally:
             theirs.close()
-        _sock = ours
-        return ours
 
 
 _WITHOUT = (
@@ -254,11 +284,12 @@ def _log(text: str, once: bool = False) -> None:
         logging.getLogger("aiomp").warning("aiomp: %s", text)
 
 
-def _spawn(end: socket.socket, stand_in: bool) -> None:
+def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
     """posix_spawn ``sh -c '"$@" &' ... python -I -S <this file>`` with ``end`` on
     :data:`KEEPER_FD` and /dev/null on 0-2 (it must not hold the parent's output open:
     whoever reads it waits for its end), in a session of its own unless ``stand_in``;
-    wait for the shell. Raises OSError where it did not start."""
+    wait for the shell, unless not ``wait`` (a keeper it fails to start is found gone at
+    the next message). Raises OSError where it did not start."""
     fd = end.fileno()
     src = os.dup(fd) if fd == KEEPER_FD else fd  # (dup2 onto itself would keep CLOEXEC)
     try:
@@ -289,7 +320,7 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
     # sleeps (bash: 1, 2, 4, 8 s): wait briefly, on the loop's thread, then reap it later.
     ready = select.poll()
     ready.register(pidfd, select.POLLIN)
-    if not ready.poll(SHELL_WAIT_MS):
+    if not ready.poll(SHELL_WAIT_MS if wait else 0):
         _shells.append(pidfd)
         return
     status = _reap(pidfd)
@@ -343,10 +374,13 @@ def _forget() -> None:
     """Let go of the keeper's socket and of what was queued for it: in a fork of this
     process (the keeper is not its keeper: it starts its own with its first child), or
     once the keeper has gone."""
-    global _sock
+    global _sock, _unstarted
     if _sock is not None:
         _sock.close()
         _sock = None
+    if _unstarted is not None:
+        _unstarted.close()
+        _unstarted = None
     for _, fd in _pending:
         if fd >= 0:
             os.close(fd)

@@ -84,6 +84,23 @@ async def prepare_forkserver() -> None:
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
+def defer_helpers(start_method: str) -> None:
+    """Start the helper processes of the child started next later, once it is ready
+    (:func:`start_deferred_helpers`), not beside it: aiomp's keeper (its socket is made
+    now: what is registered waits in it) and, under ``spawn``, multiprocessing's resource
+    tracker (its pipe likewise). Only for a child that runs none of the caller's code
+    before it is ready (``run_sync``'s first worker: decisions 0046, 0048)."""
+    _groups.start_keeper(defer=True)
+    if start_method == "spawn":
+        mp_private.defer_resource_tracker()
+
+
+def start_deferred_helpers() -> None:
+    """Start the helper processes :func:`defer_helpers` deferred (nothing if none is)."""
+    _groups.start_deferred_keeper()
+    mp_private.start_deferred_tracker()
+
+
 C = TypeVar("C", bound=Child)
 
 

@@ -235,6 +235,9 @@ class ActorHandle(Handle):
 
         Shielded: cancelling the pool's task group does not stop it; it always ends.
         """
+        if self.watching:
+            return
+        self.watching = True
         try:
             with anyio.CancelScope(shield=True):
                 await self._stop.wait()

@@ -96,6 +96,9 @@ class FakeHandle(Handle):
         self._stop.set()
 
     async def run(self) -> None:
+        if self.watching:
+            return
+        self.watching = True
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._serve)

@@ -7,6 +7,7 @@ the loop (the autouse leak check finds no child and no fd left after it).
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 import aiomp
 from aiomp._first import default as first
+from aiomp._pool.process_kind import Launched, ProcessKind
 from aiomp._process import cpus
 from tests._gate import Gate
 from tests._run import REPO, run_python
@@ -218,3 +220,112 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+_QUIET_END = """
+import asyncio, os, sys, time
+import aiomp
+
+def die():
+    os._exit(3)
+
+async def main(case):
+    if case == "died":
+        try:
+            await aiomp.run_sync(die)
+        except aiomp.BrokenWorkerError:
+            pass
+    else:
+        await aiomp.run_sync(os.getpid)
+    if case == "awaits":
+        for _ in range(3):
+            await (trio.sleep(0) if runner == "trio" else asyncio.sleep(0))
+    global returned
+    returned = time.monotonic()
+
+runner, case = sys.argv[1:]
+if runner == "trio":
+    import trio
+    trio.run(main, case)
+elif runner == "uvloop":
+    import uvloop
+    uvloop.run(main(case))
+else:
+    asyncio.run(main(case))
+print(time.monotonic() - returned)
+"""
+
+
+@pytest.mark.parametrize("case", ["one call", "died", "awaits"])
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop", "trio"])
+def test_the_end_of_a_run_stops_its_default_pool_at_once_and_quietly(
+    runner: str, case: str
+) -> None:
+    """The loop's end terminates the default pool's workers: at once (trio's run used to
+    wait the pool's grace period of 5 s, its exit watches cancelled with the run's system
+    tasks) and quietly, whenever it comes: right after the first result (the other
+    workers are starting then), a few turns later, or after a worker died (its
+    replacement is starting). No "Terminating process" warning, no "coroutine ... was
+    never awaited" from a watcher cancelled before it ran."""
+    proc = run_python("-c", _QUIET_END, runner, case.split()[0], timeout=TIMEOUT)
+    assert proc.stderr == ""
+    assert float(proc.stdout) < 2.5  # seconds from main's return to the run's end
+
+
+_LAUNCH_ORDER = """
+import asyncio, os, sys
+import multiprocessing.util as mp_util
+import aiomp
+
+pool_imported = []
+launch = mp_util.spawnv_passfds
+
+def spy(*args, **kwargs):
+    pool_imported.append("aiomp._pool.pool" in sys.modules)
+    return launch(*args, **kwargs)
+
+mp_util.spawnv_passfds = spy
+
+async def main():
+    return await aiomp.run_sync(os.getpid)
+
+if __name__ == "__main__":
+    assert asyncio.run(main()) != os.getpid()
+    print(pool_imported[0])
+"""
+
+
+def test_the_first_worker_is_launched_before_the_pool_is_imported() -> None:
+    """Decision 0048: the first call launches its worker first of all, and imports and
+    builds the rest of the pool while that worker's interpreter boots."""
+    proc = run_python("-c", _LAUNCH_ORDER, timeout=TIMEOUT)
+    assert proc.stdout.split() == ["False"]
+
+
+async def test_a_launch_ahead_that_fails_is_left_to_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A first worker that cannot be launched ahead (EAGAIN) is started by the engine,
+    which tries again as for any start."""
+    real = ProcessKind._launch
+    slots: list[int] = []
+
+    def flaky(self: ProcessKind, slot: int, processes: int) -> Launched:
+        slots.append(slot)
+        if len(slots) == 1:
+            raise OSError(errno.EAGAIN, "fork: resource temporarily unavailable")
+        return real(self, slot, processes)
+
+    monkeypatch.setattr(ProcessKind, "_launch", flaky)
+    with anyio.fail_after(TIMEOUT):
+        assert await aiomp.run_sync(pow, 2, 5) == 32
+    assert slots[:2] == [0, 0]
+
+
+async def test_a_worker_launched_ahead_is_killed_if_its_pool_never_opens() -> None:
+    kind = ProcessKind("spawn", (None, ()), "prefix")
+    kind.launch_ahead(0, 1)
+    (launched,) = kind._ahead.values()
+    with anyio.fail_after(TIMEOUT):
+        await kind.close(False)
+    assert launched.child.exited and launched.sock.fileno() == -1

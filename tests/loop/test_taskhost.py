@@ -77,3 +77,43 @@ async def test_entered_in_a_cancelled_scope() -> None:
     if on_asyncio():
         names = [t.get_name() for t in asyncio.all_tasks()]
         assert "aiomp pool tasks" not in names
+
+
+def test_a_task_cancelled_before_its_first_step_leaves_no_unawaited_coroutine() -> None:
+    """``Started``: a task started in a group and cancelled before its first step (what
+    ``asyncio.run`` does to the tasks left at its end) would leave its coroutine never
+    awaited (anyio runs it inside a wrapper coroutine); once the group has exited, it is
+    closed, and a coroutine that ran is left as it was."""
+    import gc
+    import warnings
+
+    from aiomp._loop.taskhost import Started
+
+    ran: list[str] = []
+
+    async def job(name: str) -> None:
+        ran.append(name)
+        await anyio.sleep_forever()
+
+    async def main() -> None:
+        started = Started()
+        try:
+            async with anyio.create_task_group() as tg:
+                started.start_soon(tg, lambda: job("first"))
+                await anyio.lowlevel.checkpoint()  # the first one runs
+                started.start_soon(tg, lambda: job("second"))
+                # Cancelled natively, as asyncio.run does: the second before its first step.
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            started.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        gc.collect()
+    assert ran == ["first"]
+    assert not [w for w in caught if "never awaited" in str(w.message)]

@@ -215,18 +215,25 @@ def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: st
     """The parent is SIGKILLed (alone, or with its whole process group, as ``kill -9 -PGID``
     does): its children die by their parent-death signal, and its keeper (out of the
     parent's group and session: no terminal here) takes the descendants."""
+    _sigkill_parent(_PARENT, start_method, reports=4, whole_group=target == "group")
+
+
+def _sigkill_parent(program: str, arg: str, reports: int, whole_group: bool = False) -> None:
+    """Run ``program`` (the gate's address and ``arg`` its arguments) in a group of its
+    own; once its descendants have reported, SIGKILL it (or its whole group): they must
+    all exit."""
     gate = Gate()
     parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT, gate.address[1:], start_method],
+        [sys.executable, "-c", program, gate.address[1:], arg],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # a group of its own, to SIGKILL whole
     )
     try:
-        pids = gate.ready_sync(4, timeout=TIMEOUT)
+        pids = gate.ready_sync(reports, timeout=TIMEOUT)
         with watching(pids.values()) as fds:
-            if target == "group":
+            if whole_group:
                 os.killpg(parent.pid, signal.SIGKILL)
             else:
                 parent.kill()
@@ -237,6 +244,32 @@ def test_the_parents_sigkill_takes_the_descendants(start_method: str, target: st
         if parent.poll() is None:
             parent.kill()
             parent.communicate()
+
+
+_RUN_SYNC_PARENT = textwrap.dedent("""
+    import sys
+
+    import anyio
+
+    import aiomp
+    from tests.children import groups as funcs
+
+    async def main():
+        await aiomp.run_sync(funcs.descendants_then_block, 1, "\\0" + sys.argv[1])
+
+    if __name__ == "__main__":
+        anyio.run(main, backend=sys.argv[2])
+""")
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_parents_sigkill_takes_the_descendants_of_run_syncs_first_call(
+    backend: str,
+) -> None:
+    """``run_sync``'s first worker starts before the keeper does (decision 0048): the
+    keeper is up before that worker runs anything of the caller's, so the descendants
+    its first call starts die with the parent all the same."""
+    _sigkill_parent(_RUN_SYNC_PARENT, backend, reports=2)
 
 
 # -- the terminal -----------------------------------------------------------------------
@@ -573,3 +606,43 @@ def test_a_slow_shell_starting_the_keeper_does_not_hold_the_loop() -> None:
     took = float(out.stdout.split("first start took ")[1].split()[0])
     assert took < 0.8, out.stdout
     assert "shells waiting: 1" in out.stdout and "shells left: 0" in out.stdout, out.stdout
+
+
+_DEFERRED_KEEPER_FAILS = textwrap.dedent("""
+    import errno, os, subprocess
+
+    from aiomp._process import groups
+
+    # What is registered: a process leading a group of its own, as a child does.
+    child = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    me = os.pidfd_open(child.pid)
+
+    real_spawn, real_deliver = groups._spawn, groups._deliver
+    delivered = []
+
+    def no_shell(end, stand_in, wait=True):
+        raise OSError(errno.EAGAIN, "fork: resource temporarily unavailable")
+
+    def deliver(sock, data, fd):
+        delivered.append(data.decode())
+        real_deliver(sock, data, fd)
+
+    groups._deliver = deliver
+    groups.start_keeper(defer=True)
+    groups.register(1001, me)  # waits in the socket for the deferred keeper
+    groups._spawn = no_shell
+    groups.start_deferred_keeper()  # cannot start: the socket is let go of
+    assert groups._sock is None and groups._unstarted is None
+    groups._spawn = real_spawn
+    delivered.clear()
+    groups.register(1002, me)  # the next child starts a keeper, which learns both
+    print(*delivered)
+    child.kill()
+    child.wait()
+""")
+
+
+def test_a_deferred_keeper_that_cannot_start_is_started_with_the_next_child() -> None:
+    proc = run_python("-c", _DEFERRED_KEEPER_FAILS, timeout=TIMEOUT)
+    assert proc.stdout.split() == ["+1001", "+1002"]
+    assert "no keeper process" in proc.stderr

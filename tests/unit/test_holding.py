@@ -1,8 +1,9 @@
 """Unit tests of ``aiomp._pool.holding``: the default pool's first worker starts alone.
 
 Issue 29's first-call target (``run_sync``'s first call no slower than anyio's): the
-other slots wait until that worker is ready, more tasks wait than workers are starting,
-or a worker has exited; never once the pool is closing or broken.
+other slots wait until that worker's first result is in (or it is ready with nothing to
+do), more tasks wait than workers are starting, or a worker has exited; never once the
+pool is closing or broken.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ def test_the_first_call_is_sent_to_the_first_worker_then_the_others_start() -> N
     assert r.held == (1, 2) and not r.sched.to_spawn and r.spawns == 0
     r.sched.ready(r.first)
     assert r.first.sent == [t.tid]  # sent before any other worker is asked for
+    # Not asked for while that task runs: their launches would hold the loop while its
+    # result waits.
+    assert r.held == (1, 2) and not r.sched.to_spawn and r.spawns == 0
+    r.sched.complete(r.first, t.tid, True, None)
     assert r.held == () and list(r.sched.to_spawn) == [1, 2] and r.spawns == 1
     others = r.spawn_requested()
     assert [h.slot for h in others] == [1, 2]
