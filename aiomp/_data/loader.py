@@ -14,6 +14,7 @@ import anyio.abc
 from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
+from .._process.checks import count
 from .epoch import Epoch
 from .feeds import FeedEpoch
 from .handoff import END, ERROR, Handoff
@@ -87,7 +88,7 @@ class DataLoader:
         start_method: str = "spawn",
         env: Any = None,
     ) -> None:
-        _check(num_workers, prefetch_factor, timeout, max_retries)
+        num_workers, prefetch_factor = _counts(num_workers, prefetch_factor, timeout, max_retries)
         self.dataset = dataset
         self.map_style = is_map_style(dataset)
         if batch_sampler is not None:
@@ -358,15 +359,19 @@ class _Leaving(Exception):
     wait for batches nobody will take."""
 
 
-def _check(num_workers: int, prefetch_factor: int, timeout: float | None, retries: int) -> None:
-    if num_workers < 1:
-        raise ValueError(
-            f"num_workers must be at least 1 (loading in the consumer would block its event "
-            f"loop), not {num_workers}"
-        )
-    if prefetch_factor < 1:
-        raise ValueError(f"prefetch_factor must be at least 1, not {prefetch_factor}")
+def _counts(
+    num_workers: object, prefetch_factor: object, timeout: float | None, retries: int
+) -> tuple[int, int]:
+    """``num_workers`` and ``prefetch_factor`` as ints >= 1 (a float or a string is a
+    TypeError, as Python's pools raise), once all four options are checked."""
+    try:
+        workers = count("num_workers", num_workers)
+    except ValueError as exc:
+        exc.add_note("(loading in the consumer, as torch's 0 does, would block its loop)")
+        raise
+    prefetch = count("prefetch_factor", prefetch_factor)
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive or None, not {timeout}")
     if retries < 0:
         raise ValueError(f"max_retries must be at least 0, not {retries}")
+    return workers, prefetch

@@ -43,10 +43,10 @@ class DefaultPool:
     """The running loop's default pool and its state: ``ready`` is set once it is open
     (or could not be: ``error``)."""
 
-    __slots__ = ("engine", "error", "pool", "ready")
+    __slots__ = ("engine", "error", "kind", "pool", "ready")
 
-    def __init__(self, pool: Pool, engine: Engine) -> None:
-        self.pool, self.engine = pool, engine
+    def __init__(self, pool: Pool, engine: Engine, kind: ProcessKind) -> None:
+        self.pool, self.engine, self.kind = pool, engine, kind
         self.ready = anyio.Event()
         self.error: BaseException | None = None
 
@@ -67,7 +67,7 @@ async def _make_default() -> DefaultPool:
         # Imported here, after the launch, on purpose (see above).
         from .._pool.pool import first_worker_alone
 
-        return DefaultPool(*first_worker_alone(kind, processes))
+        return DefaultPool(*first_worker_alone(kind, processes), kind)
     except BaseException:
         await kind.close(False)  # shielded
         raise
@@ -148,7 +148,10 @@ def _end_at_exit() -> None:
     first (atexit is last-in, first-out), and that hook, which warns of children still
     running, finds none of these."""
     handles = [h for d in list(_pools.values()) for h in d.engine.live_handles()]
-    kill_and_reap([h.child for h in handles if isinstance(h, ProcessHandle)], quiet=True)
+    children = [h.child for h in handles if isinstance(h, ProcessHandle)]
+    # (and a first worker no engine took: the keeper task never ran, or never opened it)
+    children += [c for d in list(_pools.values()) for c in d.kind.unadopted()]
+    kill_and_reap(children, quiet=True)
 
 
 atexit.register(_end_at_exit)

@@ -53,7 +53,9 @@ async def reap(
     for h in handles:
         while not h.dead.is_set():
             try:
-                await h.finish_unwatched()  # (its watcher's task may never run)
+                if not h.watching:
+                    await anyio.lowlevel.checkpoint()  # a watcher just started begins
+                    await h.finish_unwatched()  # (or its task was cancelled before it)
                 await h.dead.wait()
             except BaseException as exc:  # noqa: BLE001 - returned once all are reaped
                 interrupted = interrupted or exc
@@ -126,9 +128,10 @@ class Engine:
         cancellation or failure, the workers started so far are killed and reaped."""
         if self.state != NEW:
             raise RuntimeError("a Pool can be used in `async with` only once")
-        await anyio.lowlevel.checkpoint_if_cancelled()
         host = TaskHost(self._on_host_failed)
         try:
+            # (In here: a kind may own a worker already, launched ahead, to close.)
+            await anyio.lowlevel.checkpoint_if_cancelled()
             self.processes = await self.kind.prepare(self.processes)
             tg = await host.start()
         except BaseException:
@@ -187,11 +190,11 @@ class Engine:
         raise error
 
     async def _stop_host(self, host: TaskHost, error: BaseException | None) -> bool:
-        """``host.stop(error)``, then close the watchers that never ran."""
-        try:
-            return await host.stop(error)
-        finally:
-            self._started.close()
+        """``host.stop(error)``, then (the group has ended) close the watchers that never
+        ran."""
+        stopped = await host.stop(error)
+        self._started.close()
+        return stopped
 
     async def _join(self) -> None:
         self.state = CLOSING

@@ -12,9 +12,10 @@ Both sides of it, standard library only (every worker imports this module):
   SIGTERM cannot print, and is SIGKILLed after the grace period as ever. Why not a
   signal of its own and a bounded read before SIGTERM: the dump has no end marker, so
   the parent would have to guess when it is whole; here the exit is the end marker.
-* **OOM kills.** :class:`OomWatch` reads the worker's memory cgroup's ``oom_kill`` count
-  (v2 ``memory.events``, v1 ``memory.oom_control``): a worker that died of a SIGKILL
-  the pool did not send, while that count rose, was killed by the OOM killer.
+* **OOM kills.** The parent's :class:`aiomp._process.cgroups.OomWatch` reads the
+  worker's memory cgroup's ``oom_kill`` count (v2 ``memory.events``, v1
+  ``memory.oom_control``): a worker that died of a SIGKILL the pool did not send, while
+  that count rose, was killed by the OOM killer.
 * **Memory that only grows.** :class:`MemoryGuard` runs in the worker between tasks, in
   three steps, each only when the one before cannot rule a crossing out: a clock read
   (memory is faulted in at most :data:`MAX_GROWTH_RATE`: too little time has passed for
@@ -85,67 +86,6 @@ def read_stack(sock: socket.socket) -> str | None:
         size += len(chunk)
     text = b"".join(chunks).decode("utf-8", "replace").rstrip()
     return text or None
-
-
-# -- OOM kills ------------------------------------------------------------------------------
-def oom_file(pid: int) -> str | None:
-    """The file holding the ``oom_kill`` count of ``pid``'s memory cgroup (v1's memory
-    controller where mounted, else v2's), or None where there is none to read."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        return None
-    for fields in lines:
-        if len(fields) == 3 and "memory" in fields[1].split(","):
-            path = f"/sys/fs/cgroup/memory{fields[2].rstrip('/')}/memory.oom_control"
-            if os.path.exists(path):
-                return path
-    for fields in lines:
-        if len(fields) == 3 and fields[0] == "0":
-            path = f"/sys/fs/cgroup{fields[2].rstrip('/')}/memory.events"
-            if os.path.exists(path):
-                return path
-    return None
-
-
-def oom_kills(path: str | None) -> int | None:
-    """The ``oom_kill`` count in ``path`` (None: unreadable)."""
-    if path is None:
-        return None
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-class OomWatch:
-    """The parent's watch of one worker's memory cgroup (see the module docstring)."""
-
-    __slots__ = ("_before", "_path")
-
-    def __init__(self, pid: int) -> None:
-        self._path: str | None = None
-        self._before: int | None = None
-        self.look(pid)
-
-    def look(self, pid: int) -> None:
-        """Where ``pid`` is now and its count there: at its start, and once it is ready
-        (its initializer may have moved it to a cgroup of its own)."""
-        self._path = oom_file(pid)
-        self._before = oom_kills(self._path)
-
-    def rose(self) -> bool:
-        """Whether the count has risen since :meth:`look`."""
-        if self._before is None:
-            return False
-        now = oom_kills(self._path)
-        return now is not None and now > self._before
 
 
 # -- memory that only grows -------------------------------------------------------------

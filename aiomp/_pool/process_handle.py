@@ -40,6 +40,7 @@ from .._loop.wakeup import Signal, Wakeup
 from .._loop.watch import fd_watch
 from .._process import child as _process
 from .._process import launch as _launch
+from .._process.cgroups import OomWatch
 from .._process.terminate import terminate_all
 from .._wire import datagram as _transport
 from .._wire import pickling as _reduction
@@ -101,11 +102,10 @@ class ProcessHandle(Handle):
         # watcher. Any number of tasks may wait for it.
         self.dead = anyio.Event()
         # Worker health (``_pool.health``): where it prints its stack as it is
-        # terminated, whether the pool wants it, and its memory cgroup's OOM kills.
+        # terminated (read if the pool expected the kill) and its memory cgroup's OOM
+        # kills.
         self._stacks = stacks
-        self._want_stack = False
-        self._killed_now = False
-        self._oom = _health.OomWatch(child.pid)
+        self._oom = OomWatch(child.pid)
 
     @property
     def name(self) -> str:
@@ -203,15 +203,13 @@ class ProcessHandle(Handle):
         self.send_control(P.control(P.OP_CANCEL, tid))
 
     def expect_kill(self) -> None:
-        self._want_stack = True
-        self.child.expected_kill = True
+        self.child.expected_kill = True  # (and its stack is read at its exit)
 
     def kill(self, now: bool = False) -> None:
         """Have the watcher terminate the process (SIGTERM, grace period, SIGKILL), or
         with ``now`` send SIGKILL at once (a second Ctrl-C during shutdown)."""
         if now:
-            self._killed_now = True
-            self.child.signal(signal.SIGKILL)
+            self.child.kill(quiet=True)
         self._kill.set()
 
     # -- receiving (in the reader callback on asyncio) -------------------------------
@@ -335,12 +333,10 @@ class ProcessHandle(Handle):
         child = self.child
         self.peak_rss = child.peak_rss
         self.oom_killed = (
-            child.exitcode == -signal.SIGKILL
-            and not (child.sent_kill or self._killed_now)
-            and self._oom.rose()
+            child.exitcode == -signal.SIGKILL and not child.sent_kill and self._oom.rose()
         )
         if self._stacks is not None:
-            if self._want_stack:
+            if child.expected_kill:
                 self.stack = _health.read_stack(self._stacks)
             self._stacks.close()
 

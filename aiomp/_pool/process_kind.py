@@ -70,8 +70,8 @@ class ProcessKind(WorkerKind):
         defer_helpers: bool = False,
     ) -> None:
         #: Start aiomp's keeper and multiprocessing's resource tracker once the first
-        #: worker is ready, not beside it (``_process.launch.defer_helpers``;
-        #: ``run_sync``'s default pool).
+        #: worker is ready, not beside it (``_process.launch.launch``'s
+        #: ``defer_helpers``; ``run_sync``'s default pool).
         self.defer_helpers = defer_helpers
         #: The wire's frames are checked per start method: the start method names the wire.
         self.start_method = self.wire = start_method
@@ -114,6 +114,10 @@ class ProcessKind(WorkerKind):
         except OSError as exc:
             log.debug("aiomp: could not launch worker %d ahead: %s", slot, exc)
 
+    def unadopted(self) -> list[Child]:
+        """The workers launched ahead that no :meth:`start` has taken yet."""
+        return [launched.child for launched in self._ahead.values()]
+
     async def discard_ahead(self) -> None:
         """SIGKILL and reap the workers launched ahead that no :meth:`start` took (the
         pool failed to open, or never did). Shielded; bounded by the kill."""
@@ -154,10 +158,6 @@ class ProcessKind(WorkerKind):
             results, their_results = map(made.enter_context, _stream.stream_socketpair())
             # Where the worker prints its stack as it is terminated (``_pool.health``).
             stacks, their_stacks = map(made.enter_context, socket.socketpair())
-            if self.defer_helpers and not self._launches:
-                _launch.defer_helpers(self.start_method)
-            else:  # (a worker later than the first: the helpers may wait no longer)
-                _launch.start_deferred_helpers()
             with their_results, their_stacks:  # the worker's ends: its copies suffice
                 child = _launch.launch(
                     Child,
@@ -172,6 +172,7 @@ class ProcessKind(WorkerKind):
                     who=(slot, processes),
                     env=None if self.envs is None else self.envs[slot],
                     seed=self._seed(slot),
+                    defer_helpers=self.defer_helpers and not self._launches,
                 )
             made.pop_all()
         self._launches += 1

@@ -84,19 +84,17 @@ async def prepare_forkserver() -> None:
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
-def defer_helpers(start_method: str) -> None:
-    """Start the helper processes of the child started next later, once it is ready
-    (:func:`start_deferred_helpers`), not beside it: aiomp's keeper (its socket is made
-    now: what is registered waits in it) and, under ``spawn``, multiprocessing's resource
-    tracker (its pipe likewise). Only for a child that runs none of the caller's code
-    before it is ready (``run_sync``'s first worker: decisions 0046, 0048)."""
+def _defer_helpers(start_method: str) -> None:
+    """See :func:`launch`'s ``defer_helpers``: the keeper's socket is made now (what is
+    registered waits in it), and under ``spawn`` the resource tracker's pipe likewise."""
     _groups.start_keeper(defer=True)
     if start_method == "spawn":
         mp_private.defer_resource_tracker()
 
 
 def start_deferred_helpers() -> None:
-    """Start the helper processes :func:`defer_helpers` deferred (nothing if none is)."""
+    """Start the helper processes a launch deferred (nothing if none is): when that child
+    is ready, when another child is launched, when its owner closes."""
     _groups.start_deferred_keeper()
     mp_private.start_deferred_tracker()
 
@@ -118,6 +116,7 @@ def launch(
     who: tuple[int, int] | None = None,
     env: dict[str, str] | None = None,
     seed: int | None = None,
+    defer_helpers: bool = False,
 ) -> C:
     """Start one process running ``target(rank, channel, start, *extra)``, ``start`` the
     :class:`~aiomp._child.bootstrap.Start` the target hands to
@@ -136,10 +135,19 @@ def launch(
     The start checks registered with ``_lifecycle`` run first: ``target``'s module has
     imported the child bootstrap, whose check stops a spawn child re-running its
     parent's unguarded main module.
+
+    With ``defer_helpers``, aiomp's keeper and multiprocessing's resource tracker start
+    later (:func:`start_deferred_helpers`), not beside this child: for a child that runs
+    none of the caller's code before it says it is ready (``run_sync``'s first worker:
+    decisions 0046, 0048). Any other launch starts them first.
     """
     _lifecycle.run_start_checks()
     # Up before the child runs, so that registering it (``Child``) is one message.
-    _groups.start_keeper()
+    if defer_helpers:
+        _defer_helpers(start_method)
+    else:
+        start_deferred_helpers()
+        _groups.start_keeper()
     mp: Any = multiprocessing.get_context(start_method)
     ends = None if output is None else output.child_ends()
     start = Start(os.getpid(), ends, who, None if start_method == "spawn" else env, seed)

@@ -150,6 +150,8 @@ def start_deferred_tracker() -> None:
     then. Where it cannot start, the pipe's read end is closed all the same: the next
     ``getfd()`` finds the tracker dead and starts one (with multiprocessing's warning)."""
     global _tracker_read_end
+    if _tracker_read_end is None:
+        return  # (the common case: nothing deferred, nothing to import)
     from multiprocessing import resource_tracker, spawn, util
 
     tracker: Any = resource_tracker._resource_tracker

@@ -20,6 +20,7 @@ import pytest
 
 import aiomp
 from aiomp._first import default as first
+from aiomp._pool.pool import first_worker_alone
 from aiomp._pool.process_kind import Launched, ProcessKind
 from aiomp._process import cpus
 from tests._gate import Gate
@@ -329,3 +330,18 @@ async def test_a_worker_launched_ahead_is_killed_if_its_pool_never_opens() -> No
     with anyio.fail_after(TIMEOUT):
         await kind.close(False)
     assert launched.child.exited and launched.sock.fileno() == -1
+
+
+async def test_a_pool_cancelled_as_it_opens_kills_its_worker_launched_ahead() -> None:
+    """Review of decision 0048: a cancellation at the engine's first checkpoint (a first
+    ``run_sync`` as trio's run ends: its keeper task starts cancelled) closes the kind,
+    which kills and reaps the worker launched ahead."""
+    kind = ProcessKind("spawn", (None, ()), "prefix")
+    kind.launch_ahead(0, 1)
+    (child,) = kind.unadopted()
+    pool, _ = first_worker_alone(kind, 1)
+    with anyio.fail_after(TIMEOUT), anyio.CancelScope() as scope:
+        scope.cancel()
+        async with pool:
+            pytest.fail("the pool opened in a cancelled scope")
+    assert child.exited

@@ -272,6 +272,40 @@ def test_the_parents_sigkill_takes_the_descendants_of_run_syncs_first_call(
     _sigkill_parent(_RUN_SYNC_PARENT, backend, reports=2)
 
 
+_SPAWN_WHILE_DEFERRED = textwrap.dedent("""
+    import sys
+    import time
+
+    import anyio
+    import anyio.lowlevel
+
+    import aiomp
+    from tests.children import groups as funcs
+
+    if __name__ == "__mp_main__":
+        time.sleep(60)  # the default pool's first worker: never ready while we look
+
+    async def main():
+        address = "\\0" + sys.argv[1]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(aiomp.run_sync, sum, [1, 2])  # its keeper waits for its worker
+            await anyio.lowlevel.checkpoint()  # (that task launches its worker)
+            async with aiomp.spawn(funcs.descendants_then_block, 1, args=(address,),
+                                   start_method="fork"):
+                await anyio.sleep_forever()
+
+    if __name__ == "__main__":
+        anyio.run(main, backend=sys.argv[2])
+""")
+
+
+def test_a_child_started_while_the_keeper_waits_for_run_syncs_worker_starts_it() -> None:
+    """Review of decision 0048: the keeper deferred for ``run_sync``'s first worker is
+    started by any other launch (here ``aiomp.spawn``, while that worker is still
+    booting), so that child's descendants die with the parent too."""
+    _sigkill_parent(_SPAWN_WHILE_DEFERRED, "asyncio", reports=2)
+
+
 # -- the terminal -----------------------------------------------------------------------
 
 _CTRL_C_PARENT = textwrap.dedent("""
