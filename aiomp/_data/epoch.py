@@ -142,7 +142,7 @@ class Epoch:
             except BrokenWorkerError as exc:
                 last = exc  # the pool has replaced the worker: the batch again
             except Exception as exc:
-                exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
+                note_batch(exc, k, indices)
                 raise
         raise broken(last, k, indices, self.loader.max_retries)
 
@@ -152,6 +152,12 @@ class Epoch:
         self.receive.close()
         self.send.close()
         self.ready.clear()
+
+
+def note_batch(exc: BaseException, k: int, indices: list[Any]) -> BaseException:
+    """``exc``, raised while batch ``k`` was built, with a note naming the batch."""
+    exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
+    return exc
 
 
 def broken(

@@ -29,7 +29,7 @@ from .._child.report import ErrorPayload
 from .._errors import BrokenWorkerError, QueueClosed
 from .._queue.queue import Queue
 from . import worker as _worker
-from .epoch import Epoch, broken
+from .epoch import Epoch, broken, note_batch
 from .sampling import derive
 
 if TYPE_CHECKING:
@@ -99,9 +99,9 @@ class FeedEpoch(Epoch):
         self.ready[k] = (ok, value)
 
     def _raised(self, error: ErrorPayload, pid: int, k: int, indices: list[Any]) -> BaseException:
-        exc = error.exception(f"aiomp.DataLoader worker (pid {pid})", -1, pid)
-        exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
-        return exc
+        return note_batch(
+            error.exception(f"aiomp.DataLoader worker (pid {pid})", -1, pid), k, indices
+        )
 
     def _ended(self, slot: int) -> None:
         """Slot ``slot``'s feed task ended early: settle the batch it was building, hand
@@ -123,7 +123,7 @@ class FeedEpoch(Epoch):
             if isinstance(exc, BrokenWorkerError):
                 exc = broken(exc, k, indices, retries)
             else:
-                exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
+                note_batch(exc, k, indices)
             self.running -= 1
             self.ready[k] = (False, exc)
         for k, indices in owed:

@@ -43,10 +43,10 @@ class DefaultPool:
     """The running loop's default pool and its state: ``ready`` is set once it is open
     (or could not be: ``error``)."""
 
-    __slots__ = ("engine", "error", "kind", "pool", "ready")
+    __slots__ = ("engine", "error", "pool", "ready")
 
-    def __init__(self, pool: Pool, engine: Engine, kind: ProcessKind) -> None:
-        self.pool, self.engine, self.kind = pool, engine, kind
+    def __init__(self, pool: Pool, engine: Engine) -> None:
+        self.pool, self.engine = pool, engine
         self.ready = anyio.Event()
         self.error: BaseException | None = None
 
@@ -67,7 +67,7 @@ async def _make_default() -> DefaultPool:
         # Imported here, after the launch, on purpose (see above).
         from .._pool.pool import first_worker_alone
 
-        return DefaultPool(*first_worker_alone(kind, processes), kind)
+        return DefaultPool(*first_worker_alone(kind, processes))
     except BaseException:
         await kind.close(False)  # shielded
         raise
@@ -147,10 +147,11 @@ def _end_at_exit() -> None:
     waiting for them. Registered after ``aiomp._process.child``'s exit hook, so it runs
     first (atexit is last-in, first-out), and that hook, which warns of children still
     running, finds none of these."""
-    handles = [h for d in list(_pools.values()) for h in d.engine.live_handles()]
+    engines = [d.engine for d in list(_pools.values())]
+    handles = [h for e in engines for h in e.live_handles()]
     children = [h.child for h in handles if isinstance(h, ProcessHandle)]
     # (and a first worker no engine took: the keeper task never ran, or never opened it)
-    children += [c for d in list(_pools.values()) for c in d.kind.unadopted()]
+    children += [c for e in engines if isinstance(e.kind, ProcessKind) for c in e.kind.unadopted()]
     kill_and_reap(children, quiet=True)
 
 

@@ -27,7 +27,7 @@ from .._loop.wakeup import Signal, Wakeup
 from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
-from .tasks import DONE, QUEUED, RUNNING, Task, fresh
+from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
 
 if TYPE_CHECKING:
     import asyncio
@@ -68,14 +68,7 @@ async def wait_done(task: Task, loop: asyncio.AbstractEventLoop | None) -> None:
     """Wait until ``task`` is done."""
     if task.state < DONE:
         signal = Signal(loop)
-        previous = task.on_done
-
-        def done(t: Task) -> None:
-            if previous is not None:
-                previous(t)
-            signal.set()
-
-        task.on_done = done
+        when_done(task, lambda _: signal.set())
         await signal.wait()
 
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from .kinds import Handle
 from .scheduler import Scheduler
-from .tasks import Task
+from .tasks import Task, when_done
 
 
 class HoldingScheduler(Scheduler):
@@ -49,13 +49,11 @@ class HoldingScheduler(Scheduler):
     def ready(self, handle: Handle) -> None:
         super().ready(handle)  # a queued task is sent to it first
         w = self.workers.get(handle)
-        if w is None or not w.load:  # it has nothing to do: nobody waits for a result
+        first = None if w is None else next(iter(w.running.values()), None)
+        if first is None:  # it has nothing to do: nobody waits for a result
             self.release_held()
-
-    def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
-        done = super().complete(handle, tid, ok, value)
-        self.release_held()  # the first result is in: the others may start
-        return done
+        else:  # once that task is done (no cost per result after it)
+            when_done(first, lambda _: self.release_held())
 
     def exited(
         self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""

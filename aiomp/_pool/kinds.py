@@ -93,12 +93,18 @@ class Handle(abc.ABC):
         """Terminate the worker (SIGTERM, grace period, SIGKILL; with ``now``, SIGKILL at
         once); :meth:`run` reports its exit."""
 
-    @abc.abstractmethod
     async def run(self) -> None:
-        """The worker's watcher, a task in the pool's task group: waits until the worker
-        has exited (killing it when asked: bounded), then reports ``on_exit`` once and sets
-        :attr:`dead`. Shielded: cancelling the group does not stop it. It runs once: it
-        sets :attr:`watching` first, and returns at once if that is set already."""
+        """The worker's watcher, a task in the pool's task group: :meth:`watch_exit`, once (it
+        sets :attr:`watching` first; a second call returns at once)."""
+        if not self.watching:
+            self.watching = True
+            await self.watch_exit()
+
+    @abc.abstractmethod
+    async def watch_exit(self) -> None:
+        """Wait until the worker has exited (killing it when asked: bounded), then report
+        ``on_exit`` once and set :attr:`dead`. Shielded: cancelling the group does not
+        stop it."""
 
     async def finish_unwatched(self) -> None:
         """If :meth:`run` has not begun, kill the worker at once and run the watcher here,

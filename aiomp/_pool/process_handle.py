@@ -285,15 +285,12 @@ class ProcessHandle(Handle):
         return error.exception(self.name, self.slot, self.pid)
 
     # -- the watcher -----------------------------------------------------------------
-    async def run(self) -> None:
+    async def watch_exit(self) -> None:
         """Watch the process until it exits (or is killed), then report and clean up.
 
         Shielded: cancelling the pool's task group does not stop it; :meth:`kill` does,
         after the termination it starts, which is bounded.
         """
-        if self.watching:
-            return
-        self.watching = True
         child = self.child
         started = Started()
         try:

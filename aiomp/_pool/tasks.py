@@ -210,6 +210,20 @@ def _define(fn: object) -> bytes:
         return msg.body if msg.is_plain() else b""
 
 
+def when_done(task: Task, fn: Callable[[Task], None]) -> None:
+    """Have ``fn(task)`` called once ``task`` is done, after what was to be called then."""
+    previous = task.on_done
+    if previous is None:
+        task.on_done = fn
+        return
+
+    def both(t: Task) -> None:
+        previous(t)
+        fn(t)
+
+    task.on_done = both
+
+
 def new_task(
     concurrency: int,
     info: FnInfo,

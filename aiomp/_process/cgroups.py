@@ -24,8 +24,8 @@ def hierarchies(proc: PathLike, root: PathLike, controller: str) -> list[tuple[b
     each ancestor's up to the mount. ``root`` stands for ``/`` (tests point both at
     sample files). Unreadable files: none."""
     try:
-        groups = _read(os.path.join(proc, "cgroup"))
-        mounts = _read(os.path.join(proc, "mountinfo"))
+        groups = read(os.path.join(proc, "cgroup"))
+        mounts = read(os.path.join(proc, "mountinfo"))
     except OSError:
         return []
     found = []
@@ -45,10 +45,6 @@ def hierarchies(proc: PathLike, root: PathLike, controller: str) -> list[tuple[b
 
 def read(path: str) -> str:
     """The text of a cgroup file (OSError where it cannot be read)."""
-    return _read(path)
-
-
-def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
 
@@ -100,7 +96,7 @@ def oom_kills(path: str | None) -> int | None:
     if path is None:
         return None
     try:
-        for line in _read(path).splitlines():
+        for line in read(path).splitlines():
             key, _, value = line.partition(" ")
             if key == "oom_kill":
                 return int(value)

@@ -229,15 +229,12 @@ class ActorHandle(Handle):
         self._settled.set()
 
     # -- the watcher -------------------------------------------------------------------
-    async def run(self) -> None:
+    async def watch_exit(self) -> None:
         """Wait until the actor must go or has gone; kill it, wait for Ray to say so and
         for its refs to settle (bounded by the grace period), then report the exit.
 
         Shielded: cancelling the pool's task group does not stop it; it always ends.
         """
-        if self.watching:
-            return
-        self.watching = True
         try:
             with anyio.CancelScope(shield=True):
                 await self._stop.wait()

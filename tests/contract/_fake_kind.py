@@ -95,10 +95,7 @@ class FakeHandle(Handle):
             self.exitcode = -signal.SIGKILL
         self._stop.set()
 
-    async def run(self) -> None:
-        if self.watching:
-            return
-        self.watching = True
+    async def watch_exit(self) -> None:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._serve)

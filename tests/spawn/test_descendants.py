@@ -273,8 +273,9 @@ def test_the_parents_sigkill_takes_the_descendants_of_run_syncs_first_call(
 
 
 _SPAWN_WHILE_DEFERRED = textwrap.dedent("""
+    import os
+    import select
     import sys
-    import time
 
     import anyio
     import anyio.lowlevel
@@ -283,7 +284,10 @@ _SPAWN_WHILE_DEFERRED = textwrap.dedent("""
     from tests.children import groups as funcs
 
     if __name__ == "__mp_main__":
-        time.sleep(60)  # the default pool's first worker: never ready while we look
+        # The default pool's first worker: never ready while the test looks, and gone
+        # with us (it has no parent-death signal yet): it waits for our exit.
+        select.select([os.pidfd_open(os.getppid())], [], [])
+        raise SystemExit
 
     async def main():
         address = "\\0" + sys.argv[1]
