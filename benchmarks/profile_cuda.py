@@ -94,6 +94,7 @@ async def rounds(qin: aiomp.Queue, qout: aiomp.Queue, item: object, n: int) -> f
 async def main() -> None:
     import cupy
 
+    from aiomp._cuda import driver as _driver
     from aiomp._cuda import ipc as _cuda
 
     spent = instrument()
@@ -102,9 +103,9 @@ async def main() -> None:
         small = aiomp.cuda.zeros(1024, dtype=cupy.float32)
         big = cupy.ones(1 << 28, dtype=cupy.float32)
         print(f"bytes 4 KiB: median {await rounds(qin, qout, b'x' * 4096, ROUNDS) * 1e6:.1f} us")
-        default_pool = _cuda.EVENT_POOL_SIZE
+        default_pool = _driver.EVENT_POOL_SIZE
         for mode, pool in (("drop", default_pool), ("drop", 64), ("keep", default_pool)):
-            _cuda.EVENT_POOL_SIZE = pool
+            _driver.EVENT_POOL_SIZE = pool
             _cuda.get_backend()._events.clear()  # type: ignore[attr-defined]
             await qin.put(mode)
             await qout.get()
