@@ -1,4 +1,4 @@
-"""Who am I and placement in the Pool (DESIGN "Who am I", "Placement"; issue 28):
+"""Who am I and placement in the Pool (docs/design.md "Who am I", "Placement"; issue 28):
 ``aiomp.get_worker_info()`` in workers, ``env=`` per slot, given again to a replacement.
 
 On asyncio, uvloop and trio; every await bounded by ``anyio.fail_after``.
