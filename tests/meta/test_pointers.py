@@ -27,9 +27,9 @@ TOP = ("aiomp", "tests", "docs", "benchmarks", "examples", ".ci")
 TEXT = (".py", ".md", ".toml", ".sh", ".txt", ".cfg", ".yml", ".yaml", ".rst")
 
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
+_TOPS = "|".join(re.escape(t) for t in TOP)
 _PATH = re.compile(
-    r"(?<![\w./-])((?:\.\./)*(?:%s)/[\w./-]*?\.(?:py|md|sh|toml|txt|json|rst|csv))(?![\w/])"
-    % "|".join(re.escape(t) for t in TOP)
+    rf"(?<![\w./-])((?:\.\./)*(?:{_TOPS})/[\w./-]*?\.(?:py|md|sh|toml|txt|json|rst|csv))(?![\w/])"
 )
 #: The design file that lived outside the repository, cited by name.
 _OUTSIDE = re.compile(r"\bDESIGN(?:\.md)?\b|REVIEW-architecture|\bSTYLE\.md\b|\.\./shared/")
