@@ -21,7 +21,7 @@ import aiomp  # noqa: E402
 
 project = "aiomp"
 author = "the aiomp authors"
-copyright = "the aiomp authors, MIT licence"  # noqa: A001 (Sphinx's name)
+copyright = "the aiomp authors, MIT licence"
 version = release = aiomp.__version__
 
 extensions = ["myst_parser", "sphinx.ext.autodoc"]
