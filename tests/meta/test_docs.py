@@ -6,6 +6,10 @@
   every toctree fails the suite (and CI, which runs it). Nothing reaches the network.
 - The API reference (``docs/api/``) has an autodoc entry for every name in
   ``aiomp.__all__``, ``aiomp.cuda.__all__`` and ``aiomp.ray.__all__``.
+- The guides are code: every ```python block of docs/getting-started.md and
+  docs/guides/*.md compiles (a fragment may ``await`` at top level), and every block that
+  is a whole program (it has an ``if __name__ == "__main__":``) runs as written, as a
+  file, as the README's blocks do (tests/meta/test_readme.py).
 - The tree in docs/architecture.md names every package and top-level module of ``aiomp/``,
   and every module of each package in that package's description, and lists no package or
   top-level module that is not there. A module added without a word in the tree fails here,
@@ -14,6 +18,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import os
@@ -30,6 +35,11 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 
 pytestmark = pytest.mark.leaks_ok  # Sphinx runs in its own interpreter
+
+#: The pages whose python blocks are code (design.md and architecture.md quote fragments).
+GUIDES = [DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
+#: Packages a block may need that the suite does not: without one, its block skips.
+OPTIONAL = ("torch", "ray", "cupy", "fastapi", "uvicorn")
 
 #: ``.. autofunction:: aiomp.spawn``, ``.. automodule:: aiomp.cuda``, ...
 _AUTO = re.compile(r"^\.\. auto\w+:: (aiomp(?:\.[\w]+)+)\s*$", re.MULTILINE)
@@ -120,3 +130,60 @@ def test_the_architecture_tree_matches_the_package() -> None:
             if module not in words
         ]
     assert problems == [], "docs/architecture.md, section Tree:\n" + "\n".join(problems)
+
+
+def _python_blocks() -> list[tuple[str, int, str]]:
+    """``(page, line number, code)`` of each python block of the guides."""
+    blocks = []
+    for page in GUIDES:
+        lines = page.read_text().splitlines()
+        i = 0
+        while i < len(lines):
+            if lines[i].strip() == "```python":
+                end = i + 1
+                while lines[end].strip() != "```":
+                    end += 1
+                code = "\n".join(lines[i + 1 : end]) + "\n"
+                blocks.append((str(page.relative_to(REPO)), i + 2, code))
+                i = end
+            i += 1
+    return blocks
+
+
+_BLOCKS = [pytest.param(p, n, c, id=f"{p}:{n}") for p, n, c in _python_blocks()]
+_PROGRAMS = [b for b in _BLOCKS if 'if __name__ == "__main__":' in b.values[2]]
+
+
+def test_the_guides_have_programs() -> None:
+    assert len(_PROGRAMS) >= 8
+
+
+@pytest.mark.parametrize("page, line, code", _BLOCKS)
+def test_a_guide_block_compiles(page: str, line: int, code: str) -> None:
+    flags = ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+    compile(code, f"{page}:{line}", "exec", flags=flags)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page, line, code", _PROGRAMS)
+def test_a_guide_program_runs_as_written(page: str, line: int, code: str, tmp_path: Path) -> None:
+    for name in OPTIONAL:
+        if re.search(rf"^\s*(import|from) {name}\b", code, re.M) and (
+            importlib.util.find_spec(name) is None
+        ):
+            pytest.skip(f"the block at {page}:{line} needs {name}, not installed")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=90,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"the block at {page}:{line} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    )
