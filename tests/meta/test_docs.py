@@ -6,7 +6,7 @@
   every toctree fails the suite (and CI, which runs it). Nothing reaches the network.
 - The API reference (``docs/api/``) has an autodoc entry for every name in
   ``aiomp.__all__``, ``aiomp.cuda.__all__`` and ``aiomp.ray.__all__``.
-- The guides are code: every ```python block of docs/getting-started.md and
+- The guides are code: every ```python block of docs/index.md, docs/getting-started.md and
   docs/guides/*.md compiles (a fragment may ``await`` at top level), and every block that
   is a whole program (it has an ``if __name__ == "__main__":``) runs as written, as a
   file, as the README's blocks do (tests/meta/test_readme.py).
@@ -37,7 +37,7 @@ DOCS = REPO / "docs"
 pytestmark = pytest.mark.leaks_ok  # Sphinx runs in its own interpreter
 
 #: The pages whose python blocks are code (design.md and architecture.md quote fragments).
-GUIDES = [DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
+GUIDES = [DOCS / "index.md", DOCS / "getting-started.md", *sorted((DOCS / "guides").glob("*.md"))]
 #: Packages a block may need that the suite does not: without one, its block skips.
 OPTIONAL = ("torch", "ray", "cupy", "fastapi", "uvicorn")
 
@@ -151,7 +151,8 @@ def _python_blocks() -> list[tuple[str, int, str]]:
 
 
 _BLOCKS = [pytest.param(p, n, c, id=f"{p}:{n}") for p, n, c in _python_blocks()]
-_PROGRAMS = [b for b in _BLOCKS if 'if __name__ == "__main__":' in b.values[2]]
+_MAIN = re.compile(r'^if __name__ == "__main__":', re.MULTILINE)
+_PROGRAMS = [b for b in _BLOCKS if _MAIN.search(str(b.values[2]))]
 
 
 def test_the_guides_have_programs() -> None:
