@@ -44,9 +44,21 @@ from typing import Any
 from .._pool import pool as _pool
 from .._pool.engine import Engine
 from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
+from ._ranks import ActorExitedException, RankInfo, RayProcessContext
 from ._session import PROBE_TIMEOUT
+from ._spawn import spawn
 
-__all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
+__all__ = (
+    "ARRAY_THRESHOLD",
+    "PROBE_TIMEOUT",
+    "SESSION_CHECK",
+    "ActorExitedException",
+    "ActorInfo",
+    "Pool",
+    "RankInfo",
+    "RayProcessContext",
+    "spawn",
+)
 
 
 @dataclasses.dataclass(frozen=True)
