@@ -285,7 +285,11 @@ async def test_trio_is_refused_clearly() -> None:
 
 
 def test_example_runs(cluster: Any) -> None:
-    """examples/ray_ddp.py joins the module's cluster: DDP over gloo across its nodes."""
+    """examples/ray_ddp.py joins the module's cluster: DDP over gloo across its two nodes,
+    the weights equal on both, each rank's print labelled. (Its ``--fail`` path is the
+    failing rank of the test above, with torch.)"""
     pytest.importorskip("torch")
     out = run_python("examples/ray_ddp.py", "--address", cluster.address, timeout=180)
     assert out.stdout.strip().endswith("ok"), out.stdout
+    assert "2 ranks on 2 node(s)" in out.stdout and "equal on every rank: True" in out.stdout
+    assert "[rank 0] node " in out.stdout and "[rank 1] node " in out.stdout
