@@ -11,6 +11,9 @@ actors. Owns the job's actors, its placement group and, where the job started it
 session: :meth:`RayProcessContext.release` kills every actor, waits (bounded) until Ray
 says each is dead, removes the placement group (its resources are the cluster's again) and
 shuts down a session the job started. Every way out of the job goes through it once.
+While it waits, the context checks every ``SESSION_CHECK`` seconds that Ray's session
+still runs: after ``ray.shutdown()`` no ref settles, and the ranks not done are reported
+lost.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .._pool.protocol import ErrorPayload
 from .._spawn.context import ProcessContext
 from . import _session
 from ._handle import CONFIRM, DIED, KILLED, death_reason
+from ._kind import SESSION_CHECK
 
 
 class ActorExitedException(ProcessExitedException):
@@ -243,6 +247,25 @@ class Rank:
         if self.outcome is None and not self.gone:
             watch(self.actor.cancel.options(concurrency_group="ctl").remote(), self._loop, _ignore)
 
+    def lost(self, why: str) -> None:
+        """Ray's session has ended: the actor is gone with it, and no callback will come."""
+        self.gone = True
+        if self.outcome is None:
+            self.outcome = (
+                "err",
+                ActorExitedException(
+                    f"process {self.rank} ({self.where}, Ray actor {self.actor_id[:8]}) is "
+                    f"lost: {why}",
+                    self.rank,
+                    self.pid,
+                    DIED,
+                    node_id=self.node_id,
+                    node_address=self.address,
+                    actor_id=self.actor_id,
+                ),
+            )
+        self.end_output()
+
     def kill(self, ray: Any) -> None:
         if not self.gone:
             self.killed = self.outcome is None
@@ -270,6 +293,7 @@ class RayProcessContext(ProcessContext):
         self._ray = ray
         self._pg = pg
         self._started_ray = started_ray
+        self._job = ray.get_runtime_context().get_job_id()  # the session's, while it runs
         self._released = False
 
     @property
@@ -294,12 +318,27 @@ class RayProcessContext(ProcessContext):
         self._wake.set()
 
     async def wait_for(self, done: Callable[[], bool]) -> None:
-        """Wait until ``done()``: checked after each change of a rank."""
+        """Wait until ``done()``: checked after each change of a rank, and every
+        SESSION_CHECK seconds whether Ray's session still runs (see :meth:`_session_lost`)."""
         while True:
             self._wake.clear()
             if done():
                 return
-            await self._wake.wait()
+            with anyio.move_on_after(SESSION_CHECK):
+                await self._wake.wait()
+            if not self._connected():
+                self._session_lost()
+
+    def _session_lost(self) -> None:
+        """``ray.shutdown()`` under the job: no ref of it will settle. Every rank not done
+        is reported gone, its output ended; nothing of Ray's is called again."""
+        if self._job is None:
+            return
+        self._job = None
+        self._started_ray = False  # gone: a session opened since is not the job's
+        for r in self._ranks:
+            r.lost("Ray was shut down (ray.shutdown()) while the job ran")
+            self.changed(r)
 
     @property
     def processes(self) -> list[multiprocessing.process.BaseProcess]:
@@ -377,7 +416,16 @@ class RayProcessContext(ProcessContext):
             await self.release()
 
     def _connected(self) -> bool:
-        return bool(self._ray.is_initialized())
+        """The job's Ray session still runs (never starts one: Ray's calls would)."""
+        ray = self._ray
+        try:
+            return (
+                self._job is not None
+                and bool(ray.is_initialized())
+                and ray.get_runtime_context().get_job_id() == self._job
+            )
+        except Exception:  # noqa: BLE001 - disconnected between the two
+            return False
 
     async def release(self) -> None:
         """Kill every actor, wait until Ray says each is gone (at most CONFIRM s), remove
@@ -393,6 +441,8 @@ class RayProcessContext(ProcessContext):
                 with anyio.move_on_after(CONFIRM):
                     await self.wait_for(lambda: all(r.gone for r in self._ranks))
                 await anyio.to_thread.run_sync(_remove_group, ray, self._pg)
+            else:
+                self._session_lost()
             for r in self._ranks:  # no callback of theirs comes any more
                 r.end_output()
             if self._started_ray:

@@ -233,6 +233,34 @@ async def test_a_node_removed_mid_job_ends_it_with_an_error(cluster: Any, gate: 
             cluster.remove_node(node)
 
 
+@asyncio_only
+async def test_ray_shutdown_under_a_running_job_ends_it(cluster: Any, gate: Gate) -> None:
+    """As for aiomp.ray.Pool (issue 25 item 11): after ``ray.shutdown()`` no ref of the
+    job settles; the job ends within about SESSION_CHECK seconds with
+    ActorExitedException, and nothing starts a Ray instance of its own. Reconnected, the
+    cluster runs the next job (Ray ended the old job's actors and group with its driver)."""
+    try:
+        with anyio.fail_after(TIMEOUT):
+            with pytest.raises(aiomp.ray.ActorExitedException, match="Ray was shut down"):
+                async with spawn(funcs.at_gate, 2, (gate.address,)):
+                    await gate.ready(2)
+                    await anyio.to_thread.run_sync(ray.shutdown)
+                    with anyio.fail_after(20):  # SESSION_CHECK (1 s), with room for a busy host
+                        await anyio.sleep_forever()
+            assert not ray.is_initialized()
+    finally:
+        if not ray.is_initialized():
+            ray.init(
+                address=cluster.address,
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+            )
+    with anyio.fail_after(TIMEOUT):
+        async with spawn(funcs.square, 2) as ctx:
+            pass
+    assert ctx.results == [0, 1]
+
+
 def test_arguments_that_cannot_cross_nodes_raise_type_error() -> None:
     """An aiomp.Queue or Event, or an array in aiomp's shared memory, raises TypeError
     naming what to use instead, before anything starts (no cluster needed)."""
