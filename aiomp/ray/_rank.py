@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import pickle
 import socket
@@ -93,7 +94,7 @@ class RankActor:
                 result = await fn(self._rank, *args)
             else:
                 result = fn(self._rank, *args)
-                if asyncio.iscoroutine(result):
+                if inspect.iscoroutine(result):  # not asyncio.iscoroutine: it takes generators
                     result = await result
         except BaseException as exc:  # noqa: BLE001 - the rank's outcome, whatever it is
             return False, ErrorPayload.of(exc)

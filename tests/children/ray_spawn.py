@@ -72,3 +72,8 @@ async def async_at_gate(rank: int, address: str, path: str) -> None:
 
 def square(rank: int) -> int:
     return rank * rank
+
+
+def unpicklable(rank: int) -> object:
+    """A return value no pickler can carry (a generator)."""
+    return (i for i in range(rank + 1))

@@ -125,6 +125,15 @@ async def test_awaited_with_a_line_callback(cluster: Any) -> None:
 
 
 @asyncio_only
+async def test_a_result_that_cannot_travel_fails_its_rank(cluster: Any) -> None:
+    with anyio.fail_after(TIMEOUT):
+        with pytest.raises(aiomp.ProcessRaisedException, match="could not be sent") as info:
+            async with spawn(funcs.unpicklable, 1):
+                pass
+    assert info.value.error_index == 0 and "generator" in str(info.value)
+
+
+@asyncio_only
 async def test_gloo_all_reduce_across_nodes(cluster: Any) -> None:
     pytest.importorskip("torch")
     with anyio.fail_after(TIMEOUT * 2):  # each rank imports torch
