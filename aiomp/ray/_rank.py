@@ -8,7 +8,7 @@ thread and event loop in Ray), in one bundle of the job's placement group, and c
   (see :meth:`output`); answers ``(node id, node address, pid, port)``, ``port`` a TCP port
   free on the node now (rank 0 of a ``rendezvous=True`` job: its ``MASTER_PORT``) or None;
 * ``run(blob, env)`` (default group): merges ``env`` into ``os.environ``, unpickles ``(fn,
-  args, is_async)`` and runs ``fn(rank, *args)``, an ``async def`` one on the actor's loop;
+  args)`` and runs ``fn(rank, *args)``, awaiting a coroutine it returns on the actor's loop;
   answers ``(True, result)`` or ``(False, ErrorPayload)``. A sync ``fn`` holds the default
   group's loop while it runs; the ``ctl`` group answers meanwhile;
 * ``output()`` (``ctl``): a long poll for the bytes written to fds 1 and 2 since the last
@@ -85,17 +85,15 @@ class RankActor:
         try:
             if env:
                 os.environ.update(env)
-            fn, args, is_async = pickle.loads(blob)
-            if is_async:
+            fn, args = pickle.loads(blob)
+            result = fn(self._rank, *args)
+            if inspect.iscoroutine(result):  # not asyncio.iscoroutine: it takes generators
                 self._loop = asyncio.get_running_loop()
                 self._task = asyncio.current_task()
-                if self._cancelled:
+                if self._cancelled:  # cancel() came first
+                    result.close()
                     raise asyncio.CancelledError
-                result = await fn(self._rank, *args)
-            else:
-                result = fn(self._rank, *args)
-                if inspect.iscoroutine(result):  # not asyncio.iscoroutine: it takes generators
-                    result = await result
+                result = await result
         except BaseException as exc:  # noqa: BLE001 - the rank's outcome, whatever it is
             return False, ErrorPayload.of(exc)
         finally:

@@ -58,7 +58,6 @@ class Job:
     fn: Callable[..., object]
     nprocs: int
     args: tuple[object, ...]
-    is_async: bool
     address: str | None
     bundle: dict[str, float]  # what each rank asks of its node (its placement bundle)
     options: dict[str, Any]  # ray.remote's options for each actor
@@ -127,7 +126,7 @@ def spawn(
     n = count("nprocs", nprocs)
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, not {type(args).__name__}")
-    is_async = _check_function(fn)
+    _check_function(fn)
     for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a number >= 0, not {value!r}")
@@ -159,7 +158,6 @@ def spawn(
         fn,
         n,
         args,
-        is_async,
         address,
         bundle,
         options,
@@ -173,8 +171,8 @@ def spawn(
     return SpawnHandle(functools.partial(start_ranks, job), f"aiomp.ray.spawn({name}, {n})")
 
 
-def _check_function(fn: object) -> bool:
-    """``TypeError`` for what is no function; whether it is a coroutine function."""
+def _check_function(fn: object) -> None:
+    """``TypeError`` for what is no function (a coroutine object included)."""
     if inspect.iscoroutine(fn):
         fn.close()
         raise TypeError(
@@ -183,9 +181,6 @@ def _check_function(fn: object) -> bool:
         )
     if not callable(fn):
         raise TypeError(f"fn must be callable, not {type(fn).__name__}")
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
-    )
 
 
 async def start_ranks(job: Job) -> RayProcessContext:
@@ -197,7 +192,7 @@ async def start_ranks(job: Job) -> RayProcessContext:
             "asyncio's); under trio use aiomp.spawn, or run the Ray job in an asyncio thread"
         )
     ray = _session.import_ray()
-    blob = dumps_for_nodes((job.fn, job.args, job.is_async))
+    blob = dumps_for_nodes((job.fn, job.args))
     started = False
     if not ray.is_initialized():
         started = await _session.connect(ray, job.address)

@@ -88,7 +88,7 @@ def node_ids(cluster: Any) -> set[str]:
     return {cluster.head_node.node_id, *(n.node_id for n in cluster.worker_nodes)}
 
 
-@LOOPS
+@asyncio_only
 async def test_ranks_on_both_nodes_results_in_rank_order_output_labelled(
     cluster: Any, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -109,8 +109,9 @@ async def test_ranks_on_both_nodes_results_in_rank_order_output_labelled(
             await gone(pid)
 
 
-@asyncio_only
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": True})], ids=["uvloop"])
 async def test_awaited_with_a_line_callback(cluster: Any) -> None:
+    """The job awaited (no ``async with``), on uvloop, its lines to a callback."""
     lines: list[tuple[int, str, str]] = []
     with anyio.fail_after(TIMEOUT):
         ctx = await spawn(funcs.where, 2, (1,), output=lambda *x: lines.append(x))
