@@ -118,6 +118,11 @@ def spawn(
       and ``log_to_driver``).
     - In each rank ``aiomp.get_worker_info()`` gives its rank (``id``) and ``nprocs``.
 
+    Cancelled while it starts (waiting for resources included), it removes what it made
+    (actors, placement group, a session it opened) before the cancellation goes on;
+    cancelled in the block or in ``join()``, it stops the ranks as on a failure (shielded,
+    bounded: about ``grace_period`` plus 20 s at most).
+
     ``fn`` and ``args`` travel with cloudpickle (a lambda, a script's function work);
     what cannot cross nodes raises ``TypeError`` when the job starts, before anything
     runs. Runs on asyncio and uvloop; under trio it raises ``RuntimeError``.

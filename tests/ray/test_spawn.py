@@ -198,6 +198,25 @@ async def test_cancelling_the_body_cancels_async_ranks_inside_their_actors(
         assert Path(f"{path}.{rank}").read_text() == "cancelled"  # noqa: ASYNC240 - a few bytes
 
 
+@asyncio_only
+async def test_a_job_waiting_for_resources_is_cancellable(cluster: Any, gate: Gate) -> None:
+    """A job the cluster could hold, but not while another job holds its CPUs, waits for
+    them; cancelled, it removes its placement group (nothing of it is left waiting)."""
+
+    def live_groups() -> list[str]:
+        return [k for k, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"]
+
+    with anyio.fail_after(TIMEOUT):
+        async with spawn(funcs.at_gate, 2, (gate.address,)):
+            await gate.ready(2)
+            held = live_groups()
+            with anyio.move_on_after(2) as scope:  # it cannot start before the release
+                await spawn(funcs.square, 1)
+            assert scope.cancelled_caught
+            assert live_groups() == held
+            gate.release()
+
+
 @LOOPS
 async def test_an_unplaceable_job_raises_at_once(cluster: Any) -> None:
     with anyio.fail_after(TIMEOUT):
