@@ -1,6 +1,7 @@
 """Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
 
-    python -m benchmarks.run [spawn queue m2m arrays torch pool run_sync loader serving cuda ray]
+    python -m benchmarks.run [spawn queue m2m arrays torch pool run_sync loader serving cuda ray
+                             ray_spawn]
                              [--quick] [--no-write]
     python benchmarks/run.py ...
 
@@ -41,6 +42,7 @@ NAMES = (
     "serving",
     "cuda",
     "ray",
+    "ray_spawn",
 )
 TITLES = {
     "spawn": "Spawn and failure propagation",
@@ -54,6 +56,7 @@ TITLES = {
     "serving": "Serving: dynamic batching (pool.batched against pool.apply)",
     "cuda": "CuPy arrays as CUDA IPC handles (needs a GPU)",
     "ray": "aiomp.ray.Pool on a local Ray instance (needs Ray)",
+    "ray_spawn": "aiomp.ray.spawn on a two-node local Ray cluster (needs Ray and torch)",
 }
 RESULTS = os.path.join(HERE, "RESULTS.md")
 #: A comparison that runs longer than this is stopped and reported as an error.

@@ -33,6 +33,12 @@ outcome to the pool's loop, so nothing polls. What differs from :class:`aiomp.Po
   raises ``ValueError`` on entering, as Ray's own Pool does; ``ray.shutdown()`` under an
   open pool breaks it within :data:`SESSION_CHECK` seconds (its running tasks fail with
   :class:`aiomp.BrokenWorkerError`, the others with :class:`aiomp.BrokenPoolError`).
+
+:func:`spawn` does the same for :func:`aiomp.spawn`: ``async with aiomp.ray.spawn(fn, 4,
+rendezvous=True, address="auto") as ctx:`` runs ``fn(rank, *args)`` in four Ray actors
+placed together (one placement group) or not at all, with the local job's semantics:
+results in rank order, the first failure ends the job (the others stopped, the group
+removed), output labelled by rank (see ``aiomp.ray._spawn`` and ``aiomp.ray._ranks``).
 """
 
 from __future__ import annotations
@@ -44,9 +50,21 @@ from typing import Any
 from .._pool import pool as _pool
 from .._pool.engine import Engine
 from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
+from ._ranks import ActorExitedException, RankInfo, RayProcessContext
 from ._session import PROBE_TIMEOUT
+from ._spawn import spawn
 
-__all__ = ("ARRAY_THRESHOLD", "PROBE_TIMEOUT", "SESSION_CHECK", "ActorInfo", "Pool")
+__all__ = (
+    "ARRAY_THRESHOLD",
+    "PROBE_TIMEOUT",
+    "SESSION_CHECK",
+    "ActorExitedException",
+    "ActorInfo",
+    "Pool",
+    "RankInfo",
+    "RayProcessContext",
+    "spawn",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +153,4 @@ class Pool(_pool.Pool):
 
 for _cls in (Pool, ActorInfo):
     _cls.__module__ = "aiomp.ray"
+spawn.__module__ = "aiomp.ray"

@@ -154,7 +154,7 @@ class ActorHandle(Handle):
     def _died(self, exc: BaseException) -> None:
         self.closed = True  # from now on a task meant for it goes to another actor
         if not self._stop.is_set():
-            self.why = _reason(exc)
+            self.why = death_reason(exc)
             self._stop.set()
 
     def _settle(self) -> None:
@@ -261,7 +261,7 @@ def _ignore(_: object) -> None:
     pass
 
 
-def _reason(exc: BaseException) -> str:
+def death_reason(exc: BaseException) -> str:
     """The line of Ray's error that says why the actor died."""
     text = str(exc)
     for line in text.splitlines():

@@ -93,13 +93,13 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _cloudpickle(obj: object) -> bytes:
+def cloudpickle_dumps(obj: object) -> bytes:
     """Pickle ``obj`` with Ray's cloudpickle: by value what a remote node could not import."""
     dumps: Callable[..., bytes] = importlib.import_module("ray.cloudpickle").dumps
     return dumps(obj, protocol=5)
 
 
-def _capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
+def capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
     """What the caller holds if it is a Ray actor or task (for as long as the pool lives
     inside it), and what each live node of the cluster has for the pool's actors: its
     resources, less those on the caller's node. Blocks (RPCs to Ray's GCS)."""
@@ -124,20 +124,20 @@ def _capacity(ray: Any) -> tuple[dict[str, float], list[dict[str, float]]]:
 def _unplaceable(
     demand: Mapping[str, float], held: Mapping[str, float], nodes: list[dict[str, float]]
 ) -> str:
-    where = "; ".join(_fmt({k: node.get(k, 0.0) for k in demand}) for node in nodes[:8])
+    where = "; ".join(fmt_resources({k: node.get(k, 0.0) for k in demand}) for node in nodes[:8])
     beside = (
-        f" beside what the caller holds there ({_fmt(held)}: it runs in a Ray actor or task, "
-        "which keeps them while the pool lives)"
+        f" beside what the caller holds there ({fmt_resources(held)}: it runs in a Ray actor or "
+        "task, which keeps them while the pool lives)"
         if held
         else ""
     )
     return (
-        f"Ray cannot place an actor of this pool: each asks {_fmt(demand)}, more than any "
+        f"Ray cannot place an actor of this pool: each asks {fmt_resources(demand)}, more than any "
         f"node of the cluster has{beside}; its nodes have {where or 'nothing (none alive)'}"
     )
 
 
-def _fmt(resources: Mapping[str, float]) -> str:
+def fmt_resources(resources: Mapping[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in resources.items()) + "}"
 
 
@@ -208,7 +208,7 @@ class RayKind(WorkerKind):
             )
         ray = self._ray = _session.import_ray()
         try:
-            self._init_blob = _cloudpickle(self._init_call)
+            self._init_blob = cloudpickle_dumps(self._init_call)
         except Exception as exc:
             exc.add_note("(while pickling the pool's initializer and initargs for Ray)")
             raise
@@ -217,7 +217,7 @@ class RayKind(WorkerKind):
         self._actor_cls = _get_actor_class(ray)
         self._job = ray.get_runtime_context().get_job_id()
         # Ray's state calls ask its GCS (RPCs): in a thread, as ray.init.
-        held, nodes = await anyio.to_thread.run_sync(_capacity, ray, abandon_on_cancel=True)
+        held, nodes = await anyio.to_thread.run_sync(capacity, ray, abandon_on_cancel=True)
         demand = {
             k: float(v)
             for k, v in {
@@ -244,7 +244,7 @@ class RayKind(WorkerKind):
                 "them (each asks %s): the others wait until Ray has room",
                 processes,
                 room,
-                _fmt(demand),
+                fmt_resources(demand),
             )
         return processes
 
@@ -336,7 +336,7 @@ class RayKind(WorkerKind):
             return self._fn_keys[fn]
         except (KeyError, TypeError):
             pass
-        key = _cloudpickle(fn)
+        key = cloudpickle_dumps(fn)
         try:
             self._fn_keys[fn] = key
         except TypeError:  # not weakly referenceable: pickled on every call

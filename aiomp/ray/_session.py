@@ -115,3 +115,21 @@ class Connecting:
 def shutdown_ray(ray: Any) -> None:
     with connect_lock:
         ray.shutdown()
+
+
+async def connect(ray: Any, address: str | None) -> bool:
+    """``ray.init(address=address)`` in a worker thread, after a :func:`probe` of the
+    address (``ConnectionError`` where nothing answers); True if it opened the session.
+    Cancelled, it leaves at once: a session it opened is shut down (by the thread, if it is
+    still connecting; else here, shielded)."""
+    where = await anyio.to_thread.run_sync(bootstrap_address, address, abandon_on_cancel=True)
+    if where is not None:
+        await probe(*where, address)
+    connecting = Connecting(ray, address)
+    try:
+        return await anyio.to_thread.run_sync(connecting.run, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        if not connecting.take() and connecting.started:  # it had connected: ours to end
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(shutdown_ray, ray)
+        raise
