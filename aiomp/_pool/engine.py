@@ -24,6 +24,7 @@ from .._loop import running_asyncio_loop
 from .._loop.cancel import CancelProbe
 from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
+from .admission import Room
 from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
@@ -98,6 +99,9 @@ class Engine:
         self.sched = scheduler(concurrency, maxtasksperchild, self._spawn_soon)
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
+        #: ``Pool(max_pending=)`` and who waits for a worker to have room: ``admission``.
+        self.max_pending: int | None = None
+        self.room = Room(self.sched)
         self.handles: dict[Handle, None] = {}
         self.iterators: dict[Closable, None] = {}
         self.loop: asyncio.AbstractEventLoop | None = None  # None: not an asyncio loop
