@@ -25,6 +25,7 @@ from .._loop.cancel import CancelProbe
 from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
 from .admission import Room
+from .deaths import died_on_its_own, log_death
 from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
@@ -366,6 +367,10 @@ class Engine:
 
     def on_exit(self, handle: Handle, exitcode: int | None, unsent: list[int]) -> None:
         del self.handles[handle]
+        w = self.sched.workers.get(handle)
+        asked = self.state != OPEN or self.sched.broken is not None
+        if w is not None and exitcode is not None and died_on_its_own(w, exitcode, asked):
+            log_death(w, exitcode, unsent)  # (a WARNING: see _pool.deaths)
         self.sched.exited(handle, exitcode, unsent, handle.why)
 
     def kill(self, handle: Handle, reason: str) -> None:
