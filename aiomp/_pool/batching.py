@@ -131,6 +131,7 @@ class Batched(Generic[X, R]):
         self._open: _Batch | None = None
         self._full: collections.deque[_Batch] = collections.deque()
         self._left: dict[_Batch, None] = {}  # queued batches that callers left
+        self._inflight = 0  # batches handed to the pool and not done
         self._wake: Wakeup | None = None  # the dispatcher's, while it runs
         self._closed = False
         self._warn_if_made_again()
@@ -229,7 +230,8 @@ class Batched(Generic[X, R]):
         tg.start_soon(self._dispatch, name=f"aiomp batched {self._info.name}")
 
     async def _dispatch(self) -> None:
-        """Hand batches to the pool (see the module docstring), until none is unsent."""
+        """Hand batches to the pool (see the module docstring), until none is unsent nor
+        running (it stays for the next one: one task per busy spell, not per batch)."""
         wake = self._wake
         assert wake is not None
         engine = self._engine
@@ -248,11 +250,12 @@ class Batched(Generic[X, R]):
                         self._open = None
                         self._hand(batch)
                     continue
-                if not (batch is not None and batch.callers) and not self._full:
-                    return  # nothing unsent (and _remake_left has emptied _left)
-                if not watching:
-                    watching = True
-                    engine.room.watch(wake)
+                unsent = bool(batch is not None and batch.callers) or bool(self._full)
+                if not unsent and not self._inflight:
+                    return  # (and _remake_left has emptied _left)
+                if unsent != watching:  # room matters only to a batch unsent
+                    watching = unsent
+                    (engine.room.watch if watching else engine.room.unwatch)(wake)
                 await wake.wait()
         finally:
             engine.room.unwatch(wake)
@@ -318,6 +321,7 @@ class Batched(Generic[X, R]):
         task.on_done = lambda t: self._done(batch, t)
         batch.task = task
         batch.sent = callers
+        self._inflight += 1
         engine.submit(task)
 
     def _encode(self, tid: int, callers: list[_Caller]) -> Any:
@@ -336,6 +340,9 @@ class Batched(Generic[X, R]):
 
     # -- outcomes (maybe in a loop callback: only Signals, encodes and submits) --------
     def _done(self, batch: _Batch, task: Task) -> None:
+        self._inflight -= 1
+        if not self._inflight and self._wake is not None:
+            self._wake.set()  # the dispatcher may be done
         callers = batch.sent
         if not task.ok:
             exc = task.value
@@ -419,12 +426,14 @@ class Batched(Generic[X, R]):
                 continue  # it has started meanwhile: the rows of those gone are dropped
             if not batch.callers:
                 self._engine.sched.drop(task)  # the batch left empty never runs
+                self._inflight -= 1
                 continue
             callers = list(batch.callers)
             try:
                 message = self._encode(task.tid, callers)
             except Exception as exc:  # noqa: BLE001 - (it encoded before: cannot happen)
                 self._engine.sched.drop(task)
+                self._inflight -= 1
                 self._fail(callers, exc)
                 continue
             old, task.message = task.message, message
