@@ -223,8 +223,8 @@ class Batched(Generic[X, R]):
             return
         engine = self._engine
         tg = engine.tg
-        if tg is None or engine.state == CLOSED:
-            return
+        if tg is None or engine.state == CLOSED or self._closed:
+            return  # (the pool's close has handed over or failed what was unsent)
         self._wake = Wakeup(engine.loop)
         engine.iterators[self] = None  # closed with the pool (see close)
         tg.start_soon(self._dispatch, name=f"aiomp batched {self._info.name}")

@@ -113,6 +113,42 @@ async def test_a_batch_keeps_filling_while_every_worker_is_busy(
     assert all(results[x][0] == 2 * x for x in range(20))
 
 
+async def test_leaving_the_pool_runs_the_open_batch(anyio_backend: object, gate: Gate) -> None:
+    """issue 40 (the dispatcher): callers waiting in an open batch (the only worker busy)
+    from outside the pool's block when it is left normally: the batch is queued as the
+    pool drains, and they get their results."""
+    results: dict[int, Any] = {}
+    with anyio.fail_after(TIMEOUT):
+        async with anyio.create_task_group() as outer:
+            async with pool() as p:
+                b = p.batched(funcs.double_all, max_batch_size=8, max_delay=60)
+
+                async def call(x: int) -> None:
+                    results[x] = await b(x)
+
+                async def release_once_leaving() -> None:
+                    await settled()  # the pool's exit waits for the gate's task
+                    gate.release()
+
+                outer.start_soon(p.apply, common.gate_wait, (0, gate.address))
+                await gate.ready(1)
+                for x in range(3):
+                    outer.start_soon(call, x)
+                await settled()
+                outer.start_soon(release_once_leaving)
+    assert results == {0: (0, 3), 1: (2, 3), 2: (4, 3)}
+
+
+async def test_a_broken_pool_fails_the_open_batch(anyio_backend: object) -> None:
+    """issue 40 (the dispatcher): calls waiting for a worker that will never come (the
+    initializer raises) fail with BrokenPoolError rather than wait forever."""
+    with anyio.fail_after(TIMEOUT):
+        async with pool(initializer=common.pool_init_fail) as p:
+            b = p.batched(funcs.double_all, max_delay=60)
+            for r in await gather(b, [1, 2, 3]):
+                assert isinstance(r, aiomp.BrokenPoolError), r
+
+
 # -- 3. wait_ready ---------------------------------------------------------------------
 
 
