@@ -25,6 +25,9 @@ The parts, and who does what::
 * **Load shedding** (``max_pending``): a full batch is queued only if the pool admits a
   task; otherwise it waits for room and a call that finds no batch to join raises
   :class:`aiomp.PoolOverloadedError` at once.
+* **Stacking** (``stack=True``): the rows are copied once into one array, in shared
+  memory when the batch is at least the wire's inline size (64 KiB), else a plain one
+  that travels in the task's message as any small array does.
 * **Errors.** A batch whose ``fn`` raised (an exception from the worker, with its remote
   traceback) is split in two halves, each run again as a batch of its own, down to
   single rows: only a row that raises on its own fails, in its own caller (bisection:
@@ -55,6 +58,7 @@ import anyio.lowlevel
 
 from .._loop.wakeup import Signal, Wakeup
 from .._process.checks import count
+from .._wire.datagram import MAX_INLINE
 from . import protocol as P
 from .admission import has_room, overload_error, overloaded
 from .engine import CLOSED, CLOSING, OPEN, Engine
@@ -326,7 +330,7 @@ class Batched(Generic[X, R]):
 
     def _encode(self, tid: int, callers: list[_Caller]) -> Any:
         """The task message of ``fn(xs)`` for these callers: with ``stack``, ``xs`` is one
-        array, stacked straight into shared memory (an object-store array on Ray)."""
+        array (see :meth:`_stacked`)."""
         xs: Any = [c.arg for c in callers]
         if self.stack:
             xs = self._stacked(xs)
@@ -335,14 +339,22 @@ class Batched(Generic[X, R]):
     def _stacked(self, rows: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
         from .._arrays.shared import stack
 
-        # Ray's kind (no process wire): its object store takes the array whole.
-        return stack(rows, shared=self._engine.wire is not None)
+        # In shared memory unless the wire would copy it into the message anyway (under
+        # MAX_INLINE, as any small array: a lone call's row costs a copy, not a segment;
+        # docs/decisions/0061) or the kind is Ray's, whose object store takes it whole.
+        big = len(rows) * rows[0].nbytes >= MAX_INLINE
+        return stack(rows, shared=big and self._engine.wire is not None)
 
     # -- outcomes (maybe in a loop callback: only Signals, encodes and submits) --------
     def _done(self, batch: _Batch, task: Task) -> None:
         self._inflight -= 1
+        self._settle(batch, task)
         if not self._inflight and self._wake is not None:
-            self._wake.set()  # the dispatcher may be done
+            # The dispatcher may be done: woken after the callers, so that one calling
+            # again at once finds it still there (one task per busy spell).
+            self._wake.set()
+
+    def _settle(self, batch: _Batch, task: Task) -> None:
         callers = batch.sent
         if not task.ok:
             exc = task.value

@@ -361,9 +361,9 @@ class Pool:
         batch's arguments in arrival order; it returns a sequence of the same length,
         and each caller gets its own element. ``stack=True``: every argument is a numpy
         array of the batch's first shape and dtype (otherwise that call raises
-        ``ValueError`` at once), stacked along a new axis 0 straight into shared memory;
-        ``fn`` gets that one array and returns an array whose axis 0 is the batch size,
-        given back as views.
+        ``ValueError`` at once), stacked along a new axis 0 straight into shared memory
+        (under 64 KiB: into the task's message); ``fn`` gets that one array and returns
+        an array whose axis 0 is the batch size, given back as views.
 
         Errors: a batch whose ``fn`` raises is split in halves that run again, down to
         single rows, so only a row that raises on its own fails, in its own caller, as

@@ -72,12 +72,15 @@ async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: obje
     with anyio.fail_after(TIMEOUT):
         async with aiomp.Pool(1, start_method=FAST) as pool:
             b = pool.batched(funcs.stacked_info, max_batch_size=8, max_delay=0.05, stack=True)
-            xs = [np.full((4, 4), float(i)) for i in range(8)]
+            xs = [np.full((32, 32), float(i)) for i in range(8)]  # 64 KiB in all: shared
             got = await gather(b, xs)
             for i, row in enumerate(got):
                 assert isinstance(row, np.ndarray)
                 assert list(row) == [8.0, 1.0, float(i)]
             assert all(np.shares_memory(got[0].base, r) for r in got)  # views of one
+            small = pool.batched(funcs.stacked_info, max_batch_size=8, stack=True)
+            got = await gather(small, [np.full((4, 4), float(i)) for i in range(8)])
+            assert [list(r) for r in got] == [[8.0, 0.0, float(i)] for i in range(8)]  # inline
             big = pool.batched(funcs.stacked_times_two, max_batch_size=4, stack=True)
             ys = [np.full((128, 128), float(i)) for i in range(4)]
             out = await gather(big, ys)
@@ -88,14 +91,14 @@ async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: obje
             async with anyio.create_task_group() as tg:
 
                 async def opener() -> None:
-                    opened.append(await b(np.zeros((4, 4))))
+                    opened.append(await b(np.zeros((32, 32))))
 
                 # The only worker is busy: the batch stays open.
                 tg.start_soon(pool.apply, common.gate_wait, (0, gate.address))
                 await gate.ready(1)
                 tg.start_soon(opener)
-                await settled()  # the batch is open, its rows (4, 4) float64
-                for bad in (np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1):
+                await settled()  # the batch is open, its rows (32, 32) float64
+                for bad in (np.zeros((3, 4)), np.zeros((32, 32), "f4"), 1):
                     with pytest.raises(ValueError, match="stack=True"):
                         await b(bad)
                 gate.release()
