@@ -20,6 +20,9 @@ Issue 40 adds two rows on the same pool:
 - **A lone call on an idle pool**: one caller, one call at a time, batched against
   ``apply`` (alternating rounds, medians): the batched call must cost no more than
   ``apply`` plus 2 ms (it must not wait ``max_delay`` for company no one brings).
+- **Against the usual executors**: the same 64 callers through a ``ThreadPoolExecutor(2)``
+  and a ``ProcessPoolExecutor(2)`` (``run_in_executor``, one call per row), rounds
+  alternating with batched ones: batched must serve more rows per second than either.
 - **Batch fill under a burst while the workers are busy**: both workers held by a
   0.25 s task while 320 callers (10 full batches' worth) arrive spread over 0.2 s; the
   mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``
@@ -112,6 +115,34 @@ async def burst(pool: object, b: object) -> float:
     return BURST / batches
 
 
+async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[float]]:
+    """Seconds per row of the same callers through a ``ThreadPoolExecutor(2)`` (the model
+    in this process: numpy's matmul releases the GIL) and a ``ProcessPoolExecutor(2)``
+    (one task per row), rounds alternating with ``b``'s."""
+    import asyncio
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+    from benchmarks._targets_serving import load, model_row
+
+    loop = asyncio.get_running_loop()
+    load()  # the threads' copy of the model
+    out: dict[str, list[float]] = {"batched": [], "threads": [], "ppe": []}
+    with ThreadPoolExecutor(2) as tpe, ProcessPoolExecutor(2, initializer=load) as ppe:
+
+        async def one_thread(x: object) -> object:
+            return await loop.run_in_executor(tpe, model_row, x)
+
+        async def one_ppe(x: object) -> object:
+            return await loop.run_in_executor(ppe, model_row, x)
+
+        await round_(one_ppe, 2, [])  # warm-up: both processes up
+        for _ in range(rounds):
+            out["batched"].append(await round_(b, per_caller, []))
+            out["threads"].append(await round_(one_thread, per_caller, []))
+            out["ppe"].append(await round_(one_ppe, per_caller, []))
+    return out
+
+
 async def main() -> None:
     import aiomp
     from benchmarks._targets_serving import batch_compute, load, model, model_row
@@ -138,6 +169,7 @@ async def main() -> None:
             lone_apply.append(await lone(one_apply, c.reps(200, 40)))
             lone_batched.append(await lone(b, c.reps(200, 40)))
         fills = [await burst(pool, b) for _ in range(c.reps(3, 1))]
+        others = await executors(b, rounds, per_caller)
         compute = await pool.apply(batch_compute, (MAX_BATCH, 50))
         stats = pool.statistics()
     a, base = c.median(batched_s), c.median(apply_s)
@@ -185,6 +217,22 @@ async def main() -> None:
             unit="rows",
         ),
     ]
+    again = c.median(others["batched"])
+    for name, what in (
+        ("threads", "ThreadPoolExecutor(2), the model in the parent"),
+        ("ppe", "ProcessPoolExecutor(2), one task per row"),
+    ):
+        t = c.median(others[name])
+        rows.append(
+            c.row(
+                f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)",
+                again,
+                t,
+                what,
+                c.faster(1),
+                f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s",
+            )
+        )
     notes = [
         f"serving: {rounds} alternating rounds per variant of {CALLERS} callers x "
         f"{per_caller} calls; rows/s from the median round; p99 over all "
