@@ -34,13 +34,10 @@ def check_env(env: object, where: str = "env") -> dict[str, str]:
         raise TypeError(f"{where} must be a dict of str to str, not {type(env).__name__}")
     out = {}
     for k, v in env.items():
-        if not isinstance(k, str):
+        if not isinstance(k, str) or not isinstance(v, str):
             raise TypeError(
-                f"{where} must map str to str: its key {k!r} is of type {type(k).__name__}"
-            )
-        if not isinstance(v, str):
-            raise TypeError(
-                f"{where} must map str to str: {where}[{k!r}] is {v!r}, of type {type(v).__name__}"
+                f"{where} must map str to str: {k!r}: {v!r} is "
+                f"{type(k).__name__}: {type(v).__name__}"
             )
         out[k] = v
     return out

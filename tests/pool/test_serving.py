@@ -312,10 +312,3 @@ async def test_a_batcher_made_again_warns(anyio_backend: object) -> None:
             assert await first(1) == (2, 1) and await second(2) == (4, 1)
             p.batched(funcs.double_all, max_batch_size=4)  # other settings: fine
 
-
-def test_env_type_error_names_the_key_and_the_type() -> None:
-    """issue 40 item 7: the env= TypeError read "'A': None is str: NoneType"."""
-    with pytest.raises(TypeError, match=r"env\['A'\] is None, of type NoneType$"):
-        aiomp.Pool(1, env={"A": None})  # type: ignore[dict-item]
-    with pytest.raises(TypeError, match=r"its key 1 is of type int$"):
-        aiomp.Pool(1, env={1: "x"})  # type: ignore[dict-item]
