@@ -158,6 +158,17 @@ def _publish_tree() -> None:
 _lifecycle.on_start_check(_publish_tree)
 
 
+def _sweep_once() -> None:
+    """Before the first start of a child: the root of a tree sweeps what dead trees left
+    under ``/dev/shm`` (once per process)."""
+    from ._memory import janitor
+
+    janitor.sweep_once()
+
+
+_lifecycle.on_start_check(_sweep_once)
+
+
 def _sweep_names() -> None:
     """After a child exited abnormally: remove the ``/dev/shm`` names it left that nobody
     can need any more (the janitor), whether or not this process made a segment itself."""

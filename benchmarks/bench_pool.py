@@ -15,7 +15,7 @@ Rows marked ``info`` bound those targets: apply's CPU per round trip (parent + w
 against the floor's (parent + echo child), and a compute floor for map, the calls and the
 pickling of their results timed inside one worker, against ``multiprocessing.Pool.map``.
 
-The targets are DESIGN.md section 4's second round (issue 17); the first round's were 1.5x
+The targets are docs/design.md section 4's second round (issue 17); the first round's were 1.5x
 and 2x.
 
 Imports are absolute: anyio's worker re-runs this file (``runpy.run_path``) as

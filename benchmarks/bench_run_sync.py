@@ -1,6 +1,6 @@
 """``aiomp.run_sync``: one trivial call, warm and first, against anyio and trio-parallel.
 
-Run as ``python -m benchmarks.bench_run_sync``. Targets (DESIGN.md section 4, issue 29):
+Run as ``python -m benchmarks.bench_run_sync``. Targets (docs/design.md section 4, issue 29):
 
 - warm: ``await aiomp.run_sync(trivial)`` at least 1.3x faster than
   ``anyio.to_process.run_sync(trivial)`` on asyncio, and than

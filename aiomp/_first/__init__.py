@@ -1,1 +1,1 @@
-"""First contact: ``aiomp.run_sync``, a default pool per event loop (DESIGN, First contact)."""
+"""First contact: ``aiomp.run_sync``, a default pool per event loop (docs/design.md, "First contact")."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -156,4 +157,6 @@ def _end_at_exit() -> None:
 
 
 atexit.register(_end_at_exit)
+# A fork of this process has no default pool: its parent's workers are not its own.
+os.register_at_fork(after_in_child=_pools.clear)
 run_sync.__module__ = "aiomp"

@@ -14,8 +14,9 @@ in. A name is removed once
 
 The test and the unlink happen under the header's lock, so whichever of the creator
 letting go and the last holder releasing comes second removes the name. The janitor
-runs when the root of a tree makes its first segment (sweeping what dead trees left),
-after a child exits abnormally, and when the root exits with no child left.
+runs when the root of a tree first starts anything of aiomp's (a child, a queue, a
+segment: sweeping what dead trees left), after a child exits abnormally, and when the
+root exits with no child left.
 
 A *child* module.
 """
@@ -54,6 +55,7 @@ def _creator(name: str) -> int:
 
 _me = [os.getpid(), start_time(os.getpid()) or 0]  # read up front: no fd needed later
 _started = False
+_swept = False
 
 
 def header_identity() -> bytes:
@@ -80,9 +82,21 @@ def first_segment() -> None:
     if _started:
         return
     _started = True
+    sweep_once()
     if _tree.is_root():
-        janitor()
         _lifecycle.first_segment()
+
+
+def sweep_once() -> None:
+    """This process's first aiomp start of any kind (a child, a queue, a segment): the
+    root of a tree sweeps what dead trees left, once. A program that only spawns or
+    pools after a SIGKILLed one left names behind removes them too. Costs a listing of
+    ``/dev/shm`` (and a look at each ``aiomp-`` name), once per process."""
+    global _swept
+    if not _swept:
+        _swept = True
+        if _tree.is_root():
+            sweep()
 
 
 def _field(header: bytes, at: int, size: int) -> int:
@@ -220,8 +234,8 @@ def _tree_is_ending() -> bool:
 
 def _after_fork_in_child() -> None:
     """A forked child is not its tree's root, and the root has swept already."""
-    global _started
-    _started = True
+    global _started, _swept
+    _started = _swept = True
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -71,7 +71,7 @@ async def _wait(
         with anyio.CancelScope(shield=True):
             killed = await engine.abandon(tasks, timeout)
         error = TimeoutError(f"{tasks[0].name} did not finish within {timeout} s")
-        for handle in killed:  # where it hung (DESIGN.md "Worker health")
+        for handle in killed:  # where it hung (docs/design.md, "Worker health")
             if note := stack_note(handle):
                 error.add_note(note)
         raise error

@@ -11,6 +11,7 @@ names; :class:`aiomp.Pool` is the façade over it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -150,11 +151,13 @@ class Engine:
                     await anyio.lowlevel.checkpoint()
                 self._start(slot)
             self._supervisor = anyio.CancelScope()
-            tg.start_soon(self._supervise)
+            # (Kept by _started, as the watchers are: a loop that ends now, as the first
+            # run_sync call starts the pool, would otherwise never start their coroutines.)
+            self._started.start_soon(tg, self._supervise)
             watch = self.kind.watch()
             if watch is not None:
                 self._watch = anyio.CancelScope()
-                tg.start_soon(self._run_watch, watch)
+                self._started.start_soon(tg, functools.partial(self._run_watch, watch))
         except BaseException as exc:
             await self.shutdown(graceful=False)
             await self._stop_host(host, exc)

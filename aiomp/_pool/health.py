@@ -1,5 +1,5 @@
 """Worker health: where a killed worker was, whether the OOM killer killed it, and how
-much private memory it has grown (DESIGN.md "Worker health").
+much private memory it has grown (docs/design.md, "Worker health").
 
 Both sides of it, standard library only (every worker imports this module):
 

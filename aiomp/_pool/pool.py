@@ -393,6 +393,7 @@ def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]
     pool = Pool.__new__(Pool)
     engine = Engine(kind, processes, 1, None, 5.0, first_alone=True)
     attach(pool, engine)
+    pool._site = None  # aiomp's own pool: its loop may end before it is entered
     return pool, engine
 
 

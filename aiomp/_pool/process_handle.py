@@ -192,7 +192,10 @@ class ProcessHandle(Handle):
         return True
 
     def send_control(self, frame: bytes, fds: list[int] | None = None) -> None:
-        """Send a control frame (INIT, CANCEL, EXIT); dropped if the worker has gone."""
+        """Send a control frame (INIT, CANCEL, EXIT); dropped if the worker has gone, or
+        is not this process's (a fork of the pool's process: the worker is its parent's)."""
+        if self.child.disowned:
+            return
         self._push(frame if fds is None else (frame, fds), frame, fds)
 
     def send_exit(self) -> None:

@@ -88,6 +88,9 @@ class Child:
         #: where every wait on its exit goes (its spawn's, or one of its own)
         self.exits = FdSet() if exits is None else exits
         self.sent_term = self.sent_kill = False  # each signal is sent (and logged) once
+        #: This process is a fork of the one that started the child: the child is not
+        #: ours (see :func:`_disown_in_fork`).
+        self.disowned = False
         _running.add(self)
         _groups.register(self.pid, self.pidfd)  # for the keeper, should we die first
         self.exits.add(self.exit_fd, EXIT_EVENTS, self._exit_ready)
@@ -99,7 +102,8 @@ class Child:
 
     @property
     def exited(self) -> bool:
-        return self.exitcode is not None
+        """Whether it has exited, or is gone for this process (a fork of its parent)."""
+        return self.exitcode is not None or self.disowned
 
     def finished(self) -> bool:
         return False
@@ -112,8 +116,11 @@ class Child:
         its process group: every path that learns of an exit comes here); never waits.
 
         ``ready``: the caller has just seen :attr:`exit_fd` readable, so the child has
-        exited: it is reaped without asking first (one syscall less per exit).
+        exited: it is reaped without asking first (one syscall less per exit). A child
+        :attr:`disowned` by a fork counts as gone in the fork: it is its parent's to reap.
         """
+        if self.disowned:
+            return True
         if self.exitcode is None:
             code = self._server_status(ready) if self._via_server else self._reap(ready)
             if code is not None:
@@ -179,8 +186,8 @@ class Child:
         return code
 
     async def wait_exit(self) -> None:
-        """Wait until the child has exited and been reaped. Cancellation leaves it as it
-        was."""
+        """Wait until the child has exited and been reaped (at once in a fork of its
+        parent: it is not ours to wait for). Cancellation leaves it as it was."""
         if not self.poll_exit():
             await self.exits.wait(self._reaped)
 
@@ -195,7 +202,7 @@ class Child:
         is not made yet (it is still starting). A SIGKILL also goes to the child itself,
         in case it has left its group.
         """
-        if self.exitcode is None and self.pidfd >= 0:
+        if self.exitcode is None and self.pidfd >= 0 and not self.disowned:
             grouped = _groups.signal_group(self.pidfd, self.pid, sig, self._unreaped())
             if not grouped or sig == signal.SIGKILL:
                 try:
@@ -255,6 +262,20 @@ class Child:
 _running: set[Child] = set()
 
 
+def _disown_in_fork() -> None:
+    """A fork of this process (a user's ``os.fork``, a child started by ``fork``) owns
+    none of its parent's children: each counts as gone here, so that nothing in the fork
+    signals, waits for, joins or reaps them (its exit hooks, a pool or spawn unwinding
+    in it). Their pidfds and exit fds are left open, never closed or unregistered: an
+    epoll set the fork shares with the parent must keep watching them there.
+    multiprocessing's own list of children is the parent's too (its exit hook would
+    join them: "can only join a child process")."""
+    for c in _running:
+        c.disowned = True
+        mp_private.forget_child(c.process)
+    _running.clear()
+
+
 def _kill_at_exit() -> None:
     """At interpreter exit, SIGKILL and reap the children still running.
 
@@ -278,6 +299,7 @@ def _kill_at_exit() -> None:
 def kill_and_reap(children: list[Child], why: str = "", quiet: bool = False) -> None:
     """SIGKILL ``children`` (:meth:`Child.kill`) and join them, :data:`KILL_TIMEOUT` for
     them all: for exit hooks, where no loop runs."""
+    children = [c for c in children if not c.disowned]
     for c in children:
         c.kill(why, quiet)
     deadline = time.monotonic() + KILL_TIMEOUT
@@ -287,3 +309,4 @@ def kill_and_reap(children: list[Child], why: str = "", quiet: bool = False) -> 
 
 multiprocessing.util  # noqa: B018 - imported above so that its exit hook is registered first
 atexit.register(_kill_at_exit)
+os.register_at_fork(after_in_child=_disown_in_fork)

@@ -27,17 +27,34 @@ Env = Mapping[str, str] | Callable[[int], Mapping[str, str]] | None
 _RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=4096)
 
 
+#: The longest ``NAME=value`` string (its NUL included) that ``execve`` takes: Linux's
+#: ``MAX_ARG_STRLEN``, 32 pages. A longer one fails the exec with E2BIG.
+MAX_ENV_STRING = 32 * 4096
+
+
 def check_env(env: object, where: str = "env") -> dict[str, str]:
-    """``env`` as a plain dict, or ``TypeError`` naming the first key or value that is
-    not a str."""
+    """``env`` as a plain dict, checked as ``execve`` and ``os.environ`` will take it:
+    ``TypeError`` naming the first key or value that is not a str, ``ValueError`` naming
+    a name that cannot be a variable's (empty, ``=`` or NUL in it), a NUL in a value, or a
+    variable longer than exec takes (E2BIG)."""
     if not isinstance(env, Mapping):
         raise TypeError(f"{where} must be a dict of str to str, not {type(env).__name__}")
     out = {}
     for k, v in env.items():
-        if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(
-                f"{where} must map str to str: {k!r}: {v!r} is "
-                f"{type(k).__name__}: {type(v).__name__}"
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: the key {k!r} is a {type(k).__name__}, not a str")
+        if not isinstance(v, str):
+            raise TypeError(f"{where}[{k!r}] is a {type(v).__name__}, not a str: {v!r:.80}")
+        if not k or "=" in k or "\0" in k:
+            raise ValueError(f"{where}: {k!r} cannot name an environment variable")
+        if "\0" in v:
+            raise ValueError(f"{where}[{k!r}] holds a NUL character, which exec cannot pass")
+        size = len(os.fsencode(k)) + len(os.fsencode(v)) + 2
+        if size > MAX_ENV_STRING:
+            raise ValueError(
+                f"{where}[{k!r}] is {size} bytes as NAME=value, over the "
+                f"{MAX_ENV_STRING} bytes exec takes for one variable (E2BIG): pass "
+                "large data as an argument or in a file instead"
             )
         out[k] = v
     return out

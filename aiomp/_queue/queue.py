@@ -44,6 +44,7 @@ from .._errors import QueueClosed
 from .._loop import readers as _readers
 from .._loop.finalizers import finalizer
 from .._loop.waiters import FdWaiters
+from .._memory import janitor as _janitor
 from .._wire import datagram as _datagram
 from .._wire import pickling as _pickling
 from . import overflow as _overflow
@@ -91,6 +92,7 @@ class Queue(QueueCore):
 
     def __init__(self, maxsize: int = 0) -> None:
         maxsize = max(0, int(maxsize))
+        _janitor.sweep_once()  # (a tree's first queue: what dead trees left goes)
         send, recv = _datagram.socketpair()
         fds: list[int] = []
         try:

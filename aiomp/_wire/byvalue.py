@@ -1,4 +1,4 @@
-"""Functions and classes a child cannot import by name travel by value (DESIGN R13).
+"""Functions and classes a child cannot import by name travel by value (docs/design.md, R13).
 
 A lambda, a closure, a local function or class, or one typed into a notebook, a REPL,
 ``python -c`` or ``python -`` (an interactive ``__main__``, which no child can import)

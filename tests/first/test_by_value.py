@@ -1,4 +1,4 @@
-"""Functions children cannot import by name travel by value (issue 29, DESIGN R13).
+"""Functions children cannot import by name travel by value (issue 29, docs/design.md R13).
 
 Lambdas, closures and local classes' methods, for ``spawn`` and ``Pool`` under every start
 method; functions typed into ``python -c``, ``python -`` and a notebook-like ``__main__``

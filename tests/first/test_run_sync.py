@@ -279,6 +279,57 @@ def test_the_end_of_a_run_stops_its_default_pool_at_once_and_quietly(
     assert float(proc.stdout) < 2.5  # seconds from main's return to the run's end
 
 
+_IN_FLIGHT = """
+import asyncio, sys, time
+import anyio.lowlevel
+import aiomp
+
+def hang():
+    time.sleep(600)
+
+async def turns(n):
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()
+
+async def main(n):
+    asyncio.get_running_loop().create_task(aiomp.run_sync(hang))
+    await turns(n)
+
+async def trio_main(n):
+    import trio
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(aiomp.run_sync, hang)
+        await turns(n)
+        nursery.cancel_scope.cancel()
+
+if __name__ == "__main__":
+    runner, n = sys.argv[1], int(sys.argv[2])
+    if runner == "trio":
+        import trio
+        trio.run(trio_main, n)
+    elif runner == "uvloop":
+        import uvloop
+        uvloop.run(main(n))
+    else:
+        asyncio.run(main(n))
+    print("ended")
+"""
+
+
+@pytest.mark.parametrize("turns", [0, 1, 2, 3, 4, 6])
+@pytest.mark.parametrize("runner", ["asyncio", "uvloop", "trio"])
+def test_a_call_in_flight_when_the_loop_ends_is_cancelled_quietly(runner: str, turns: int) -> None:
+    """Regression (issue 38, item 7): with the default pool's first call still running
+    when ``main`` returns, the loop's end warned "coroutine 'Engine._supervise' was never
+    awaited" (after 3 turns on asyncio, 2 on uvloop: the supervisor's task was made and
+    cancelled before its first step), and after 0 turns "Exception ignored in
+    Pool.__del__" at exit (the default pool was taken for a user's pool never entered).
+    The call is cancelled and its worker stopped: the program ends although the call
+    would run for ten minutes, and prints nothing else."""
+    proc = run_python("-c", _IN_FLIGHT, runner, str(turns), timeout=TIMEOUT)
+    assert (proc.stdout, proc.stderr) == ("ended\n", "")
+
+
 _LAUNCH_ORDER = """
 import asyncio, os, sys
 import multiprocessing.util as mp_util

@@ -1311,12 +1311,38 @@ def _killed_tree() -> set[str]:
     return names & shm_names()
 
 
-def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
+#: The next program's first start, of each kind.
+_NEXT_START = {
+    "segment": "aiomp.set_sharing_strategy('file_system'); aiomp.zeros(1)",
+    "queue": "aiomp.Queue()",
+    "spawn": "async with aiomp.spawn(funcs.return_none, 1):\n        pass",
+    "pool": "async with aiomp.Pool(1) as pool:\n        await pool.apply(os.getpid)",
+}
+_NEXT_ASYNC = textwrap.dedent("""
+    import os
+    import anyio
+    import aiomp
+    from tests.children import common as funcs
+
+    async def main():
+        {}
+
+    if __name__ == "__main__":
+        anyio.run(main)
+""")
+
+
+@pytest.mark.parametrize("start", list(_NEXT_START))
+def test_a_sigkilled_tree_is_swept_by_the_next_start(start: str) -> None:
     """Regression (issue 9 item 1c): after a parent was SIGKILLed, the next aiomp start
     cleaned 0 names, and so did janitor(): names named by unread messages were kept for
     60 s. Nothing is in flight once no live process can hold the queue: the tree is gone.
 
-    Any aiomp process's first segment sweeps dead trees, a concurrent test's child
+    Regression (issue 38, item 9): only the next tree's first shared segment swept; a
+    program that only spawns, pools or makes a queue never removed them. Any aiomp start
+    sweeps now.
+
+    Any aiomp process's first start sweeps dead trees, a concurrent test's child
     included: a tree swept before this test's own next start is made again (three tries).
     """
     for _ in range(3):
@@ -1324,19 +1350,12 @@ def test_a_sigkilled_tree_is_swept_by_the_next_start() -> None:
         if names:
             break
     assert names, "the dead tree's names were swept by others three times in a row"
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import aiomp; aiomp.set_sharing_strategy('file_system'); aiomp.zeros(1)",
-        ],
-        cwd=REPO,
-        check=True,
-        timeout=60,
-    )
+    code = _NEXT_START[start]
+    script = _NEXT_ASYNC.format(code) if "async" in code else "import aiomp\n" + code
+    assert run_python("-c", script).stderr == ""
     left = names & shm_names()
     _janitor.janitor()
-    assert not left, "the next start's first segment swept the dead tree's names"
+    assert not left, f"the next program's first {start} swept the dead tree's names"
 
 
 _TREE_OF_A_CHILD = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""A user's mypy catches misuse of the public API: ``tests/typing_user.py`` under ``--strict``.
+"""A user's mypy catches misuse of the public API: ``tests/meta/typing_user.py`` under ``--strict``.
 
 ``apply``/``map`` are generic in the function's return type, and a wrong argument (a
 non-tuple ``args``, an ``nprocs`` that is not an int) is an error in the user's editor,

@@ -1,4 +1,4 @@
-"""A user's code, type-checked (never run) by tests/test_typing.py.
+"""A user's code, type-checked (never run) by tests/meta/test_typing.py.
 
 Each ``# reveal:`` comment is the type mypy must reveal on that line; each ``# error:``
 comment the error code mypy must report there. No other line may have an error.

@@ -1,4 +1,4 @@
-"""``pool.batched`` (DESIGN "Serving: dynamic batching"; issue 28): batches form and
+"""``pool.batched`` (docs/design.md "Serving: dynamic batching"; issue 28): batches form and
 respect ``max_batch_size``, every caller gets its own element, ``stack=True`` travels as
 one shared-memory array, and each fault does what the contract says.
 

@@ -1,4 +1,4 @@
-"""Worker health (DESIGN.md "Worker health", issue 30): a hang says where it hung, an
+"""Worker health (docs/design.md "Worker health", issue 30): a hang says where it hung, an
 OOM kill says so, and a worker whose private memory keeps growing is retired.
 
 The timeout and cancellation tests run on asyncio, uvloop and trio; the memory ones on

@@ -1,4 +1,4 @@
-"""Who am I and placement in the Pool (DESIGN "Who am I", "Placement"; issue 28):
+"""Who am I and placement in the Pool (docs/design.md "Who am I", "Placement"; issue 28):
 ``aiomp.get_worker_info()`` in workers, ``env=`` per slot, given again to a replacement.
 
 On asyncio, uvloop and trio; every await bounded by ``anyio.fail_after``.
@@ -6,6 +6,7 @@ On asyncio, uvloop and trio; every await bounded by ``anyio.fail_after``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -120,3 +121,37 @@ async def test_env_not_str_is_type_error(anyio_backend: object, env: object) -> 
     with anyio.fail_after(TIMEOUT), pytest.raises(TypeError, match=r"env.*str"):
         async with aiomp.Pool(1, start_method="forkserver", env=env) as pool:  # type: ignore[arg-type]
             await pool.apply(funcs.environ)
+
+
+_BIG = "x" * (128 * 1024)
+
+
+@pytest.mark.parametrize(
+    ("env", "error", "match"),
+    [
+        ({"BIG": _BIG}, ValueError, r"env\['BIG'\] is 131077 bytes .*E2BIG"),
+        (lambda i: {"BIG": _BIG} if i else {}, ValueError, r"env\(1\)\['BIG'\].*E2BIG"),
+        ({"A=B": "x"}, ValueError, r"'A=B' cannot name an environment variable"),
+        ({"": "x"}, ValueError, r"'' cannot name"),
+        ({"A": "x\0y"}, ValueError, r"env\['A'\] holds a NUL"),
+        ({"A": None}, TypeError, r"env\['A'\] is a NoneType, not a str"),
+        ({1: "x"}, TypeError, r"the key 1 is a int, not a str"),
+    ],
+    ids=["e2big", "e2big-callable", "equals", "empty", "nul", "value-type", "key-type"],
+)
+def test_env_exec_cannot_take_is_refused_at_the_call(
+    env: object, error: type[Exception], match: str
+) -> None:
+    """Regression (issue 38, item 8): an env value over exec's 128 KiB string limit gave
+    ``BrokenPoolError ... exit code 255`` after three anonymous start-up deaths. Every
+    variable exec cannot take is refused at the call, before any start, naming it (and
+    E2BIG); a non-str key or value names the key and its type plainly (issue 40, item 7:
+    the message read "'A': None is str: NoneType")."""
+    with pytest.raises(error, match=match):
+        aiomp.Pool(2, env=env)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        asyncio.run(_spawn_with(env))
+
+
+async def _spawn_with(env: object) -> None:
+    await aiomp.spawn(funcs.environ, 2, env=env)  # type: ignore[arg-type]

@@ -1225,7 +1225,7 @@ CONSUMER_STEPS = [("consumer: record read", True), ("consumer: committed", False
 @pytest.mark.anyio
 @pytest.mark.parametrize(("step", "kept"), PRODUCER_STEPS)
 async def test_a_producer_killed_at_any_step_of_an_overflow_put(step: str, kept: bool) -> None:
-    """The argument in aiomp/_overflow.py, step by step: a producer SIGKILLed inside an
+    """The argument in aiomp/_queue/overflow.py, step by step: a producer SIGKILLed inside an
     overflow put (with an fd to park) leaves the item either wholly in the queue or not
     at all, and the queue works on (its robust mutex recovered)."""
     q = aiomp.Queue()

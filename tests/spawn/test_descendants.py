@@ -452,7 +452,7 @@ _SUBREAPER = textwrap.dedent("""
         keepers = [
             state
             for state, name, command in children()
-            if name == "aiomp-keeper" or "aiomp/_groups.py" in command
+            if name == "aiomp-keeper" or "aiomp/_process/groups.py" in command
         ]
         print("zombie keepers:", keepers.count("Z"), "keepers:", len(keepers))
 

@@ -1,4 +1,4 @@
-"""Who am I and placement in spawn (DESIGN "Who am I", "Placement"; issue 28):
+"""Who am I and placement in spawn (docs/design.md "Who am I", "Placement"; issue 28):
 ``get_worker_info()`` in children, ``env=`` per rank, and torchrun's ``rendezvous=True``.
 
 On asyncio, uvloop and trio; every await bounded by ``anyio.fail_after``.
