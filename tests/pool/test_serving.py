@@ -311,4 +311,3 @@ async def test_a_batcher_made_again_warns(anyio_backend: object) -> None:
                 second = p.batched(funcs.double_all)
             assert await first(1) == (2, 1) and await second(2) == (4, 1)
             p.batched(funcs.double_all, max_batch_size=4)  # other settings: fine
-
