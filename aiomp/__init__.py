@@ -44,6 +44,7 @@ __all__ = (
     "Event",
     "Full",
     "Pool",
+    "PoolOverloadedError",
     "PoolStatistics",
     "ProcessContext",
     "ProcessException",
@@ -73,6 +74,7 @@ _WHERE = {
     "run_sync": "_first.default",
     "BrokenPoolError": "_errors",
     "BrokenWorkerError": "_errors",
+    "PoolOverloadedError": "_errors",
     "ProcessException": "_errors",
     "ProcessExitedException": "_errors",
     "ProcessRaisedException": "_errors",
@@ -113,6 +115,7 @@ if TYPE_CHECKING:
     from ._data.loader import DataLoader as DataLoader
     from ._errors import BrokenPoolError as BrokenPoolError
     from ._errors import BrokenWorkerError as BrokenWorkerError
+    from ._errors import PoolOverloadedError as PoolOverloadedError
     from ._errors import ProcessException as ProcessException
     from ._errors import ProcessExitedException as ProcessExitedException
     from ._errors import ProcessRaisedException as ProcessRaisedException

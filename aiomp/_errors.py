@@ -9,6 +9,7 @@
      |    +-- BrokenWorkerError         a Pool worker died while it held the task
      +-- RuntimeError
      |    +-- BrokenPoolError           the Pool can run no more tasks (not a task's failure)
+     |    +-- PoolOverloadedError       a Pool call refused at once: max_pending tasks wait
      |    +-- aiomp.cuda.CudaIpcError   a CuPy array could not be sent (put) or received (get)
      |         +-- aiomp.cuda.IpcLimitError  too many sent CUDA blocks still held (put)
      +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
@@ -34,6 +35,7 @@ __all__ = (
     "BrokenWorkerError",
     "CudaIpcError",
     "IpcLimitError",
+    "PoolOverloadedError",
     "ProcessException",
     "ProcessExitedException",
     "ProcessRaisedException",
@@ -139,6 +141,24 @@ class BrokenPoolError(RuntimeError):
     __reduce__ = _rebuilt
 
 
+class PoolOverloadedError(RuntimeError):
+    """A call on a :class:`aiomp.Pool` made with ``max_pending=N`` was refused at once: it
+    would have been the (N+1)-th task not started yet (load shedding).
+
+    Raised by the call itself, before anything is sent: nothing of it runs. A service
+    answers 503; calls are accepted again as the queue drains. ``max_pending`` is the
+    pool's limit. A ``pool.batched`` caller gets it when the batch it would join is full
+    and cannot be queued (one closed batch is one task).
+    """
+
+    def __init__(self, msg: str, max_pending: int = 0) -> None:
+        super().__init__(msg)
+        self.msg = msg
+        self.max_pending = max_pending
+
+    __reduce__ = _rebuilt
+
+
 class QueueClosed(Exception):
     """The queue was closed: no more items can be put, and a drained queue yields none."""
 
@@ -184,6 +204,7 @@ IpcLimitError.__module__ = "aiomp.cuda"
 for _cls in (
     BrokenPoolError,
     BrokenWorkerError,
+    PoolOverloadedError,
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,

@@ -156,6 +156,11 @@ def faster(x: float = 1.0) -> dict[str, Any]:
     return {"max": 1.0 / x, "strict": False, "text": f"<= {1 / x:.3g}x ({x:g}x faster)"}
 
 
+def at_least(x: float) -> dict[str, Any]:
+    """Target: aiomp's figure is at least ``x`` times the baseline's (a count: rows)."""
+    return {"min": x, "text": f">= {x:g}x"}
+
+
 def under(budget: float) -> dict[str, Any]:
     """Target: an absolute budget; pass ``budget`` as the row's baseline too."""
     return {"max": 1.0, "strict": True, "text": f"< {fmt_time(budget)}"}
@@ -168,13 +173,17 @@ def row(
     baseline_name: str,
     target: dict[str, Any] | None = None,
     note: str = "",
+    unit: str = "s",
 ) -> dict[str, Any]:
-    """One result: medians in seconds (None: not measured, ``note`` says why)."""
+    """One result: medians in seconds, or counts of ``unit`` (None: not measured,
+    ``note`` says why)."""
     ratio = aiomp / baseline if aiomp is not None and baseline else None
     if target is None:
         status = "info"
     elif ratio is None:
         status = "skip"
+    elif "min" in target:
+        status = "pass" if ratio >= target["min"] else "FAIL"
     else:
         ok = ratio < target["max"] if target["strict"] else ratio <= target["max"]
         status = "pass" if ok else "FAIL"
@@ -187,6 +196,7 @@ def row(
         "target": target["text"] if target else "",
         "status": status,
         "note": note,
+        "unit": unit,
     }
 
 
@@ -200,17 +210,25 @@ def fmt_time(s: float | None) -> str:
     return f"{s * 1e6:.1f} µs"
 
 
+def fmt_value(x: float | None, unit: str) -> str:
+    """A row's figure: a time (``unit`` "s"), or a count of ``unit``."""
+    if unit == "s":
+        return fmt_time(x)
+    return "—" if x is None else f"{x:.1f} {unit}"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = "| measurement | aiomp | baseline | ratio (aiomp/baseline) | target | result |"
     lines = [head, "|---|---:|---|---:|---|---|"]
     for r in rows:
-        base = f"{fmt_time(r['baseline'])} ({r['baseline_name']})"
+        unit = r.get("unit", "s")
+        base = f"{fmt_value(r['baseline'], unit)} ({r['baseline_name']})"
         ratio = "—" if r["ratio"] is None else f"{r['ratio']:.3g}x"
         status = r["status"]
         if r["note"]:
             status = f"{status}: {r['note']}"
         lines.append(
-            f"| {r['measurement']} | {fmt_time(r['aiomp'])} | {base} | {ratio} "
+            f"| {r['measurement']} | {fmt_value(r['aiomp'], unit)} | {base} | {ratio} "
             f"| {r['target'] or '—'} | {status} |"
         )
     return "\n".join(lines)

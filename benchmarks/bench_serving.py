@@ -14,6 +14,22 @@ Targets: batched serves at least 5x the rows per second of apply, and its p99 la
 compute (the model on 32 rows, timed inside a worker). Rounds alternate between the two
 so that load from the machine's other users lands on both alike; rows/s is the median
 round's, the p99 over every batched call of the run.
+
+Issue 40 adds two rows on the same pool:
+
+- **A lone call on an idle pool**: one caller, one call at a time, batched against
+  ``apply`` (alternating rounds, medians): the batched call must cost no more than
+  ``apply`` plus 2 ms (it must not wait ``max_delay`` for company no one brings).
+- **Against the usual executors**: the same 64 callers through a ``ThreadPoolExecutor(2)``
+  and a ``ProcessPoolExecutor(2)`` (``run_in_executor``, one call per row), rounds
+  alternating with batched ones: batched must serve more rows per second than the
+  process pool. The threads are a reference only: this model is one small matmul that
+  releases the GIL, which threads run with no inter-process cost at all; a model that
+  holds the GIL, or may crash the process, is what a process pool is for.
+- **Batch fill under a burst while the workers are busy**: both workers held by a
+  0.25 s task while 320 callers (10 full batches' worth) arrive spread over 0.2 s; the
+  mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``
+  (before: batches closed every ``max_delay``, about 8 rows each at this rate).
 """
 
 from __future__ import annotations
@@ -22,11 +38,18 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool is the parallelism
 
+import anyio.lowlevel
+
 from benchmarks import _common as c
 
 CALLERS = 64
 MAX_BATCH = 32
 MAX_DELAY = 0.005
+#: The burst: callers, the seconds over which they arrive, and how long the workers are
+#: busy (longer: every call arrives while they are).
+BURST, BURST_OVER, BUSY = 10 * MAX_BATCH, 0.2, 0.25
+#: How much a lone batched call may cost over apply's.
+LONE_SLACK = 0.002
 
 
 async def round_(call: object, per_caller: int, latencies: list[float]) -> float:
@@ -53,6 +76,76 @@ async def round_(call: object, per_caller: int, latencies: list[float]) -> float
     return (c.now() - t0) / (CALLERS * per_caller)
 
 
+async def lone(call: object, n: int) -> float:
+    """Median seconds of ``n`` calls made one at a time by one caller."""
+    import numpy as np
+
+    from benchmarks._targets_serving import DIM
+
+    x = np.random.default_rng(2).standard_normal(DIM).astype(np.float32)
+    times = []
+    for _ in range(n):
+        t0 = c.now()
+        await call(x)  # type: ignore[operator]
+        times.append(c.now() - t0)
+    return c.median(times)
+
+
+async def burst(pool: object, b: object) -> float:
+    """Mean rows per batch of a burst of ``BURST`` calls arriving over ``BURST_OVER``
+    seconds while both workers are busy for ``BUSY`` seconds."""
+    import time
+
+    import anyio
+    import numpy as np
+
+    from benchmarks._targets_serving import DIM
+
+    rows = np.random.default_rng(3).standard_normal((BURST, DIM)).astype(np.float32)
+    before = pool.statistics().completed  # type: ignore[attr-defined]
+
+    async def caller(i: int) -> None:
+        await anyio.sleep(i * BURST_OVER / BURST)
+        await b(rows[i])  # type: ignore[operator]
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(2):  # both workers busy
+            tg.start_soon(pool.apply, time.sleep, (BUSY,))  # type: ignore[attr-defined]
+        await anyio.lowlevel.checkpoint()
+        for i in range(BURST):
+            tg.start_soon(caller, i)
+    batches = pool.statistics().completed - before - 2  # type: ignore[attr-defined]
+    return BURST / batches
+
+
+async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[float]]:
+    """Seconds per row of the same callers through a ``ThreadPoolExecutor(2)`` (the model
+    in this process: numpy's matmul releases the GIL) and a ``ProcessPoolExecutor(2)``
+    (one task per row), rounds alternating with ``b``'s."""
+    import asyncio
+    from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+    from benchmarks._targets_serving import load, model_row
+
+    loop = asyncio.get_running_loop()
+    load()  # the threads' copy of the model
+    out: dict[str, list[float]] = {"batched": [], "threads": [], "ppe": []}
+    with ThreadPoolExecutor(2) as tpe, ProcessPoolExecutor(2, initializer=load) as ppe:
+
+        async def one_thread(x: object) -> object:
+            return await loop.run_in_executor(tpe, model_row, x)
+
+        async def one_ppe(x: object) -> object:
+            return await loop.run_in_executor(ppe, model_row, x)
+
+        await round_(one_ppe, 2, [])  # warm-up: both processes up
+        for _ in range(rounds):
+            out["batched"].append(await round_(b, per_caller, []))
+            out["threads"].append(await round_(one_thread, per_caller, []))
+            out["ppe"].append(await round_(one_ppe, per_caller, []))
+    return out
+
+
 async def main() -> None:
     import aiomp
     from benchmarks._targets_serving import batch_compute, load, model, model_row
@@ -73,6 +166,13 @@ async def main() -> None:
         for _ in range(rounds):
             apply_s.append(await round_(one_apply, per_caller, lat_apply))
             batched_s.append(await round_(b, per_caller, lat_batched))
+        lone_apply: list[float] = []
+        lone_batched: list[float] = []
+        for _ in range(rounds):
+            lone_apply.append(await lone(one_apply, c.reps(200, 40)))
+            lone_batched.append(await lone(b, c.reps(200, 40)))
+        fills = [await burst(pool, b) for _ in range(c.reps(3, 1))]
+        others = await executors(b, rounds, per_caller)
         compute = await pool.apply(batch_compute, (MAX_BATCH, 50))
         stats = pool.statistics()
     a, base = c.median(batched_s), c.median(apply_s)
@@ -81,6 +181,8 @@ async def main() -> None:
     p99 = lat_batched[int(0.99 * (len(lat_batched) - 1))]
     p99_apply = lat_apply[int(0.99 * (len(lat_apply) - 1))]
     budget = MAX_DELAY + 2 * compute
+    alone, alone_apply = c.median(lone_batched), c.median(lone_apply)
+    fill = c.median(fills)
     rows = [
         c.row(
             f"time per row, {CALLERS} concurrent callers, Pool(2): pool.batched(stack=True)",
@@ -99,7 +201,41 @@ async def main() -> None:
             c.at_most(1.0),
             f"apply's p99: {c.fmt_time(p99_apply)}",
         ),
+        c.row(
+            "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)",
+            alone,
+            alone_apply + LONE_SLACK,
+            f"pool.apply's time ({c.fmt_time(alone_apply)}) + {LONE_SLACK * 1e3:g} ms",
+            c.at_most(1.0),
+            f"batched / apply: {alone / alone_apply:.2f}x; max_delay {MAX_DELAY * 1e3:g} ms",
+        ),
+        c.row(
+            f"mean rows per batch, {BURST} callers arriving over {BURST_OVER * 1e3:g} ms "
+            f"while both workers are busy",
+            fill,
+            float(MAX_BATCH),
+            "max_batch_size",
+            c.at_least(0.9),
+            f"batches of {min(fills):.1f} to {max(fills):.1f} rows in {len(fills)} bursts",
+            unit="rows",
+        ),
     ]
+    again = c.median(others["batched"])
+    for name, what, target in (
+        ("threads", "ThreadPoolExecutor(2), the model in the parent", None),
+        ("ppe", "ProcessPoolExecutor(2), one task per row", c.faster(1)),
+    ):
+        t = c.median(others[name])
+        rows.append(
+            c.row(
+                f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)",
+                again,
+                t,
+                what,
+                target,
+                f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s",
+            )
+        )
     notes = [
         f"serving: {rounds} alternating rounds per variant of {CALLERS} callers x "
         f"{per_caller} calls; rows/s from the median round; p99 over all "

@@ -7,9 +7,16 @@ initializer loads the model once per worker. Each ``POST /predict`` is one call 
 ``pool.batched(..., stack=True)``: concurrent requests are stacked straight into one
 shared-memory array and the model runs once per batch.
 
-A client that disconnects mid-request has its call cancelled (taken out of its batch,
-or its row discarded if the batch already runs: the worker is never killed for it); a
-request whose worker crashes gets 503 and the pool replaces the worker.
+The service takes no traffic before its model is loaded: the lifespan waits for
+``pool.wait_ready()``, and a model that cannot load stops the start (``BrokenPoolError``
+with the initializer's exception as ``__cause__``). Errors reach the app's exception
+handlers as themselves: a malformed row fails only its own request (the batch's other
+rows run again without it) with its ``ValueError``, answered 422; a request whose worker
+crashes gets 503 (``BrokenWorkerError``) and the pool replaces the worker; past
+``max_pending`` batches waiting, a request is refused at once with 503 and
+``Retry-After`` (``PoolOverloadedError``). A client that disconnects mid-request has its
+call cancelled (taken out of its batch, or its row discarded if the batch already runs:
+the worker is never killed for it).
 
 Run it as a script: it serves on an ephemeral port of 127.0.0.1, sends itself
 ``--requests`` concurrent requests, checks the answers, prints ``ok`` and exits::
@@ -56,8 +63,11 @@ def load_model(dim: int, seed: int) -> None:
 
 
 def predict(batch: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """One batch: ``batch`` is the stacked rows of every request in it."""
+    """One batch: ``batch`` is the stacked rows of every request in it. A row that is not
+    finite is refused (the pool runs the rows again to find it: only its caller fails)."""
     assert _weights is not None, "load_model runs first"
+    if not np.isfinite(batch).all():
+        raise ValueError("x must be finite numbers")
     return np.tanh(batch @ _weights)
 
 
@@ -76,6 +86,27 @@ async def cancel_on_disconnect(request: Request, scope: Any) -> None:
             return
 
 
+async def unless_disconnected(request: Request, call: Callable[[Any], Any], x: Any) -> Any:
+    """``await call(x)``, cancelled if the client hangs up first (then None).
+
+    What ``call`` raises is raised here as itself, outside the task group that watches
+    the client, so that the app's exception handlers see it (raised inside, it would
+    leave as an ``ExceptionGroup``, which no handler for ``ValueError`` catches).
+    """
+    result: Any = None
+    error: Exception | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
+        try:
+            result = await call(x)
+        except Exception as exc:  # noqa: BLE001 - raised below, as itself
+            error = exc
+        tg.cancel_scope.cancel()  # done: stop watching
+    if error is not None:
+        raise error
+    return result
+
+
 def create_app(
     devices: int = 2,
     *,
@@ -85,6 +116,7 @@ def create_app(
     start_method: str = "spawn",
     max_batch_size: int = 32,
     max_delay: float = 0.005,
+    max_pending: int | None = 64,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,7 +126,9 @@ def create_app(
             initargs=initargs,
             env=one_device_each,
             start_method=start_method,
+            max_pending=max_pending,  # batches waiting for a worker, at most
         ) as pool:
+            await pool.wait_ready()  # no traffic before the model is loaded
             app.state.pool = pool
             app.state.model = pool.batched(
                 model, max_batch_size=max_batch_size, max_delay=max_delay, stack=True
@@ -109,22 +143,24 @@ def create_app(
         body = await request.json()
         x = np.asarray(body.get("x"), dtype=np.float32)
         if x.shape != (DIM,):
-            return JSONResponse({"error": f"x must be {DIM} numbers"}, status_code=422)
-        y: Any = None
-        died: aiomp.BrokenWorkerError | None = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, request, tg.cancel_scope)
-            try:
-                y = await app.state.model(x)
-            except aiomp.BrokenWorkerError as exc:
-                died = exc
-            tg.cancel_scope.cancel()  # done: stop watching
-        if died is not None:
-            return JSONResponse({"error": f"the worker died: {died}"}, status_code=503)
+            raise ValueError(f"x must be {DIM} numbers")
+        y = await unless_disconnected(request, app.state.model, x)
         if y is None:  # the client hung up: its call was cancelled
             app.state.disconnected += 1
             return JSONResponse({"error": "client disconnected"}, status_code=499)
         return {"y": y.tolist()}
+
+    @app.exception_handler(ValueError)
+    async def bad_input(request: Request, exc: ValueError) -> JSONResponse:
+        return JSONResponse({"error": str(exc)}, status_code=422)
+
+    @app.exception_handler(aiomp.BrokenWorkerError)
+    async def worker_died(request: Request, exc: aiomp.BrokenWorkerError) -> JSONResponse:
+        return JSONResponse({"error": f"the worker died: {exc}"}, status_code=503)
+
+    @app.exception_handler(aiomp.PoolOverloadedError)
+    async def overloaded(request: Request, exc: aiomp.PoolOverloadedError) -> JSONResponse:
+        return JSONResponse({"error": "overloaded"}, status_code=503, headers={"Retry-After": "1"})
 
     @app.get("/stats")
     async def stats() -> Any:

@@ -1,1 +1,2 @@
-"""First contact: ``aiomp.run_sync``, a default pool per event loop (docs/design.md, "First contact")."""
+"""First contact: ``aiomp.run_sync``, a default pool per event loop (docs/design.md,
+"First contact")."""

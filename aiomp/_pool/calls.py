@@ -26,6 +26,7 @@ import anyio.lowlevel
 from .._loop.wakeup import Signal, Wakeup
 from .._process.checks import count
 from . import protocol as P
+from .admission import admit
 from .engine import OPEN, Engine, stack_note
 from .tasks import DONE, FnInfo, Task, as_args, fn_cache, fn_info, new_task, tids
 
@@ -90,8 +91,10 @@ async def apply(
     type, with the worker's traceback as ``__cause__`` (``SystemExit`` and
     ``KeyboardInterrupt`` too, as ``concurrent.futures`` raises them; the worker lives
     on). An argument that cannot be
-    pickled raises here before anything is sent. If the worker dies while it runs the
-    task: :class:`aiomp.BrokenWorkerError`.
+    pickled raises here before anything is sent, and so does
+    :class:`aiomp.PoolOverloadedError` on a pool made with ``max_pending=N`` that holds N
+    tasks not started yet (unless a worker is free to start this one at once). If the
+    worker dies while it runs the task: :class:`aiomp.BrokenWorkerError`.
 
     ``timeout`` (seconds, counted from this call, queueing included) raises
     ``TimeoutError``. A call made in a cancelled scope sends nothing. On timeout or
@@ -108,6 +111,8 @@ async def apply(
         info = None
     if info is None:
         info = fn_info(fn)
+    if engine.max_pending is not None:
+        admit(engine, info.is_async)
     flags = P.F_APPLY | P.F_ASYNC if info.is_async else P.F_APPLY
     loop = engine.loop
     tid = next(tids)
@@ -195,6 +200,8 @@ async def map_(
         raise TypeError(f"on_progress must be callable, not {type(on_progress).__name__}")
     engine.check_open()
     info = fn_info(fn)
+    if engine.max_pending is not None:
+        admit(engine, info.is_async)
     if isinstance(iterable, (list, tuple, range)):
         # Sliced chunk by chunk, never copied whole; a range's chunks stay ranges (a few
         # bytes to pickle, and no int objects made in the parent at all).

@@ -25,6 +25,8 @@ from .._loop import running_asyncio_loop
 from .._loop.cancel import CancelProbe
 from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
+from .admission import Room
+from .deaths import died_on_its_own, log_death
 from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
@@ -99,6 +101,9 @@ class Engine:
         self.sched = scheduler(concurrency, maxtasksperchild, self._spawn_soon)
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
+        #: ``Pool(max_pending=)`` and who waits for a worker to have room: ``admission``.
+        self.max_pending: int | None = None
+        self.room = Room(self.sched)
         self.handles: dict[Handle, None] = {}
         self.iterators: dict[Closable, None] = {}
         self.loop: asyncio.AbstractEventLoop | None = None  # None: not an asyncio loop
@@ -365,6 +370,10 @@ class Engine:
 
     def on_exit(self, handle: Handle, exitcode: int | None, unsent: list[int]) -> None:
         del self.handles[handle]
+        w = self.sched.workers.get(handle)
+        asked = self.state != OPEN or self.sched.broken is not None
+        if w is not None and exitcode is not None and died_on_its_own(w, exitcode, asked):
+            log_death(w, exitcode, unsent)  # (a WARNING: see _pool.deaths)
         self.sched.exited(handle, exitcode, unsent, handle.why)
 
     def kill(self, handle: Handle, reason: str) -> None:

@@ -18,6 +18,7 @@ import anyio.lowlevel
 from .._errors import BrokenPoolError
 from .._process.checks import count
 from . import protocol as P
+from .admission import admit
 from .calls import make_task
 from .engine import Engine
 from .tasks import DONE, QUEUED, Task, fn_info, fresh
@@ -140,6 +141,8 @@ class ResultIterator(Generic[T]):
     def _start(self) -> None:
         self._started = True
         self._engine.check_open()
+        if self._engine.max_pending is not None:
+            admit(self._engine, self._fn_info.is_async)
         if self._it is not None:
             self._fill()
         else:

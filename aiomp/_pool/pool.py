@@ -31,29 +31,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeAlias, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from .._output import forwarder as _output
 from .._process import checks as _process
 from .._process import placement as _placement
 from .._process.cpus import cpu_count
 from .._spawn.unawaited import call_site, warn_never_used
+from . import admission as _admission
 from . import calls as _calls
 from .batching import Batched
 from .engine import Engine
+from .faces import Apply, Imap, Inputs, Map, Progress, Starmap
 from .iterators import ResultIterator
 from .process_kind import ProcessKind
 
 __all__ = ("Pool", "PoolStatistics")
-
-S = TypeVar("S")
-T = TypeVar("T")
-#: What map and imap take: items, from a sync or an async iterable.
-Inputs: TypeAlias = Iterable[S] | AsyncIterable[S]
-#: ``on_progress(done, total)``, called as results come in.
-Progress: TypeAlias = Callable[[int, int], object] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,81 +89,9 @@ def check_options(
     return processes, concurrency, maxtasksperchild, float(grace_period)
 
 
-class _Apply(Protocol):
-    """The typed face of :meth:`Pool.apply`, bound."""
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[..., Awaitable[T]],
-        args: Iterable[object] = (),
-        kwds: dict[str, object] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> T: ...
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[..., T],
-        args: Iterable[object] = (),
-        kwds: dict[str, object] | None = None,
-        *,
-        timeout: float | None = None,
-    ) -> T: ...
-
-
-class _Map(Protocol):
-    """The typed face of :meth:`Pool.map`, bound."""
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[[S], Awaitable[T]],
-        iterable: Inputs[S],
-        chunksize: int | None = None,
-        *,
-        on_progress: Progress = None,
-    ) -> list[T]: ...
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[[S], T],
-        iterable: Inputs[S],
-        chunksize: int | None = None,
-        *,
-        on_progress: Progress = None,
-    ) -> list[T]: ...
-
-
-class _Starmap(Protocol):
-    """The typed face of :meth:`Pool.starmap`, bound."""
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[..., Awaitable[T]],
-        iterable: Inputs[Iterable[Any]],
-        chunksize: int | None = None,
-        *,
-        on_progress: Progress = None,
-    ) -> list[T]: ...
-
-    @overload
-    async def __call__(
-        self,
-        fn: Callable[..., T],
-        iterable: Inputs[Iterable[Any]],
-        chunksize: int | None = None,
-        *,
-        on_progress: Progress = None,
-    ) -> list[T]: ...
-
-
 def _map_method(name: str, star: bool, doc: str) -> Any:
-    """``Pool.map`` or (``star``) ``Pool.starmap``: one body, typed by :class:`_Map` or
-    :class:`_Starmap` where the class binds it."""
+    """``Pool.map`` or (``star``) ``Pool.starmap``: one body, typed by ``faces.Map`` or
+    ``faces.Starmap`` where the class binds it."""
 
     async def method(
         self: Pool,
@@ -184,33 +107,9 @@ def _map_method(name: str, star: bool, doc: str) -> Any:
     return method
 
 
-class _Imap(Protocol):
-    """The typed face of :meth:`Pool.imap` and :meth:`Pool.imap_unordered`, bound."""
-
-    @overload
-    def __call__(
-        self,
-        fn: Callable[[S], Awaitable[T]],
-        iterable: Inputs[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
-
-    @overload
-    def __call__(
-        self,
-        fn: Callable[[S], T],
-        iterable: Inputs[S],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[T]: ...
-
-
 def _imap_method(name: str, ordered: bool, doc: str) -> Any:
     """``Pool.imap`` (``ordered``) or ``Pool.imap_unordered``: one body, typed by
-    :class:`_Imap` where the class binds it."""
+    ``faces.Imap`` where the class binds it."""
 
     def method(
         self: Pool,
@@ -261,6 +160,11 @@ class Pool:
       starts (``spawn``) or before any code runs in it (``forkserver``, ``fork``); a
       replacement gets its slot's again. A worker's ``aiomp.get_worker_info().id`` is its
       slot. A key or value that is not a str: ``TypeError`` here.
+    - ``max_pending``: load shedding. A call that would be the (N+1)-th task not started
+      yet (queued in the pool, or waiting in a worker behind the one it runs) raises
+      :class:`aiomp.PoolOverloadedError` at once and never runs; calls are accepted again
+      as the queue drains. A ``map`` is one call (refused when its first chunk would be);
+      for ``batched`` see there. Default: no limit.
 
     Dispatch: a task goes to the most recently idle worker, else waits in one FIFO queue
     (never overtaken); a sync task has a worker to itself, ``concurrency`` async tasks
@@ -295,6 +199,7 @@ class Pool:
         output: _output.Output = "prefix",
         env: _placement.Env = None,
         max_memory: int | None = None,
+        max_pending: int | None = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = check_options(
             processes, concurrency, maxtasksperchild, grace_period
@@ -309,7 +214,7 @@ class Pool:
         init = (initializer, tuple(initargs))
         envs = _placement.slot_envs(env, n)
         kind = ProcessKind(start_method, init, output, envs=envs, max_memory=max_memory)
-        attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
+        attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace), max_pending)
 
     def __repr__(self) -> str:
         e = self._engine
@@ -341,6 +246,16 @@ class Pool:
             completed=s.completed,
             replaced=s.replaced,
         )
+
+    async def wait_ready(self) -> None:
+        """Return once every worker has run the initializer (at once if none is set).
+
+        Raises :class:`aiomp.BrokenPoolError` if the pool is broken (its ``__cause__``:
+        the initializer's own exception, with the worker's traceback, where it raised),
+        ``RuntimeError`` outside ``async with``. Call it before taking traffic (a
+        service's lifespan). Cancellation leaves the pool as it was.
+        """
+        await _admission.wait_ready(self._engine)
 
     # -- lifetime ----------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -374,7 +289,7 @@ class Pool:
 
     # -- public calls ------------------------------------------------------------------
     if TYPE_CHECKING:
-        apply: ClassVar[_Apply]
+        apply: ClassVar[Apply]
     else:
 
         async def apply(self, *args: Any, **kwargs: Any) -> Any:
@@ -383,7 +298,7 @@ class Pool:
 
         apply.__doc__ = _calls.apply.__doc__
 
-    map: ClassVar[_Map] = _map_method(
+    map: ClassVar[Map] = _map_method(
         "map",
         False,
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
@@ -401,10 +316,10 @@ class Pool:
         for :meth:`apply`.
         """,
     )
-    starmap: ClassVar[_Starmap] = _map_method(
+    starmap: ClassVar[Starmap] = _map_method(
         "starmap", True, """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
     )
-    imap: ClassVar[_Imap] = _imap_method(
+    imap: ClassVar[Imap] = _imap_method(
         "imap",
         True,
         """An async iterator of ``fn(x)`` for each ``x`` of ``iterable``, in order.
@@ -432,29 +347,39 @@ class Pool:
         max_batch_size: int = 32,
         max_delay: float = 0.005,
         stack: bool = False,
+        split_on_error: bool = True,
     ) -> Batched[Any, Any]:
         """An async callable ``b``: ``await b(x)`` from many tasks at once runs ``fn``
-        once per batch of calls.
+        once per batch of calls. Make it once (a service: in its lifespan) and share it:
+        each ``b`` batches only its own calls (a second one for the same ``fn`` warns).
 
-        Calls collect in an open batch, closed when ``max_batch_size`` calls are in it or
-        ``max_delay`` seconds after its first call; a closed batch is queued like any
-        task. The worker runs ``fn(xs)`` (sync or async), ``xs`` the batch's arguments in
-        arrival order; it returns a sequence of the same length, and each caller gets its
-        own element. ``stack=True``: every argument is a numpy array of the batch's first
-        shape and dtype (otherwise that call raises ``ValueError`` at once), stacked
-        along a new axis 0 straight into shared memory; ``fn`` gets that one array and
-        returns an array whose axis 0 is the batch size, given back as views.
+        Calls collect in an open batch; it goes to a worker as soon as one is free to
+        take it (a call on an idle pool costs about an ``apply``: it waits for company
+        only while calls keep arriving, at most ``max_delay`` seconds), and while every
+        worker is busy it keeps filling; a full batch (``max_batch_size`` calls) is
+        queued like any task. The worker runs ``fn(xs)`` (sync or async), ``xs`` the
+        batch's arguments in arrival order; it returns a sequence of the same length,
+        and each caller gets its own element. ``stack=True``: every argument is a numpy
+        array of the batch's first shape and dtype (otherwise that call raises
+        ``ValueError`` at once), stacked along a new axis 0 straight into shared memory
+        (under 64 KiB: into the task's message); ``fn`` gets that one array and returns
+        an array whose axis 0 is the batch size, given back as views.
 
-        Errors: ``fn``'s exception is raised in every caller of its batch, as
-        :meth:`apply` raises it; a worker that dies: :class:`aiomp.BrokenWorkerError` in
-        each; a result of the wrong length: ``ValueError`` in each. Cancellation: a call
-        cancelled before its batch goes to a worker is taken out of it (a batch left
-        empty is dropped); one cancelled after returns at once and its element is
-        discarded. A running batch is never stopped for its callers.
+        Errors: a batch whose ``fn`` raises is split in halves that run again, down to
+        single rows, so only a row that raises on its own fails, in its own caller, as
+        :meth:`apply` raises it: ``fn`` must be safe to run again on rows
+        (``split_on_error=False``: every caller of the batch gets the exception). A
+        worker that dies: :class:`aiomp.BrokenWorkerError` in each; a result of the
+        wrong length: ``ValueError`` in each. With the pool's ``max_pending``, a full
+        batch is one task: one that cannot be queued waits for room, and a call that
+        finds no batch to join raises :class:`aiomp.PoolOverloadedError` at once.
+        Cancellation: a call cancelled before its batch goes to a worker is taken out of
+        it (a batch left empty is dropped); one cancelled after returns at once and its
+        element is discarded. A running batch is never stopped for its callers.
         """
-        return Batched(self._engine, fn, max_batch_size, max_delay, stack)
+        return Batched(self._engine, fn, max_batch_size, max_delay, stack, split_on_error)
 
-    imap_unordered: ClassVar[_Imap] = _imap_method(
+    imap_unordered: ClassVar[Imap] = _imap_method(
         "imap_unordered",
         False,
         """As :meth:`imap`, but each chunk's results come as soon as the chunk is done.""",
@@ -472,9 +397,11 @@ def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]
     return pool, engine
 
 
-def attach(pool: Pool, engine: Engine) -> None:
+def attach(pool: Pool, engine: Engine, max_pending: int | None = None) -> None:
     """Make ``engine`` serve ``pool``'s calls: every Pool constructor's last step, the
     engine built over the constructor's own kind of worker (``aiomp.ray.Pool``: Ray's)."""
+    if max_pending is not None:
+        engine.max_pending = _admission.check_max_pending(max_pending)
     pool._engine = engine
     pool._site = call_site(2)  # the caller of the pool's constructor
     # ``apply`` is calls.apply bound to the engine: no frame of the Pool's on the round

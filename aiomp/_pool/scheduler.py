@@ -122,6 +122,7 @@ class Scheduler:
         self.start_failures: dict[int, int] = {}
         self.start_errors: dict[int, int] = {}  # failed starts in a row, by slot
         self.broken: BrokenPoolError | None = None
+        self.on_room: Callable[[], None] | None = None  # a worker has room, or broken: admission
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
@@ -298,6 +299,8 @@ class Scheduler:
             self._make_available(w)
         else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
+            if self.on_room is not None:
+                self.on_room()
         if not self.unfinished and self.on_drained is not None:
             self.on_drained()
         return True
@@ -377,6 +380,8 @@ class Scheduler:
                 self.queued -= 1
                 self._finish(task, False, fresh(error))
         self._check_drained()
+        if self.on_room is not None:
+            self.on_room()
 
     def _make_available(self, w: WorkerSlot) -> None:
         """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
@@ -391,6 +396,8 @@ class Scheduler:
             self.idle[w] = None
         if self.queue:
             self._dispatch()
+        if self.on_room is not None:
+            self.on_room()
 
     def _pick(self, task: Task) -> WorkerSlot | None:
         if self.idle:
@@ -469,7 +476,6 @@ class Scheduler:
         if self.maxtasks is not None and w.dispatched >= self.maxtasks:
             self.retire(w.handle)
 
-    # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
 

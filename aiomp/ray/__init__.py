@@ -100,8 +100,9 @@ class Pool(_pool.Pool):
       caller holds), entering raises ``ValueError``, as Ray's Pool does; an autoscaling
       cluster counts only the nodes that are up.
     - ``concurrency``: the actor's ``max_concurrency``, async tasks at once per actor.
-    - ``initializer``, ``initargs``, ``maxtasksperchild``, ``grace_period``: as for
-      :class:`aiomp.Pool`; the initializer may be any callable cloudpickle can carry.
+    - ``initializer``, ``initargs``, ``maxtasksperchild``, ``grace_period``,
+      ``max_pending``: as for :class:`aiomp.Pool`; the initializer may be any callable
+      cloudpickle can carry.
 
     Runs on asyncio and uvloop; under trio, entering it raises ``RuntimeError``.
     """
@@ -120,6 +121,7 @@ class Pool(_pool.Pool):
         initargs: Iterable[object] = (),
         maxtasksperchild: int | None = None,
         grace_period: float = 5.0,
+        max_pending: int | None = None,
     ) -> None:
         n, concurrency, maxtasksperchild, grace = _pool.check_options(
             processes, concurrency, maxtasksperchild, grace_period
@@ -144,7 +146,7 @@ class Pool(_pool.Pool):
         init = (initializer, tuple(initargs))
         self._ray_kind = kind = RayKind(init, n is None, address, options)
         n = 1 if n is None else n
-        _pool.attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace))
+        _pool.attach(self, Engine(kind, n, concurrency, maxtasksperchild, grace), max_pending)
 
     def actors(self) -> list[ActorInfo]:
         """The live actors that take tasks: their ids, nodes and process ids."""

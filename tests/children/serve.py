@@ -195,3 +195,29 @@ def service_model(batch: np.ndarray) -> np.ndarray:
     if (first == HOLD).any():
         gate_wait(os.getpid(), _gate_address)
     return predict(batch)
+
+
+# -- issue 40: serving under real traffic ------------------------------------------------
+
+
+def fails_on_negative(xs: Sequence[int]) -> list[tuple[int, int]]:
+    """A batch with a negative row raises, naming those rows; else ``double_all``."""
+    bad = [x for x in xs if x < 0]
+    if bad:
+        raise ValueError(f"negative rows {bad}")
+    return double_all(xs)
+
+
+def init_at_gate(address: str) -> None:
+    """An initializer that meets the test at the gate first (a model that loads slowly)."""
+    from tests.children.common import gate_wait
+
+    gate_wait(os.getpid(), address)
+
+
+def finite_or_raise(batch: np.ndarray) -> np.ndarray:
+    """A stacked batch doubled; one with a row that is not finite raises."""
+    bad = int((~np.isfinite(batch)).any(axis=1).sum())
+    if bad:
+        raise ValueError(f"{bad} row(s) not finite")
+    return batch * 2

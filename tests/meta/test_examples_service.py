@@ -1,7 +1,9 @@
 """examples/inference_service.py (issue 28): the script runs, and the app answers real
 HTTP requests on loopback, batched, with one worker per device; a client that hangs up
 mid-request is cancelled without killing a worker; a request whose worker crashes gets 503
-and the service goes on. uvicorn runs on asyncio and uvloop (it has no trio server)."""
+and the service goes on. Issue 40: a malformed row fails only its own request, and the
+app's exception handler sees the model's own ``ValueError``; a model that cannot load
+stops the service's start. uvicorn runs on asyncio and uvloop (it has no trio server)."""
 
 from __future__ import annotations
 
@@ -36,15 +38,16 @@ def test_example_runs() -> None:
 
 
 @asynccontextmanager
-async def serving(gate: Gate) -> AsyncIterator[tuple[Any, str]]:
-    app = service.create_app(
-        2,
-        model=funcs.service_model,
-        initializer=funcs.service_init,
-        initargs=(service.DIM, service.SEED, gate.address),
-        start_method="forkserver",
-        max_delay=0.02,
-    )
+async def serving(gate: Gate, app: Any = None) -> AsyncIterator[tuple[Any, str]]:
+    if app is None:
+        app = service.create_app(
+            2,
+            model=funcs.service_model,
+            initializer=funcs.service_init,
+            initargs=(service.DIM, service.SEED, gate.address),
+            start_method="forkserver",
+            max_delay=0.02,
+        )
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     )
@@ -58,6 +61,9 @@ async def serving(gate: Gate) -> AsyncIterator[tuple[Any, str]]:
     finally:
         server.should_exit = True
         await task
+
+
+JSON_TYPE = {"Content-Type": "application/json"}
 
 
 def body(x: np.ndarray) -> dict[str, list[float]]:
@@ -118,3 +124,63 @@ async def test_requests_batched_disconnect_and_crash(anyio_backend: object) -> N
                 assert (await c.get("/stats")).json()["replaced"] == 1
     finally:
         gate.close()
+
+
+@LOOPS
+async def test_a_bad_row_fails_alone_and_its_handler_sees_its_own_error(
+    anyio_backend: object,
+) -> None:
+    """issue 40 items 1 and 6: one malformed request among 16 concurrent ones took down
+    its whole batch, and its ValueError left the request's task group as an
+    ExceptionGroup that no handler for ValueError catches (a plain 500). Now only the
+    bad request fails, with 422 from the app's handler, which sees the model's own
+    ValueError and the worker's traceback."""
+    service.load_model(service.DIM, service.SEED)
+    xs = np.random.default_rng(3).standard_normal((16, service.DIM)).astype(np.float32)
+    bad = 5
+    seen: list[BaseException] = []
+    app = service.create_app(2, start_method="forkserver", max_delay=0.02)
+    handler = app.exception_handlers[ValueError]
+
+    async def recording(request: Any, exc: Exception) -> Any:
+        seen.append(exc)
+        return await handler(request, exc)
+
+    app.add_exception_handler(ValueError, recording)
+    gate = Gate()
+    try:
+        with anyio.fail_after(TIMEOUT):
+            async with serving(gate, app) as (_, url), httpx.AsyncClient(base_url=url) as c:
+                bodies = [body(x) for x in xs]
+                bodies[bad]["x"][0] = float("nan")  # (JSON's NaN: Python's json reads it)
+                replies = await asyncio.gather(
+                    *(c.post("/predict", content=json.dumps(b), headers=JSON_TYPE) for b in bodies)
+                )
+    finally:
+        gate.close()
+    for i, (x, r) in enumerate(zip(xs, replies, strict=True)):
+        if i == bad:
+            assert r.status_code == 422, r.text
+            assert r.json() == {"error": "x must be finite numbers"}
+        else:
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["y"], service.predict(x[None])[0], atol=1e-4)
+    assert len(seen) == 1 and type(seen[0]) is ValueError, seen
+    assert "in predict" in str(seen[0].__cause__)  # the worker's traceback
+
+
+@LOOPS
+async def test_a_model_that_cannot_load_stops_the_start(anyio_backend: object) -> None:
+    """issue 40 item 3: a model that cannot load left a live server answering 500. The
+    lifespan's wait_ready raises, so uvicorn does not start the service."""
+    from tests.children import common
+
+    app = service.create_app(
+        2, initializer=common.pool_init_fail, initargs=(), start_method="forkserver"
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="critical", lifespan="on")
+    )
+    with anyio.fail_after(TIMEOUT), pytest.raises(SystemExit):
+        await server.serve()
+    assert not server.started

@@ -68,15 +68,19 @@ async def test_each_caller_gets_its_own_element(anyio_backend: object) -> None:
 async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: object) -> None:
     """issue 28: stack=True: fn gets one shared-memory array; callers get views of one
     result; a call of another shape or dtype: ValueError at once."""
+    gate = Gate()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.Pool(1, start_method=FAST) as pool:
             b = pool.batched(funcs.stacked_info, max_batch_size=8, max_delay=0.05, stack=True)
-            xs = [np.full((4, 4), float(i)) for i in range(8)]
+            xs = [np.full((32, 32), float(i)) for i in range(8)]  # 64 KiB in all: shared
             got = await gather(b, xs)
             for i, row in enumerate(got):
                 assert isinstance(row, np.ndarray)
                 assert list(row) == [8.0, 1.0, float(i)]
             assert all(np.shares_memory(got[0].base, r) for r in got)  # views of one
+            small = pool.batched(funcs.stacked_info, max_batch_size=8, stack=True)
+            got = await gather(small, [np.full((4, 4), float(i)) for i in range(8)])
+            assert [list(r) for r in got] == [[8.0, 0.0, float(i)] for i in range(8)]  # inline
             big = pool.batched(funcs.stacked_times_two, max_batch_size=4, stack=True)
             ys = [np.full((128, 128), float(i)) for i in range(4)]
             out = await gather(big, ys)
@@ -87,21 +91,32 @@ async def test_stack_is_one_shared_array_and_views_come_back(anyio_backend: obje
             async with anyio.create_task_group() as tg:
 
                 async def opener() -> None:
-                    opened.append(await b(np.zeros((4, 4))))
+                    opened.append(await b(np.zeros((32, 32))))
 
+                # The only worker is busy: the batch stays open.
+                tg.start_soon(pool.apply, common.gate_wait, (0, gate.address))
+                await gate.ready(1)
                 tg.start_soon(opener)
-                await settled()  # the batch is open, its rows (4, 4) float64
-                for bad in (np.zeros((3, 4)), np.zeros((4, 4), "f4"), 1):
+                await settled()  # the batch is open, its rows (32, 32) float64
+                for bad in (np.zeros((3, 4)), np.zeros((32, 32), "f4"), 1):
                     with pytest.raises(ValueError, match="stack=True"):
                         await b(bad)
+                gate.release()
             assert isinstance(opened[0], np.ndarray)
+    gate.close()
 
 
 async def test_fn_raising_is_raised_in_every_caller(anyio_backend: object) -> None:
-    """issue 28: fn's exception in each caller, as Pool.apply raises it."""
+    """issue 28: fn's exception in each caller, as Pool.apply raises it: with
+    split_on_error=False, the batch's; by default, each row's own (run alone)."""
     with anyio.fail_after(TIMEOUT):
         async with aiomp.Pool(1, start_method=FAST) as pool:
             b = pool.batched(funcs.raise_value_error, max_batch_size=3)
+            got = await gather(b, [1, 2, 3])
+            for exc in got:
+                assert isinstance(exc, ValueError) and "bad batch of 1" in str(exc)
+                assert exc.__cause__ is not None and "raise_value_error" in str(exc.__cause__)
+            b = pool.batched(funcs.raise_value_error, max_batch_size=3, split_on_error=False)
             got = await gather(b, [1, 2, 3])
             for exc in got:
                 assert isinstance(exc, ValueError) and "bad batch of 3" in str(exc)
@@ -159,7 +174,7 @@ async def test_cancel_before_hand_off_takes_the_caller_out(anyio_backend: object
                         scopes[x].cancel()
                     await settled()
                     assert pool.statistics().queued == 1
-                    # An open batch: 7 is taken out before it closes; 8 goes alone.
+                    # An open batch: 7 is taken out before it goes; 8 goes alone.
                     for x in (7, 8):
                         scopes[x] = anyio.CancelScope()
 
@@ -171,12 +186,9 @@ async def test_cancel_before_hand_off_takes_the_caller_out(anyio_backend: object
                         await settled()
                     scopes[7].cancel()
                     await settled()
-                    gate.release()
-                    await settled()
-                    assert 8 not in results
-                    scopes[8].cancel()  # (its batch waits the 60 s delay)
-                assert results == {1: (2, 2), 3: (6, 2)}
-                assert pool.statistics().completed == 2  # the gate's task, one batch
+                    gate.release()  # (1, 3) runs, then 8 alone, once the worker is free
+                assert results == {1: (2, 2), 3: (6, 2), 8: (16, 1)}
+                assert pool.statistics().completed == 3  # the gate's task, two batches
     finally:
         gate.close()
 
@@ -189,6 +201,7 @@ async def test_cancel_after_hand_off_returns_at_once(anyio_backend: object) -> N
         with anyio.fail_after(TIMEOUT):
             async with aiomp.Pool(1, start_method=FAST) as pool:
                 pid = await pool.apply(funcs.who)
+                assert pid is not None
                 b = pool.batched(funcs.gate_then_double, max_batch_size=3, max_delay=60)
                 results: dict[int, Any] = {}
                 cancelled = anyio.CancelScope()
@@ -202,16 +215,21 @@ async def test_cancel_after_hand_off_returns_at_once(anyio_backend: object) -> N
                             results[2] = await b((gate.address, 2))
                         results[2] = "cancelled"
 
+                    # The only worker is busy: the three calls form one batch.
+                    tg.start_soon(pool.apply, common.gate_wait, (0, gate.address))
+                    await gate.ready(1)
                     tg.start_soon(call, 1)
                     await settled()
                     tg.start_soon(doomed)
                     await settled()
                     tg.start_soon(call, 3)
-                    await gate.ready(1)  # the batch runs, held at the gate
+                    await settled()
+                    gate.release(0)
+                    await gate.ready(2)  # the batch runs, held at the gate
                     cancelled.cancel()
                     await settled()
                     assert results == {2: "cancelled"}  # while the batch still runs
-                    gate.release()
+                    gate.release(pid[4])
                 assert results == {1: 2, 2: "cancelled", 3: 6}
                 assert await pool.apply(funcs.who) == pid
                 assert pool.statistics().replaced == 0

@@ -20,6 +20,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -505,6 +506,26 @@ async def test_worker_info_and_batched(anyio_backend: object) -> None:
             bad = p.batched(serve.raise_value_error, max_batch_size=2)
             for exc in await _gather(bad, [1, 2], catch=True):
                 assert isinstance(exc, ValueError) and exc.__cause__ is not None
+
+
+@asyncio_only
+async def test_serving_on_ray() -> None:
+    """issue 40 on aiomp.ray.Pool: wait_ready, a bad row failing alone (its halves run
+    again on the actor), and max_pending refusing what cannot start."""
+    from tests.children import serve
+
+    with anyio.fail_after(TIMEOUT):
+        async with pool(1, max_pending=0) as p:
+            await p.wait_ready()
+            b = p.batched(serve.fails_on_negative, max_batch_size=4, max_delay=60)
+            got = await _gather(b, [1, -2, 3, 4], catch=True)
+            assert [g[0] for g in got if not isinstance(g, Exception)] == [2, 6, 8]
+            assert isinstance(got[1], ValueError) and str(got[1]) == "negative rows [-2]"
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(p.apply, time.sleep, (1.0,))
+                await anyio.wait_all_tasks_blocked()
+                with pytest.raises(aiomp.PoolOverloadedError):
+                    await p.apply(serve.who)
 
 
 async def _gather(call: Any, xs: list[Any], catch: bool = False) -> list[Any]:
