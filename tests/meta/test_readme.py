@@ -21,10 +21,11 @@ README = ROOT / "README.md"
 OPTIONAL = ("torch", "ray", "cupy", "tqdm", "fastapi", "uvicorn")
 
 
-def python_blocks() -> list[tuple[int, str]]:
-    """``(line number, code)`` of each python block in the README."""
+def python_blocks(path: Path = README) -> list[tuple[int, str]]:
+    """``(line number, code)`` of each python block in the README (or another Markdown
+    file, ``path``)."""
     blocks = []
-    lines = README.read_text().splitlines()
+    lines = path.read_text().splitlines()
     i = 0
     while i < len(lines):
         if lines[i].strip() == "```python":

@@ -1,9 +1,9 @@
-"""The README's web-service recipe, over real HTTP on loopback (issue 31 item 6).
+"""The services guide's web-service recipe, over real HTTP on loopback (issue 31 item 6).
 
 uvicorn does not cancel a handler whose client has gone: with a plain endpoint, the
 pool's workers ran on for results nobody read and the next requests waited for them.
-The README's ``unless_disconnected`` races the call against ``http.disconnect``. Here
-the README's own block is served by uvicorn; two clients leave while their requests
+The guide's ``unless_disconnected`` races the call against ``http.disconnect``. Here
+the guide's own block is served by uvicorn; two clients leave while their requests
 hold both workers, and a third request must be served at once. asyncio and uvloop only:
 uvicorn does not run on trio.
 """
@@ -24,6 +24,8 @@ from tests._gate import Gate
 from tests.children import porting
 from tests.meta.test_readme import python_blocks
 
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "services.md"
+
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
@@ -33,8 +35,8 @@ TIMEOUT = 30
 
 @pytest.fixture
 def service(tmp_path: Path) -> Iterator[ModuleType]:
-    """The README's service block, imported as a module the pool's workers can import."""
-    (code,) = [c for _, c in python_blocks() if "def unless_disconnected" in c]
+    """The guide's service block, imported as a module the pool's workers can import."""
+    (code,) = [c for _, c in python_blocks(GUIDE) if "def unless_disconnected" in c]
     name = f"readme_service_{tmp_path.name}"
     (tmp_path / f"{name}.py").write_text(code)
     sys.path.insert(0, str(tmp_path))
