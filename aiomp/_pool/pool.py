@@ -12,7 +12,7 @@ The parts, and who owns what
 ----------------------------
 ::
 
-    Pool (here: options, async with, typed faces, statistics)
+    Pool (here: options, async with, the typed calls, statistics)
       |  apply / map (calls), imap (iterators): pickle in the caller, wait, abandon
       v
     Engine (engine: task group, supervisor, lifetime) -- Scheduler (pure: which task where)
@@ -29,11 +29,10 @@ or awaits: the scheduler is synchronous, and wake-ups are ``aiomp._loop.wakeup``
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Self
+from typing import Any, Self, TypeVar, overload
 
 from .._output import forwarder as _output
 from .._process import checks as _process
@@ -44,85 +43,14 @@ from . import admission as _admission
 from . import calls as _calls
 from .batching import Batched
 from .engine import Engine
-from .faces import Apply, Imap, Inputs, Map, Progress, Starmap
 from .iterators import ResultIterator
+from .options import Inputs, PoolStatistics, Progress, check_options
 from .process_kind import ProcessKind
 
-__all__ = ("Pool", "PoolStatistics")
+__all__ = ("Pool", "PoolStatistics", "check_options")
 
-
-@dataclasses.dataclass(frozen=True)
-class PoolStatistics:
-    """A snapshot of a :class:`Pool`, from :meth:`Pool.statistics`.
-
-    A "task" is one ``apply`` call or one chunk of a ``map`` / ``imap``.
-    """
-
-    #: Worker processes that take tasks (starting ones included; retiring ones not).
-    workers: int
-    #: Workers that are ready and hold no task.
-    idle: int
-    #: Workers that hold at least one task.
-    busy: int
-    #: Tasks held by workers.
-    running: int
-    #: Tasks waiting in the pool for a worker.
-    queued: int
-    #: Tasks finished, successfully or not.
-    completed: int
-    #: Workers started to replace one that died, was killed or retired.
-    replaced: int
-
-
-def check_options(
-    processes: int | None, concurrency: int, maxtasksperchild: int | None, grace_period: float
-) -> tuple[int | None, int, int | None, float]:
-    """The options every kind of pool takes, checked: a wrong type is a TypeError, a
-    number below 1 a ValueError, as Python's pools raise."""
-    if processes is not None:
-        processes = _process.count("processes", processes)
-    concurrency = _process.count("concurrency", concurrency)
-    if maxtasksperchild is not None:
-        maxtasksperchild = _process.count("maxtasksperchild", maxtasksperchild)
-    if grace_period < 0:
-        raise ValueError(f"grace_period must be >= 0, not {grace_period!r}")
-    return processes, concurrency, maxtasksperchild, float(grace_period)
-
-
-def _map_method(name: str, star: bool, doc: str) -> Any:
-    """``Pool.map`` or (``star``) ``Pool.starmap``: one body, typed by ``faces.Map`` or
-    ``faces.Starmap`` where the class binds it."""
-
-    async def method(
-        self: Pool,
-        fn: Callable[..., Any],
-        iterable: Inputs[Any],
-        chunksize: int | None = None,
-        *,
-        on_progress: Progress = None,
-    ) -> list[Any]:
-        return await _calls.map_(self._engine, fn, iterable, chunksize, star, on_progress)
-
-    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
-    return method
-
-
-def _imap_method(name: str, ordered: bool, doc: str) -> Any:
-    """``Pool.imap`` (``ordered``) or ``Pool.imap_unordered``: one body, typed by
-    ``faces.Imap`` where the class binds it."""
-
-    def method(
-        self: Pool,
-        fn: Callable[[Any], Any],
-        iterable: Inputs[Any],
-        chunksize: int = 1,
-        *,
-        buffersize: int | None = None,
-    ) -> ResultIterator[Any]:
-        return ResultIterator(self._engine, fn, iterable, chunksize, False, ordered, buffersize)
-
-    method.__name__, method.__qualname__, method.__doc__ = name, f"Pool.{name}", doc
-    return method
+S = TypeVar("S")
+T = TypeVar("T")
 
 
 class Pool:
@@ -288,19 +216,66 @@ class Pool:
         return await self._engine.close(exc)
 
     # -- public calls ------------------------------------------------------------------
-    if TYPE_CHECKING:
-        apply: ClassVar[Apply]
-    else:
+    # Each call is typed by two overloads: an ``async def`` fn's result is awaited in the
+    # worker, so both give T.
+    @overload
+    async def apply(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+    @overload
+    async def apply(
+        self,
+        fn: Callable[..., T],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> T: ...
+    async def apply(
+        self,
+        fn: Callable[..., Any],
+        args: Iterable[object] = (),
+        kwds: dict[str, object] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Any:
+        # Each pool shadows this with calls.apply bound to its engine (see attach): the
+        # docstring is calls.apply's.
+        return await _calls.apply(self._engine, fn, args, kwds, timeout=timeout)
 
-        async def apply(self, *args: Any, **kwargs: Any) -> Any:
-            # Shadowed in each pool by calls.apply bound to its engine (see attach).
-            return await _calls.apply(self._engine, *args, **kwargs)
+    apply.__doc__ = _calls.apply.__doc__
 
-        apply.__doc__ = _calls.apply.__doc__
-
-    map: ClassVar[Map] = _map_method(
-        "map",
-        False,
+    @overload
+    async def map(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Inputs[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[T]: ...
+    @overload
+    async def map(
+        self,
+        fn: Callable[[S], T],
+        iterable: Inputs[S],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[T]: ...
+    async def map(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Inputs[Any],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[Any]:
         """``[fn(x) for x in iterable]``, computed by the workers in chunks.
 
         ``iterable`` may be sync or async; it is read whole first (use :meth:`imap` for
@@ -314,14 +289,64 @@ class Pool:
 
         On cancellation chunks not started never start, and running ones are stopped as
         for :meth:`apply`.
-        """,
-    )
-    starmap: ClassVar[Starmap] = _map_method(
-        "starmap", True, """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
-    )
-    imap: ClassVar[Imap] = _imap_method(
-        "imap",
-        True,
+        """
+        return await _calls.map_(self._engine, fn, iterable, chunksize, False, on_progress)
+
+    @overload
+    async def starmap(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        iterable: Inputs[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[T]: ...
+    @overload
+    async def starmap(
+        self,
+        fn: Callable[..., T],
+        iterable: Inputs[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[T]: ...
+    async def starmap(
+        self,
+        fn: Callable[..., Any],
+        iterable: Inputs[Iterable[Any]],
+        chunksize: int | None = None,
+        *,
+        on_progress: Progress = None,
+    ) -> list[Any]:
+        """``[fn(*args) for args in iterable]``; otherwise as :meth:`map`."""
+        return await _calls.map_(self._engine, fn, iterable, chunksize, True, on_progress)
+
+    @overload
+    def imap(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Inputs[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+    @overload
+    def imap(
+        self,
+        fn: Callable[[S], T],
+        iterable: Inputs[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+    def imap(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Inputs[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[Any]:
         """An async iterator of ``fn(x)`` for each ``x`` of ``iterable``, in order.
 
         ``iterable`` may be sync or async, and endless: at most ``buffersize`` chunks
@@ -337,8 +362,37 @@ class Pool:
         stop early: queued chunks are dropped (running ones finish; their results are
         discarded) and an async input is closed. Cancelling a task waiting for the next
         item leaves the iterator as it was. Leaving the pool's ``async with`` closes it.
-        """,
-    )
+        """
+        return ResultIterator(self._engine, fn, iterable, chunksize, False, True, buffersize)
+
+    @overload
+    def imap_unordered(
+        self,
+        fn: Callable[[S], Awaitable[T]],
+        iterable: Inputs[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+    @overload
+    def imap_unordered(
+        self,
+        fn: Callable[[S], T],
+        iterable: Inputs[S],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[T]: ...
+    def imap_unordered(
+        self,
+        fn: Callable[[Any], Any],
+        iterable: Inputs[Any],
+        chunksize: int = 1,
+        *,
+        buffersize: int | None = None,
+    ) -> ResultIterator[Any]:
+        """As :meth:`imap`, but each chunk's results come as soon as the chunk is done."""
+        return ResultIterator(self._engine, fn, iterable, chunksize, False, False, buffersize)
 
     def batched(
         self,
@@ -378,12 +432,6 @@ class Pool:
         element is discarded. A running batch is never stopped for its callers.
         """
         return Batched(self._engine, fn, max_batch_size, max_delay, stack, split_on_error)
-
-    imap_unordered: ClassVar[Imap] = _imap_method(
-        "imap_unordered",
-        False,
-        """As :meth:`imap`, but each chunk's results come as soon as the chunk is done.""",
-    )
 
 
 def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
