@@ -37,6 +37,7 @@ _check_platform()
 __version__ = "0.1.0"
 
 __all__ = (
+    "Batched",
     "BrokenPoolError",
     "BrokenWorkerError",
     "DataLoader",
@@ -51,11 +52,13 @@ __all__ = (
     "ProcessExitedException",
     "ProcessRaisedException",
     "Queue",
-    "QueueClosed",
+    "QueueClosedError",
     "QueueItemError",
+    "ResultIterator",
     "SharedMemoryError",
+    "SpawnHandle",
     "TransportError",
-    "cuda",
+    "WorkerInfo",
     "empty",
     "get_all_sharing_strategies",
     "get_sharing_strategy",
@@ -78,11 +81,16 @@ _WHERE = {
     "ProcessException": "_errors",
     "ProcessExitedException": "_errors",
     "ProcessRaisedException": "_errors",
-    "QueueClosed": "_errors",
+    "QueueClosedError": "_errors",
+    "QueueClosed": "_errors",  # its name before 0.1.0's one style of names: an alias
     "QueueItemError": "_errors",
     "SharedMemoryError": "_errors",
     "TransportError": "_errors",
     "ProcessContext": "_spawn.context",
+    "SpawnHandle": "_spawn.api",
+    "WorkerInfo": "_child.info",
+    "Batched": "_pool.batching",
+    "ResultIterator": "_pool.iterators",
     "spawn": "_spawn.api",
     "start_processes": "_spawn.api",
     "Queue": "_queue.queue",
@@ -99,7 +107,10 @@ _WHERE = {
     "get_all_sharing_strategies": "_memory.strategy",
     "get_sharing_strategy": "_memory.strategy",
     "set_sharing_strategy": "_memory.strategy",
+    # Subpackages, attributes but not in __all__: ``aiomp.cuda`` (the ``cuda`` extra) and
+    # ``aiomp.ray`` (the ``ray`` extra), each imported when first used.
     "cuda": "cuda",
+    "ray": "ray",
 }
 
 if TYPE_CHECKING:
@@ -107,10 +118,12 @@ if TYPE_CHECKING:
     from queue import Full as Full
 
     from . import cuda as cuda
+    from . import ray as ray
     from ._arrays.shared import empty as empty
     from ._arrays.shared import is_shared as is_shared
     from ._arrays.shared import share_memory as share_memory
     from ._arrays.shared import zeros as zeros
+    from ._child.info import WorkerInfo as WorkerInfo
     from ._child.info import get_worker_info as get_worker_info
     from ._data.loader import DataLoader as DataLoader
     from ._errors import BrokenPoolError as BrokenPoolError
@@ -120,6 +133,7 @@ if TYPE_CHECKING:
     from ._errors import ProcessExitedException as ProcessExitedException
     from ._errors import ProcessRaisedException as ProcessRaisedException
     from ._errors import QueueClosed as QueueClosed
+    from ._errors import QueueClosedError as QueueClosedError
     from ._errors import QueueItemError as QueueItemError
     from ._errors import SharedMemoryError as SharedMemoryError
     from ._errors import TransportError as TransportError
@@ -127,10 +141,13 @@ if TYPE_CHECKING:
     from ._memory.strategy import get_all_sharing_strategies as get_all_sharing_strategies
     from ._memory.strategy import get_sharing_strategy as get_sharing_strategy
     from ._memory.strategy import set_sharing_strategy as set_sharing_strategy
+    from ._pool.batching import Batched as Batched
+    from ._pool.iterators import ResultIterator as ResultIterator
     from ._pool.pool import Pool as Pool
     from ._pool.pool import PoolStatistics as PoolStatistics
     from ._queue.event import Event as Event
     from ._queue.queue import Queue as Queue
+    from ._spawn.api import SpawnHandle as SpawnHandle
     from ._spawn.api import spawn as spawn
     from ._spawn.api import start_processes as start_processes
     from ._spawn.context import ProcessContext as ProcessContext

@@ -12,7 +12,7 @@
      |    +-- PoolOverloadedError       a Pool call refused at once: max_pending tasks wait
      |    +-- aiomp.cuda.CudaIpcError   a CuPy array could not be sent (put) or received (get)
      |         +-- aiomp.cuda.IpcLimitError  too many sent CUDA blocks still held (put)
-     +-- QueueClosed                    put on a closed Queue; get on a closed, drained one
+     +-- QueueClosedError               put on a closed Queue; get on a closed, drained one
      +-- QueueItemError                 get: an item could not be rebuilt here (it is lost)
      +-- OSError
           +-- SharedMemoryError         shared memory could not be allocated (raised at put)
@@ -40,6 +40,7 @@ __all__ = (
     "ProcessExitedException",
     "ProcessRaisedException",
     "QueueClosed",
+    "QueueClosedError",
     "QueueItemError",
     "SharedMemoryError",
     "TransportError",
@@ -159,8 +160,13 @@ class PoolOverloadedError(RuntimeError):
     __reduce__ = _rebuilt
 
 
-class QueueClosed(Exception):
+class QueueClosedError(Exception):
     """The queue was closed: no more items can be put, and a drained queue yields none."""
+
+
+#: QueueClosedError's name before the exceptions took one style (``...Error``; torch's
+#: ``Process...Exception`` names excepted): the same class.
+QueueClosed = QueueClosedError
 
 
 class QueueItemError(Exception):
@@ -208,7 +214,7 @@ for _cls in (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
-    QueueClosed,
+    QueueClosedError,
     QueueItemError,
     SharedMemoryError,
     TransportError,

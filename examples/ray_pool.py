@@ -9,8 +9,8 @@
 
 Two lines differ from the local pipeline: ``import aiomp.ray`` and
 ``aiomp.ray.Pool(..., address=...)`` instead of ``aiomp.Pool(...)``. What changes with them:
-each batch (256 KiB, above ``aiomp.ray.ARRAY_THRESHOLD``) travels through Ray's object
-store and arrives in the actor read-only (``featurize`` makes new arrays, so it does not
+each batch (256 KiB: arrays of 100 KiB or more go by reference) travels through Ray's
+object store and arrives in the actor read-only (``featurize`` makes new arrays, so it does not
 mind); the pool takes seconds to start (a Ray instance, if none runs, then one process per
 actor) where a local pool takes milliseconds; and it runs on asyncio or uvloop, not trio.
 ``featurize`` is defined in this script: aiomp.ray pickles it by value (cloudpickle), so

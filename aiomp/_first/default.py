@@ -99,6 +99,10 @@ async def run_sync(
     worker starts. Exceptions, ``timeout=`` and cancellation are
     :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out call stops its task, terminating
     its worker if need be, and a new worker takes its place.
+
+    Keywords go to ``fn``, except ``timeout``, which is this call's own: give a
+    function's own ``timeout`` keyword with ``functools.partial(fn, timeout=...)``.
+    (anyio's and trio-parallel's ``run_sync`` take no keywords for ``fn`` at all.)
     """
     info = fn_info(fn)
     if START_METHOD not in info.checked:

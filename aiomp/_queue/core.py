@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 
-from .._errors import QueueClosed
+from .._errors import QueueClosedError
 from .._wire import datagram as _datagram
 from .._wire.pickling import PLAIN as _PLAIN
 from .items import MISSING, load
@@ -65,7 +65,7 @@ class QueueCore:
         try:
             sent = _datagram.try_send(self._send, datagram, fds)
         except _datagram.Closed:
-            raise QueueClosed("put on a closed aiomp.Queue") from None
+            raise QueueClosedError("put on a closed aiomp.Queue") from None
         if sent:
             self._count_sent()
         self._used_socket = True  # the overflow's order needs to know (see _overflow)
@@ -91,7 +91,7 @@ class QueueCore:
             except BlockingIOError:
                 pass
             except (BrokenPipeError, ConnectionResetError):
-                raise QueueClosed("put on a closed aiomp.Queue") from None
+                raise QueueClosedError("put on a closed aiomp.Queue") from None
             else:
                 self._count_sent()
                 return True
@@ -108,7 +108,7 @@ class QueueCore:
         """Put if there is room: True if put (socket or overflow).
 
         False: a bounded queue is full, or the overflow cannot park the item's fds now;
-        wait on ``_room``. Raises QueueClosed (or TransportError), or Busy (the
+        wait on ``_room``. Raises QueueClosedError (or TransportError), or Busy (the
         overflow's lock is held elsewhere: wait for it); nothing is put then.
         """
         if self._maxsize:  # every item through the log: the bound is its committed count
@@ -160,7 +160,7 @@ class QueueCore:
             popped = self._ovf.pop(None, self._items, self._room)
             if popped is None:
                 if self._ovf.closed():
-                    raise QueueClosed("the aiomp.Queue is closed and drained")
+                    raise QueueClosedError("the aiomp.Queue is closed and drained")
                 return MISSING
             return load(popped[0], popped[1])
         hint = self._hint
@@ -186,7 +186,7 @@ class QueueCore:
             except _datagram.Closed:
                 if hint[HINT]:  # the overflow still holds items (appended before close)
                     continue
-                raise QueueClosed("the aiomp.Queue is closed and drained") from None
+                raise QueueClosedError("the aiomp.Queue is closed and drained") from None
             except OSError:
                 self._took()  # the message was consumed (and is lost): keep the counts true
                 raise

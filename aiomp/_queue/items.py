@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pickle
 
-from .._errors import CudaIpcError, QueueClosed, QueueItemError
+from .._errors import CudaIpcError, QueueClosedError, QueueItemError
 from .._wire import pickling as _pickling
 
 #: What a non-waiting get returns when it took nothing.
@@ -22,7 +22,7 @@ def load(body: bytes | memoryview, fds: list[int]) -> object:
     try:
         # Without fds there is nothing for loads to track. hot path: tests/budgets
         return _pickling.loads(body, fds) if fds else pickle.loads(body)
-    except (QueueClosed, QueueItemError, CudaIpcError):
+    except (QueueClosedError, QueueItemError, CudaIpcError):
         raise
     except Exception as exc:
         names = ", ".join(_classes_in(body)) or "no classes"

@@ -33,7 +33,7 @@ import select
 import socket
 import struct
 
-from .._errors import QueueClosed, TransportError
+from .._errors import QueueClosedError, TransportError
 from .._wire import datagram as _transport
 from .mutex import Mutex, check
 
@@ -319,7 +319,7 @@ class Overflow:
         queue passes ``try_socket=None``, its ``limit`` and its ``token_fd`` (*Bounded queues*):
         False then also means that the log holds ``limit`` items. Returns False if the
         item's fds cannot be parked now (the vault's buffer is full: about 10,900 items
-        carrying fds): nothing was put. Raises QueueClosed once the queue is closed,
+        carrying fds): nothing was put. Raises QueueClosedError once the queue is closed,
         TransportError (no memory, or fd limits), or :class:`Busy` (the mutex is held
         elsewhere): nothing was put.
         """
@@ -331,7 +331,7 @@ class Overflow:
             if used_socket:  # first: whatever happens next, the flag has been passed on
                 header[_DRAINED] = 0
             if header[_CLOSED]:
-                raise QueueClosed("put on a closed aiomp.Queue")
+                raise QueueClosedError("put on a closed aiomp.Queue")
             selected = header[_SELECT]
             head, tail, count = _STATE.unpack_from(header, _COPIES[selected])
             if limit and count >= limit:

@@ -15,7 +15,7 @@ and ``put_nowait`` raises Full). Bounded: every item goes through the log, whose
 committed count is the bound, so no process death changes the capacity.
 
 :meth:`Queue.close` shuts the socket down for writing in every process at once: later
-puts raise :class:`~aiomp.QueueClosed`; consumers get what is queued, then QueueClosed
+puts raise :class:`~aiomp.QueueClosedError`; consumers get what is queued, then QueueClosedError
 (``async for`` ends). An item that cannot be rebuilt raises :class:`~aiomp.QueueItemError`
 at ``get`` (that item is lost; the queue goes on); exceptions that could not be rebuilt
 are refused at ``put``.
@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Sequence
 
 from .. import _loop
-from .._errors import QueueClosed
+from .._errors import QueueClosedError
 from .._loop import readers as _readers
 from .._loop.finalizers import finalizer
 from .._loop.waiters import FdWaiters
@@ -184,9 +184,9 @@ class Queue(QueueCore):
     def close(self) -> None:
         """Close the queue for every process: no more puts; consumers drain, then end.
 
-        After ``close()``, ``put`` raises :class:`~aiomp.QueueClosed` anywhere, and ``get``
+        After ``close()``, ``put`` raises :class:`~aiomp.QueueClosedError` anywhere, and ``get``
         returns the items already queued (overflow included) and then raises
-        QueueClosed; ``async for`` over the queue ends. Idempotent. Takes the overflow's
+        QueueClosedError; ``async for`` over the queue ends. Idempotent. Takes the overflow's
         lock: while a stopped process holds it, this blocks (Ctrl-C interrupts it).
         """
         self._ovf.close_log()
@@ -204,7 +204,7 @@ class Queue(QueueCore):
 
         Pickling errors raise here. On cancellation nothing has been put (while the
         queue's overflow lock is held elsewhere, the put waits for it on the loop).
-        Raises :class:`~aiomp.QueueClosed` once the queue is closed, and RuntimeError at
+        Raises :class:`~aiomp.QueueClosedError` once the queue is closed, and RuntimeError at
         once (before any coroutine exists) where no event loop runs: use ``q.sync.put``.
         """
         if _loop.running_loop() is None:
@@ -228,7 +228,7 @@ class Queue(QueueCore):
 
         On cancellation nothing is taken (while the queue's overflow lock is held
         elsewhere, the get waits for it on the loop). Raises
-        :class:`~aiomp.QueueClosed` once the queue is closed and drained,
+        :class:`~aiomp.QueueClosedError` once the queue is closed and drained,
         :class:`~aiomp.QueueItemError` for an item that cannot be rebuilt here, and
         RuntimeError at once where no event loop runs: use ``q.sync.get``.
         """
@@ -306,7 +306,7 @@ class Queue(QueueCore):
         while True:
             try:
                 item = await self._get(loop)
-            except QueueClosed:
+            except QueueClosedError:
                 return
             yield item
 

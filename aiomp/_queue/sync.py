@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue as _stdqueue
 import time
 
-from .._errors import QueueClosed
+from .._errors import QueueClosedError
 from .._wire.datagram import wait_fd_sync
 from .core import BUSY, PUT
 from .items import MISSING, message
@@ -57,7 +57,7 @@ class SyncQueue:
     def get(self, timeout: float | None = None) -> Any:
         """Remove and return an item, blocking while empty (or while the queue's overflow
         lock is held elsewhere); :class:`aiomp.Empty` after ``timeout`` s;
-        :class:`aiomp.QueueClosed` once closed and drained."""
+        :class:`aiomp.QueueClosedError` once closed and drained."""
         q = self._q
         if timeout is None and not q._maxsize:
             # One blocking recvmsg: waking a process blocked in recvmsg costs far less
@@ -86,5 +86,5 @@ class SyncQueue:
         while True:
             try:
                 yield self.get()
-            except QueueClosed:
+            except QueueClosedError:
                 return

@@ -55,6 +55,11 @@ async def start_children(
 ) -> ProcessContext:
     check_not_bootstrapping()  # before any check: a refusal is what the parent must see
     check_output(output)
+    if isinstance(nprocs, tuple):
+        raise TypeError(
+            "nprocs must be an int, not a tuple: aiomp.spawn and aiomp.start_processes take "
+            "args= as a keyword (torch's start_processes takes args second)"
+        )
     nprocs = count("nprocs", nprocs)
     envs = _rank_envs(env, rendezvous, nprocs)
     check_start_method(start_method)
@@ -320,7 +325,11 @@ def spawn(
     )
 
 
-start_processes = spawn  # the torch-compatible name
+#: torch's other name for it; the signature is spawn's, not torch's
+#: ``start_processes(fn, args, nprocs, join, daemon, start_method)``: ``args`` is a keyword
+#: here (a tuple where ``nprocs`` goes is refused, naming this), and leaving ``async with``
+#: (or ``await ctx.join()``) is the join.
+start_processes = spawn
 
 
 spawn.__module__ = "aiomp"  # printed and pickled under the public name

@@ -13,7 +13,7 @@ actors, carries the messages and stores the arrays; each ref's done-callback han
 outcome to the pool's loop, so nothing polls. What differs from :class:`aiomp.Pool`:
 
 * Functions are pickled with Ray's cloudpickle, so lambdas and functions of ``__main__``
-  work. numpy arrays of :data:`ARRAY_THRESHOLD` bytes or more go through Ray's object
+  work. numpy arrays of 100 KiB or more go through Ray's object
   store (once per array per call) and arrive **read-only**, in arguments and in results.
 * Runs on asyncio and uvloop (Ray's asyncio integration); ``RuntimeError`` under trio.
 * An actor (or its node) that dies fails the tasks it held with
@@ -28,10 +28,10 @@ outcome to the pool's loop, so nothing polls. What differs from :class:`aiomp.Po
   in this process or running on this machine, or starts a local one (seconds) and shuts
   it down when the pool closes; a session opened with ``ray.init`` is left running.
 * Faults end in an error, not a wait: an address where nothing answers raises
-  ``ConnectionError`` within :data:`PROBE_TIMEOUT` seconds; an actor that no node of
+  ``ConnectionError`` within 5 seconds; an actor that no node of
   the cluster could hold (beside what the caller holds, inside a Ray actor or task)
   raises ``ValueError`` on entering, as Ray's own Pool does; ``ray.shutdown()`` under an
-  open pool breaks it within :data:`SESSION_CHECK` seconds (its running tasks fail with
+  open pool breaks it within a second (its running tasks fail with
   :class:`aiomp.BrokenWorkerError`, the others with :class:`aiomp.BrokenPoolError`).
 
 :func:`spawn` does the same for :func:`aiomp.spawn`: ``async with aiomp.ray.spawn(fn, 4,
@@ -49,15 +49,11 @@ from typing import Any
 
 from .._pool import pool as _pool
 from .._pool.engine import Engine
-from ._kind import ARRAY_THRESHOLD, SESSION_CHECK, RayKind
+from ._kind import RayKind
 from ._ranks import ActorExitedException, RankInfo, RayProcessContext
-from ._session import PROBE_TIMEOUT
 from ._spawn import spawn
 
 __all__ = (
-    "ARRAY_THRESHOLD",
-    "PROBE_TIMEOUT",
-    "SESSION_CHECK",
     "ActorExitedException",
     "ActorInfo",
     "Pool",
@@ -93,7 +89,7 @@ class Pool(_pool.Pool):
       running on this machine, else starts a local one (shut down when the pool closes).
       ``"auto"`` or ``"ray://host:port"`` joins a cluster. A session the caller opened
       with ``ray.init`` is always used, and left running. Where nothing answers at the
-      address, entering raises ``ConnectionError`` (within :data:`PROBE_TIMEOUT` s).
+      address, entering raises ``ConnectionError`` (within 5 s).
     - ``num_cpus``, ``num_gpus``, ``resources``, ``runtime_env``: each actor's Ray
       placement and environment (``aiomp`` must be importable where the actors run).
       If no node could hold one actor (inside a Ray actor or task: beside what the

@@ -166,7 +166,7 @@ async def test_cancellation_storm(strategy: str, seed: int) -> None:
             with anyio.move_on_after(rng.random() * 0.002):
                 try:
                     item = await back.get()
-                except aiomp.QueueClosed:
+                except aiomp.QueueClosedError:
                     return
             if item is None:
                 cancelled["get"] += 1
@@ -230,7 +230,7 @@ async def test_many_waiting_gets_raced_by_deadlines(strategy: str, seed: int) ->
             with anyio.move_on_after(deadline):
                 try:
                     item = await q.get()
-                except aiomp.QueueClosed:
+                except aiomp.QueueClosedError:
                     return
             if item is None:
                 cancelled += 1
@@ -247,7 +247,7 @@ async def test_many_waiting_gets_raced_by_deadlines(strategy: str, seed: int) ->
                 _chaos.produce, 1, args=(q, STORM, seed, strategy), grace_period=GRACE
             ):
                 pass
-            q.close()  # every waiter wakes to QueueClosed once the items are taken
+            q.close()  # every waiter wakes to QueueClosedError once the items are taken
     lost, duplicated = exactly_once([(0, i) for i in range(STORM)], keys)
     _chaos.record(
         "waiters",

@@ -178,3 +178,19 @@ def test_import_on_another_platform_says_what_is_missing() -> None:
         )
         assert proc.returncode == 1
         assert "ImportError" in proc.stderr and expected in proc.stderr
+
+
+def test_types_users_hold_are_public() -> None:
+    """issue 42: the types a user holds and annotates are exported under aiomp; the old
+    name QueueClosed is the same class as QueueClosedError."""
+    import aiomp._child.info
+    import aiomp._pool.batching
+    import aiomp._pool.iterators
+    import aiomp._spawn.api
+
+    assert aiomp.SpawnHandle is aiomp._spawn.api.SpawnHandle
+    assert aiomp.Batched is aiomp._pool.batching.Batched
+    assert aiomp.ResultIterator is aiomp._pool.iterators.ResultIterator
+    assert aiomp.WorkerInfo is aiomp._child.info.WorkerInfo
+    assert aiomp.QueueClosed is aiomp.QueueClosedError
+    assert "cuda" not in aiomp.__all__ and "ray" not in aiomp.__all__

@@ -52,7 +52,7 @@ def drain(q: aiomp.Queue) -> list[Any]:
     while True:
         try:
             items.append(q.get_nowait())
-        except (aiomp.Empty, aiomp.QueueClosed):
+        except (aiomp.Empty, aiomp.QueueClosedError):
             return items
 
 
@@ -69,8 +69,8 @@ def test_public_names() -> None:
     import queue
 
     assert aiomp.Full is queue.Full and aiomp.Empty is queue.Empty
-    assert issubclass(aiomp.QueueClosed, Exception)
-    for name in ("Queue", "Event", "QueueClosed"):
+    assert issubclass(aiomp.QueueClosedError, Exception)
+    for name in ("Queue", "Event", "QueueClosedError"):
         assert getattr(aiomp, name).__module__ == "aiomp"
 
 
@@ -305,22 +305,22 @@ async def test_close_then_drain(maxsize: int) -> None:
         await q.put(i)
     q.close()
     q.close()  # idempotent
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         await q.put(3)
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.put_nowait(3)
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.sync.put(3, timeout=0)
     assert q.qsize() == 3, "refused puts changed nothing"
     with anyio.fail_after(QUICK):
         assert await q.get() == 0
         assert q.get_nowait() == 1
         assert q.sync.get(timeout=0) == 2
-        with pytest.raises(aiomp.QueueClosed):
+        with pytest.raises(aiomp.QueueClosedError):
             await q.get()
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.get_nowait()
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.sync.get(timeout=QUICK)
     assert q.qsize() == 0 and q.empty()
 
@@ -363,14 +363,14 @@ async def _outcomes_of_waiters_at_close(
         try:
             await wait()
             outcomes.append("done")
-        except aiomp.QueueClosed:
+        except aiomp.QueueClosedError:
             outcomes.append("closed")
 
     def sync_waiter() -> None:
         try:
             wait_sync()
             outcomes.append("done")
-        except aiomp.QueueClosed:
+        except aiomp.QueueClosedError:
             outcomes.append("closed")
 
     thread = threading.Thread(target=sync_waiter)
@@ -896,7 +896,7 @@ async def test_close_from_a_child_ends_the_parents_iteration() -> None:
         ):
             got = [item async for item in q]
     assert got == list(range(50))
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         await q.put(1)
 
 
@@ -913,7 +913,7 @@ async def test_close_wakes_waiters_in_other_processes() -> None:
             # end their wait, not leave them blocked.
             full.close()
             empty.close()
-    assert ctx.results == ["QueueClosed", "QueueClosed"]
+    assert ctx.results == ["QueueClosedError", "QueueClosedError"]
     assert drain(full) == ["kept"]
 
 
@@ -1034,7 +1034,7 @@ async def test_close_wakes_a_put_waiting_for_the_vault() -> None:
         async with anyio.create_task_group() as tg:
 
             async def put() -> None:
-                with pytest.raises(aiomp.QueueClosed):
+                with pytest.raises(aiomp.QueueClosedError):
                     await q.put(aiomp.Event())
 
             tg.start_soon(put)
@@ -1124,12 +1124,12 @@ async def test_close_with_items_in_the_overflow() -> None:
     for i in range(100):
         q.put_nowait(i)
     q.close()
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.put_nowait("refused: the overflow is closed too")
     with anyio.fail_after(QUICK):
         got = [item async for item in q]
     assert len(got) == n + 100 and got[-100:] == list(range(100))
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.get_nowait()
 
 
@@ -1608,9 +1608,9 @@ def test_plain_items_and_the_general_path_keep_one_order() -> None:
     assert len(got) == n and q.get_nowait() == b"after the overflow"
     assert q.get_nowait() == "and again" and q.qsize() == 0
     q.close()
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.put_nowait(b"late")
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         q.sync.put(1)
 
 

@@ -78,7 +78,7 @@ async def test_a_woken_get_takes_every_kind_of_datagram() -> None:
 async def test_a_woken_get_reads_the_overflow_behind_the_socket() -> None:
     """Items put while a get waits go to the socket and then, once it is full, to the
     overflow: a woken get leaves the fast path for the overflow and takes every item in
-    order; after ``close()`` the rest, then QueueClosed."""
+    order; after ``close()`` the rest, then QueueClosedError."""
     q = aiomp.Queue()
     n = 0
 
@@ -93,7 +93,7 @@ async def test_a_woken_get_reads_the_overflow_behind_the_socket() -> None:
     with anyio.fail_after(QUICK):
         rest = [item async for item in q]
     assert rest == list(range(1, n))
-    with pytest.raises(aiomp.QueueClosed):
+    with pytest.raises(aiomp.QueueClosedError):
         await q.get()
 
 
@@ -101,7 +101,7 @@ async def test_a_woken_get_reads_the_overflow_behind_the_socket() -> None:
 async def test_close_wakes_a_waiting_fast_get() -> None:
     q = aiomp.Queue()
     error = await _woken_get(q, q.close)
-    assert isinstance(error, aiomp.QueueClosed), error
+    assert isinstance(error, aiomp.QueueClosedError), error
 
 
 @pytest.mark.anyio

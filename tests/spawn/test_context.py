@@ -1374,3 +1374,14 @@ async def test_a_child_forked_from_trio_runs_asyncio_as_asyncio() -> None:
         ) as ctx:
             pass
     assert ctx.results == ["asyncio"]
+
+
+def test_start_processes_in_torchs_positional_order_is_refused_clearly() -> None:
+    """issue 42: aiomp.start_processes has spawn's signature, not torch's positional
+    ``(fn, args, nprocs, ...)``: a tuple where nprocs goes says so."""
+
+    async def start() -> None:
+        await aiomp.start_processes(funcs.echo, ("x",))  # type: ignore[arg-type]
+
+    with pytest.raises(TypeError, match="args= as a keyword"):
+        anyio.run(start)
