@@ -15,6 +15,15 @@ The rules (the why is in ``aiomp.Pool``'s docstring):
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
   (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
   wait behind a running sync chunk of the same call.
+* *Queued ahead*: a sync task that finds no idle worker may wait in a busy worker whose
+  handle ``looks_ahead`` (and that has never been sent an async task: it serves in sync
+  mode), behind the one task it runs (:data:`AHEAD`), so that the worker starts it
+  without waiting for the parent. Idle workers are always taken first. The first task a
+  worker holds is *started*; the ones behind it start, in order, as the outcome of the
+  one before comes, unless the worker answered ``skipped`` for them first. A caller that
+  leaves while its task is queued ahead has the worker told to skip it
+  (:meth:`cancel_ahead`); if it started before the worker learnt, the worker is killed
+  as the outcome before it comes. Why: docs/decisions/0065-tasks-queued-ahead.md.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
   the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
@@ -41,6 +50,7 @@ from .._errors import BrokenPoolError
 from .health import death_error
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
+from .workers import WorkerSlot, not_started, pick_busy
 
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
@@ -48,45 +58,6 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Sync chunks of one map that may wait in a worker behind the one it runs.
-CHUNKS_AHEAD = 2
-
-
-class WorkerSlot:
-    """The scheduler's record of one worker."""
-
-    __slots__ = (
-        "dispatched",
-        "exit_sent",
-        "gone",
-        "handle",
-        "killed",
-        "load",
-        "ready",
-        "reason",
-        "replaced",
-        "retiring",
-        "running",
-        "slot",
-    )
-
-    def __init__(self, handle: Handle) -> None:
-        self.handle = handle
-        self.slot = handle.slot
-        self.ready = False
-        self.load = 0  # slots in use: 1 per async task, `concurrency` for a sync one
-        self.running: dict[int, Task] = {}
-        self.dispatched = 0
-        self.retiring = False  # maxtasksperchild reached: no new tasks, exit when empty
-        self.killed = False  # being terminated by the pool
-        self.gone = False  # a send found it dead: its exit is on its way
-        self.exit_sent = False
-        self.replaced = False  # a worker has been asked for in its place
-        self.reason = ""
-
-    @property
-    def usable(self) -> bool:
-        return self.ready and not (self.retiring or self.killed or self.gone)
 
 
 _OPEN, _CLOSING, _CLOSED = range(3)
@@ -116,6 +87,8 @@ class Scheduler:
         self.take_idle = self.idle.popitem
         self.queue: collections.deque[Task] = collections.deque()
         self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
+        self.ahead = 0  # tasks queued ahead in workers, sent and not started
+        self.starting = 0  # workers started, not ready yet, not exited
         self.unfinished = 0  # tasks queued or running
         self.completed = 0
         self.replaced = 0
@@ -132,6 +105,7 @@ class Scheduler:
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
         self.workers[handle] = WorkerSlot(handle)
+        self.starting += 1
         self.start_errors.pop(handle.slot, None)
 
     def retire(self, handle: Handle) -> None:
@@ -149,6 +123,7 @@ class Scheduler:
         if w is None or w.ready:
             return
         w.ready = True
+        self.starting -= 1
         self.start_failures[w.slot] = 0
         self._make_available(w)
 
@@ -180,8 +155,12 @@ class Scheduler:
             return
         if why and not w.reason:
             w.reason = f" ({why})"
+        if not w.ready:
+            self.starting -= 1
         self.idle.pop(w, None)
         tasks = w.running
+        if w.lookahead and tasks:
+            self.ahead -= len(tasks) - 1
         w.running = {}
         w.load = 0
         back = [tasks.pop(tid) for tid in not_started(w.handle.in_order, tasks, unsent)]
@@ -260,15 +239,73 @@ class Scheduler:
         if task.state != RUNNING or w is None or not w.handle.unsend(task):
             task.abandoned = True
             return False
-        del w.running[task.tid]
-        w.load -= task.weight
-        w.dispatched -= 1
+        self._take_back(w, task)
         task.state = QUEUED
         task.worker = None
         self.queued += 1  # drop() counts it out
         self.drop(task)
         self._make_available(w)
         return True
+
+    def cancel_ahead(self, task: Task) -> bool:
+        """A running task's caller has gone: if it is queued ahead in its worker (sent,
+        not started), tell the worker to skip it (it is dropped when the worker says it
+        did: :meth:`skipped`; should the worker have started it first, the worker is
+        killed once the outcome before it comes). False: it may have started."""
+        w = task.worker
+        if w is None or not w.lookahead or w.killed or next(iter(w.running.values())) is task:
+            return False
+        task.abandoned = True
+        w.handle.cancel(task.tid)
+        return True
+
+    def skipped(self, handle: Handle, tid: int) -> None:
+        """``handle``'s worker did not start task ``tid``, held behind another, and never
+        will: dropped if its caller has gone, else back to the head of the queue (its
+        worker is retiring)."""
+        w = self.workers.get(handle)
+        task = None if w is None else w.running.get(tid)
+        if task is None:
+            return
+        assert w is not None
+        self._take_back(w, task)
+        task.worker = None
+        if task.abandoned:
+            self.unfinished -= 1
+            task.drop()
+        else:
+            task.state = QUEUED
+            self.queue.appendleft(task)
+            self.queued += 1
+        self._make_available(w)
+        self._dispatch()
+        self._check_drained()
+
+    def _take_back(self, w: WorkerSlot, task: Task) -> None:
+        """Forget ``task``, which ``w`` held and never started."""
+        del w.running[task.tid]
+        if w.lookahead and w.running:
+            self.ahead -= 1
+        w.load -= task.weight
+        w.dispatched -= 1
+
+    def _next_started(self, w: WorkerSlot) -> None:
+        """The outcome of the task ``w`` ran has come, with no ``skipped`` for the one
+        queued ahead behind it: that one has started. If its caller has gone meanwhile,
+        the worker learnt too late: it is stopped as a running sync task is."""
+        self.ahead -= 1
+        first = next(iter(w.running.values()))
+        if first.abandoned and not w.killed:
+            self.kill(
+                w.handle,
+                f" (it started {first.name}, queued ahead, before it learnt that the "
+                "task's caller had gone)",
+            )
+
+    @property
+    def unstarted(self) -> int:
+        """Tasks submitted and not started: queued, or queued ahead in a worker."""
+        return self.queued + self.ahead
 
     def task(self, handle: Handle, tid: int) -> Task | None:
         w = self.workers.get(handle)
@@ -295,6 +332,8 @@ class Scheduler:
             or w.gone
             or self._state == _CLOSED
         ):
+            if w.lookahead and w.running:
+                self._next_started(w)
             self._make_available(w)
         else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
@@ -395,31 +434,12 @@ class Scheduler:
     def _pick(self, task: Task) -> WorkerSlot | None:
         if self.idle:
             return self.idle.popitem()[0]
-        if task.weight < self.concurrency:  # async: the least loaded with a free slot
-            best: WorkerSlot | None = None
-            for w in self.workers.values():
-                if (
-                    w.usable
-                    and w.load + task.weight <= self.concurrency
-                    and (best is None or w.load < best.load)
-                ):
-                    best = w
-            return best
-        if task.group is None or task.is_async:
-            return None
-        # A sync chunk: behind chunks of its own call only, to the worker holding fewest.
-        group = task.group
-        best = None
-        fewest = CHUNKS_AHEAD + 1
-        for w in self.workers.values():
-            n = len(w.running)
-            if 0 < n < fewest and w.usable:
-                for other in w.running.values():
-                    if other.group is not group or other.is_async:
-                        break
-                else:
-                    best, fewest = w, n
-        return best
+        return pick_busy(self.workers.values(), task, self.concurrency, self.may_look_ahead())
+
+    def may_look_ahead(self) -> bool:
+        """Whether a task may be queued ahead in a busy worker now: not while a worker is
+        starting (it takes the task once ready: idle workers first)."""
+        return not self.starting
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:
@@ -463,6 +483,11 @@ class Scheduler:
         """``task`` has been sent to ``w`` (or waits in its outbox)."""
         task.state = RUNNING
         task.worker = w
+        if w.lookahead:
+            if task.is_async:
+                w.lookahead = False  # it serves from its event loop from now on
+            elif w.running:
+                self.ahead += 1
         w.running[task.tid] = task
         w.load += task.weight
         w.dispatched += 1
@@ -472,23 +497,3 @@ class Scheduler:
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
-
-
-def not_started(in_order: bool, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
-    """Ids of the tasks that a dead worker held and never started, in the order sent.
-
-    ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
-    ``in_order`` worker runs its sync tasks one at a time in that order, so of those it was
-    sent only the first can have started; an async task starts as it arrives.
-    """
-    unsent = set(unsent)
-    out: list[int] = []
-    behind = False  # past the sync task it may have been running
-    for tid, task in tasks.items():
-        if tid in unsent:
-            out.append(tid)
-        elif in_order and not task.is_async:
-            if behind:
-                out.append(tid)
-            behind = True
-    return out
