@@ -28,6 +28,7 @@ from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
+from .workers import KILLED
 
 if TYPE_CHECKING:
     import asyncio
@@ -403,7 +404,7 @@ class Engine:
                 w = task.worker
                 if self.sched.cancel_ahead(task):
                     continue  # queued ahead: the worker skips it, or is killed if it starts it
-                if task.is_async and not w.killed:
+                if task.is_async and w.state != KILLED:
                     coop.append(task)
                     w.handle.cancel(task.tid)
                 else:

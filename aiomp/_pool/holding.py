@@ -67,9 +67,5 @@ class HoldingScheduler(Scheduler):
 
     def submit(self, task: Task) -> None:
         super().submit(task)
-        if self.held and self.queued > self._starting():
+        if self.held and self.queued > self.starting:
             self.release_held()  # more tasks wait than workers are starting for them
-
-    def _starting(self) -> int:
-        """Workers started and not ready yet (nor on their way out)."""
-        return sum(1 for w in self.workers.values() if not (w.ready or w.killed or w.gone))

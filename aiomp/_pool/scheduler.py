@@ -50,7 +50,17 @@ from .._errors import BrokenPoolError
 from .health import death_error
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
-from .workers import WorkerSlot, not_started, pick_busy
+from .workers import (
+    EXITING,
+    GONE,
+    KILLED,
+    READY,
+    RETIRING,
+    STARTING,
+    WorkerSlot,
+    not_started,
+    pick_busy,
+)
 
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
@@ -112,17 +122,17 @@ class Scheduler:
         """Send ``handle``'s worker no new task, ask for its replacement now, and let it
         exit once it holds none (``maxtasksperchild``, ``max_memory``)."""
         w = self.workers.get(handle)
-        if w is not None and not (w.retiring or w.killed or w.gone):
-            w.retiring = True
+        if w is not None and w.state == READY:
+            w.state = RETIRING
             self.idle.pop(w, None)
             self._replace(w)
             self._make_available(w)
 
     def ready(self, handle: Handle) -> None:
         w = self.workers.get(handle)
-        if w is None or w.ready:
+        if w is None or w.state != STARTING:
             return
-        w.ready = True
+        w.state = READY
         self.starting -= 1
         self.start_failures[w.slot] = 0
         self._make_available(w)
@@ -132,8 +142,10 @@ class Scheduler:
         w = self.workers.get(handle)
         if w is None:
             return
-        if not w.killed:
-            w.killed = True
+        if w.state != KILLED:
+            if w.state == STARTING:
+                self.starting -= 1
+            w.state = KILLED
             w.reason = w.reason or reason
             self.idle.pop(w, None)
             self._replace(w)
@@ -155,7 +167,8 @@ class Scheduler:
             return
         if why and not w.reason:
             w.reason = f" ({why})"
-        if not w.ready:
+        starting = w.state == STARTING
+        if starting:
             self.starting -= 1
         self.idle.pop(w, None)
         tasks = w.running
@@ -176,7 +189,6 @@ class Scheduler:
         for task in tasks.values():
             err = death_error(handle, exitcode, f"while it ran {task.name}", w.reason)
             self._finish(task, False, err)
-        starting = not (w.ready or w.killed or w.retiring)
         if exitcode is not None and starting and self.broken is None:
             failures = self.start_failures.get(w.slot, 0) + 1
             self.start_failures[w.slot] = failures
@@ -253,7 +265,7 @@ class Scheduler:
         did: :meth:`skipped`; should the worker have started it first, the worker is
         killed once the outcome before it comes). False: it may have started."""
         w = task.worker
-        if w is None or not w.lookahead or w.killed or next(iter(w.running.values())) is task:
+        if w is None or not w.lookahead or w.state == KILLED or next(iter(w.running)) == task.tid:
             return False
         task.abandoned = True
         w.handle.cancel(task.tid)
@@ -295,7 +307,7 @@ class Scheduler:
         the worker learnt too late: it is stopped as a running sync task is."""
         self.ahead -= 1
         first = next(iter(w.running.values()))
-        if first.abandoned and not w.killed:
+        if first.abandoned and w.state != KILLED:
             self.kill(
                 w.handle,
                 f" (it started {first.name}, queued ahead, before it learnt that the "
@@ -323,15 +335,7 @@ class Scheduler:
         self.unfinished -= 1
         self.completed += 1
         task.finish(ok, value)
-        if (
-            w.load
-            or self.queue
-            or not w.ready
-            or w.retiring
-            or w.killed
-            or w.gone
-            or self._state == _CLOSED
-        ):
+        if w.load or self.queue or w.state != READY or self._state == _CLOSED:
             if w.lookahead and w.running:
                 self._next_started(w)
             self._make_available(w)
@@ -419,11 +423,9 @@ class Scheduler:
 
     def _make_available(self, w: WorkerSlot) -> None:
         """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
-        if w.killed or w.gone or not w.ready:
-            return
-        if w.retiring:
-            if not w.running and not w.exit_sent:
-                w.exit_sent = True
+        if w.state != READY:
+            if w.state == RETIRING and not w.running:
+                w.state = EXITING
                 w.handle.send_exit()
             return
         if w.load == 0 and self._state != _CLOSED:
@@ -473,7 +475,7 @@ class Scheduler:
                 self.idle[w] = None
             return True
         if not sent:
-            w.gone = True
+            w.state = GONE
             self.idle.pop(w, None)
             return False
         self._running(w, task)
@@ -496,4 +498,4 @@ class Scheduler:
 
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
+        return [w for w in self.workers.values() if w.state <= READY]

@@ -18,37 +18,34 @@ CHUNKS_AHEAD = 2
 #: behind the one it runs (docs/decisions/0065-tasks-queued-ahead.md).
 AHEAD = 1
 
+#: A worker's state (:attr:`WorkerSlot.state`): started, not ready yet; takes tasks;
+#: takes none and exits once it holds none (``maxtasksperchild``, ``max_memory``); told
+#: to exit; a send found it dead (its exit is on its way); being terminated by the pool.
+STARTING, READY, RETIRING, EXITING, GONE, KILLED = range(6)
+
 
 class WorkerSlot:
     """The scheduler's record of one worker."""
 
     __slots__ = (
         "dispatched",
-        "exit_sent",
-        "gone",
         "handle",
-        "killed",
         "load",
         "lookahead",
-        "ready",
         "reason",
         "replaced",
-        "retiring",
         "running",
         "slot",
+        "state",
     )
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
         self.slot = handle.slot
-        self.ready = False
+        self.state = STARTING
         self.load = 0  # slots in use: 1 per async task, `concurrency` for a sync one
         self.running: dict[int, Task] = {}
         self.dispatched = 0
-        self.retiring = False  # maxtasksperchild reached: no new tasks, exit when empty
-        self.killed = False  # being terminated by the pool
-        self.gone = False  # a send found it dead: its exit is on its way
-        self.exit_sent = False
         self.replaced = False  # a worker has been asked for in its place
         self.reason = ""
         # Tasks may be queued ahead in it: its kind can, and it serves in sync mode (no
@@ -57,7 +54,7 @@ class WorkerSlot:
 
     @property
     def usable(self) -> bool:
-        return self.ready and not (self.retiring or self.killed or self.gone)
+        return self.state == READY
 
 
 def pick_busy(
