@@ -46,6 +46,19 @@ class Burst(h.Variant):
 
     ms = 1.0
     budget = None
+    #: The workers' voluntary context switches per task, one figure per timed batch: a
+    #: worker that waits for its next task blocks once (a load-independent count of how
+    #: often workers waited on the parent).
+    waits: list[float]
+
+    async def timed_batch(self, n: int) -> list[float]:
+        if not hasattr(self, "waits"):
+            self.waits = []
+        pids = self.pids()
+        before = switches(pids)
+        out = await super().timed_batch(n)
+        self.waits.append((switches(pids) - before) / (len(out) * TASKS))
+        return out
 
     async def call(self) -> None:
         raise NotImplementedError
@@ -123,6 +136,25 @@ class AnyioToProcess(Burst):
         import anyio.to_process
 
         await anyio.to_process.run_sync(burn, self.ms, limiter=self.limiter)
+
+
+def switches(pids: list[int]) -> int:
+    """Voluntary context switches of the processes ``pids`` so far, every thread."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("voluntary_ctxt_switches"):
+                            total += int(line.split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return total
 
 
 def children(pid: int) -> list[int]:
@@ -229,7 +261,8 @@ async def main() -> None:
                 info = (
                     "; ".join(
                         f"{v.name}: busy {busy[v.name]:.0%}, "
-                        f"{floor / times[v.name]:.0%} of the floor"
+                        f"{floor / times[v.name]:.0%} of the floor, "
+                        f"{c.median(v.waits):.2f} waits per task"
                         for v in variants
                     )
                     + "; anyio's worker processes: "

@@ -11,6 +11,9 @@ The rules (the why is in ``aiomp.Pool``'s docstring):
 * A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
   worker's outbox), *done* or *dropped* (its caller left before it started: it never
   starts).
+* A worker is in one state (:attr:`WorkerSlot.state`): *starting* (not ready yet),
+  *ready* (takes tasks), *retiring* (takes none, exits once it holds none), *exiting*
+  (told to), *gone* (a send found it dead) or *killed* (being terminated by the pool).
 * Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
   (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
