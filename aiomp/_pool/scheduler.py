@@ -18,15 +18,12 @@ The rules (the why is in ``aiomp.Pool``'s docstring):
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
   (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
   wait behind a running sync chunk of the same call.
-* *Queued ahead*: a sync task that finds no idle worker may wait in a busy worker whose
-  handle ``looks_ahead`` (and that has never been sent an async task: it serves in sync
-  mode), behind the one task it runs (:data:`AHEAD`), so that the worker starts it
-  without waiting for the parent. Idle workers are always taken first. The first task a
-  worker holds is *started*; the ones behind it start, in order, as the outcome of the
-  one before comes, unless the worker answered ``skipped`` for them first. A caller that
-  leaves while its task is queued ahead has the worker told to skip it
-  (:meth:`cancel_ahead`); if it started before the worker learnt, the worker is killed
-  as the outcome before it comes. Why: docs/decisions/0065-tasks-queued-ahead.md.
+* *Queued ahead* (docs/decisions/0065-tasks-queued-ahead.md): with no worker idle or
+  starting, a sync task may wait in a sync-mode worker whose handle ``looks_ahead``,
+  behind a task that ends soon (``workers.ends_soon``). The first task a worker holds has
+  started; each behind it starts as the outcome before it comes, unless the worker said
+  ``skipped`` first. One whose caller leaves is skipped (:meth:`cancel_ahead`), or its
+  worker killed if it started before it learnt.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
   the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
@@ -47,6 +44,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable
+from time import monotonic
 
 from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
 from .._errors import BrokenPoolError
@@ -61,8 +59,10 @@ from .workers import (
     RETIRING,
     STARTING,
     WorkerSlot,
+    cancel_ahead,
     not_started,
     pick_busy,
+    take_back,
 )
 
 #: Start-up deaths in a row of one slot's workers that break the pool.
@@ -71,6 +71,8 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+#: Functions whose last run's time the scheduler keeps (``took``) before it forgets all.
+MAX_TOOK = 1024
 
 
 _OPEN, _CLOSING, _CLOSED = range(3)
@@ -102,6 +104,8 @@ class Scheduler:
         self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
         self.ahead = 0  # tasks queued ahead in workers, sent and not started
         self.starting = 0  # workers started, not ready yet, not exited
+        #: Seconds the last run of each function took (``Task.fn_id``; lookahead workers).
+        self.took: dict[int, float] = {}
         self.unfinished = 0  # tasks queued or running
         self.completed = 0
         self.replaced = 0
@@ -158,13 +162,10 @@ class Scheduler:
         self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""
     ) -> None:
         """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL; ``why``:
-        its kind's reason, when it died on its own).
-
-        ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
-        tasks it had been sent but had not started (see :func:`not_started`), go back to
-        the head of the queue, in order; those whose caller has gone are dropped. The rest
-        it held fail with :class:`BrokenWorkerError`.
-        """
+        its kind's reason, when it died on its own). The tasks it never started
+        (:func:`not_started`; ``unsent``: those still in its outbox) go back to the head of
+        the queue in order (dropped if their caller has gone); the rest fail with
+        :class:`BrokenWorkerError`."""
         w = self.workers.pop(handle, None)
         if w is None:
             return
@@ -181,31 +182,15 @@ class Scheduler:
         w.load = 0
         back = [tasks.pop(tid) for tid in not_started(w.handle.in_order, tasks, unsent)]
         for task in reversed(back):
-            task.worker = None
-            if task.abandoned:
-                self.unfinished -= 1
-                task.drop()
-                continue
-            task.state = QUEUED
-            self.queue.appendleft(task)
-            self.queued += 1
+            self._back(task)
         for task in tasks.values():
             err = death_error(handle, exitcode, f"while it ran {task.name}", w.reason)
             self._finish(task, False, err)
         if exitcode is not None and starting and self.broken is None:
-            failures = self.start_failures.get(w.slot, 0) + 1
-            self.start_failures[w.slot] = failures
+            failures = self.start_failures[w.slot] = self.start_failures.get(w.slot, 0) + 1
             if failures >= MAX_START_FAILURES:
                 err = death_error(handle, exitcode, "during start-up")
-                # The guard's hint is in the workers' stderr; the error must say it too.
-                why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
-                self.break_pool(
-                    BrokenPoolError(
-                        f"the pool's worker {w.slot} died during start-up {failures} times "
-                        f"in a row, the last time: {err}{why}"
-                    ),
-                    cause=err,
-                )
+                self.break_pool(start_failures_error(w.slot, failures, err, exitcode), err)
         self._replace(w)
         self._dispatch()
         self._check_drained()
@@ -246,44 +231,39 @@ class Scheduler:
             self._check_drained()
 
     def recall(self, task: Task) -> bool:
-        """A running task's caller has gone: if the task never left the pool (it waits in
-        its worker's outbox), drop it as if it had been queued. False: it has left (the
-        caller stops it or its worker); should that worker die before starting it, it is
-        dropped then rather than sent to another."""
+        """A running task's caller has gone: if it waits in its worker's outbox, drop it as
+        if queued. False: it has left (should its worker die before starting it, it is
+        dropped then rather than sent to another)."""
         w = task.worker
         if task.state != RUNNING or w is None or not w.handle.unsend(task):
             task.abandoned = True
             return False
-        self._take_back(w, task)
-        task.state = QUEUED
-        task.worker = None
-        self.queued += 1  # drop() counts it out
-        self.drop(task)
+        self.ahead -= take_back(w, task)
+        task.abandoned = True
+        self._back(task)
+        self._check_drained()
         self._make_available(w)
         return True
 
-    def cancel_ahead(self, task: Task) -> bool:
-        """A running task's caller has gone: if it is queued ahead in its worker (sent,
-        not started), tell the worker to skip it (it is dropped when the worker says it
-        did: :meth:`skipped`; should the worker have started it first, the worker is
-        killed once the outcome before it comes). False: it may have started."""
-        w = task.worker
-        if w is None or not w.lookahead or w.state == KILLED or next(iter(w.running)) == task.tid:
-            return False
-        task.abandoned = True
-        w.handle.cancel(task.tid)
-        return True
+    cancel_ahead = staticmethod(cancel_ahead)
 
     def skipped(self, handle: Handle, tid: int) -> None:
-        """``handle``'s worker did not start task ``tid``, held behind another, and never
-        will: dropped if its caller has gone, else back to the head of the queue (its
-        worker is retiring)."""
+        """``handle``'s worker never starts task ``tid``, held behind another: dropped if
+        its caller has gone, else back to the head of the queue (its worker retires)."""
         w = self.workers.get(handle)
         task = None if w is None else w.running.get(tid)
         if task is None:
             return
         assert w is not None
-        self._take_back(w, task)
+        self.ahead -= take_back(w, task)
+        self._back(task)
+        self._make_available(w)
+        self._dispatch()
+        self._check_drained()
+
+    def _back(self, task: Task) -> None:
+        """``task`` was never started: to the head of the queue, or dropped if its caller
+        has gone."""
         task.worker = None
         if task.abandoned:
             self.unfinished -= 1
@@ -292,23 +272,12 @@ class Scheduler:
             task.state = QUEUED
             self.queue.appendleft(task)
             self.queued += 1
-        self._make_available(w)
-        self._dispatch()
-        self._check_drained()
-
-    def _take_back(self, w: WorkerSlot, task: Task) -> None:
-        """Forget ``task``, which ``w`` held and never started."""
-        del w.running[task.tid]
-        if w.lookahead and w.running:
-            self.ahead -= 1
-        w.load -= task.weight
-        w.dispatched -= 1
 
     def _next_started(self, w: WorkerSlot) -> None:
-        """The outcome of the task ``w`` ran has come, with no ``skipped`` for the one
-        queued ahead behind it: that one has started. If its caller has gone meanwhile,
-        the worker learnt too late: it is stopped as a running sync task is."""
+        """The outcome before the task queued ahead in ``w`` came with no ``skipped``: it
+        has started. If its caller has gone, it is stopped as a running sync task is."""
         self.ahead -= 1
+        w.since = monotonic()
         first = next(iter(w.running.values()))
         if first.abandoned and w.state != KILLED:
             self.kill(
@@ -337,6 +306,11 @@ class Scheduler:
         w.load -= task.weight
         self.unfinished -= 1
         self.completed += 1
+        if w.lookahead and task.fn_id:  # how long it ran: see workers.AHEAD_WITHIN
+            took = self.took
+            if len(took) > MAX_TOOK:
+                took.clear()
+            took[task.fn_id] = monotonic() - w.since
         task.finish(ok, value)
         if w.load or self.queue or w.state != READY or self._state == _CLOSED:
             if w.lookahead and w.running:
@@ -369,9 +343,7 @@ class Scheduler:
 
     def _replace(self, w: WorkerSlot) -> None:
         """Start a worker in ``w``'s place, if the pool still wants one (once per worker)."""
-        if w.replaced or self.broken is not None:
-            return
-        if self._state == _CLOSED or (self._state == _CLOSING and not self.queued):
+        if w.replaced or self.broken is not None or not self._wants_workers():
             return
         w.replaced = True
         self.to_spawn.append(w.slot)
@@ -379,10 +351,9 @@ class Scheduler:
         self.on_spawn()
 
     def spawn_failed(self, slot: int, error: BaseException) -> float | None:
-        """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
-        ENOMEM, EMFILE...). Returns the seconds to wait before :meth:`respawn` tries again,
-        or None: the pool is broken (an error that is not an OSError, or the retries of
-        :data:`START_RETRY_DELAYS` are spent)."""
+        """The pool could not start a process for ``slot`` (``error``: EAGAIN, ENOMEM...).
+        The seconds to wait before :meth:`respawn`, or None: the pool is broken (not an
+        OSError, or the :data:`START_RETRY_DELAYS` are spent)."""
         failures = self.start_errors.get(slot, 0) + 1
         self.start_errors[slot] = failures
         delays = START_RETRY_DELAYS
@@ -395,12 +366,13 @@ class Scheduler:
 
     def respawn(self, slot: int) -> None:
         """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
-        if self.broken is not None or self._state == _CLOSED:
-            return
-        if self._state == _CLOSING and not self.queued:
-            return
-        self.to_spawn.appendleft(slot)
-        self.on_spawn()
+        if self.broken is None and self._wants_workers():
+            self.to_spawn.appendleft(slot)
+            self.on_spawn()
+
+    def _wants_workers(self) -> bool:
+        """Open, or closing with tasks still queued."""
+        return self._state == _OPEN or (self._state == _CLOSING and self.queued > 0)
 
     def break_pool(self, error: BaseException, cause: BaseException | None = None) -> None:
         """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``
@@ -439,7 +411,9 @@ class Scheduler:
     def _pick(self, task: Task) -> WorkerSlot | None:
         if self.idle:
             return self.idle.popitem()[0]
-        return pick_busy(self.workers.values(), task, self.concurrency, self.may_look_ahead())
+        return pick_busy(
+            self.workers.values(), task, self.concurrency, self.may_look_ahead(), self.took
+        )
 
     def may_look_ahead(self) -> bool:
         """Whether a task may be queued ahead in a busy worker now: not while a worker is
@@ -493,6 +467,8 @@ class Scheduler:
                 w.lookahead = False  # it serves from its event loop from now on
             elif w.running:
                 self.ahead += 1
+            else:
+                w.since = monotonic()
         w.running[task.tid] = task
         w.load += task.weight
         w.dispatched += 1
@@ -502,3 +478,16 @@ class Scheduler:
     # -- statistics --------------------------------------------------------------------
     def live_workers(self) -> list[WorkerSlot]:
         return [w for w in self.workers.values() if w.state <= READY]
+
+
+def start_failures_error(
+    slot: int, failures: int, err: BaseException, exitcode: int
+) -> BrokenPoolError:
+    """Why the pool breaks when ``slot``'s workers died during start-up ``failures`` times
+    in a row, the last one with ``err``."""
+    # The guard's hint is in the workers' stderr; the error must say it too.
+    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
+    return BrokenPoolError(
+        f"the pool's worker {slot} died during start-up {failures} times in a row, the last "
+        f"time: {err}{why}"
+    )

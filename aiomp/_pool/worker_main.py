@@ -65,6 +65,7 @@ from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import health as _health
 from . import protocol as P
+from . import worker_loop as _loop
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
 TYPE_CHECKING = False
@@ -159,7 +160,7 @@ class Server:
         raised here, after the loop has stopped: asyncio lets those two out of the loop in
         the middle of its step, leaving the loop to stop at once when it next runs.
         """
-        ok, value = self.get_runner().run(_boxed(coro))
+        ok, value = self.get_runner().run(_loop.boxed(coro))
         if ok:
             return value
         raise value
@@ -261,7 +262,7 @@ class Server:
                     continue
                 if flags & P.F_ASYNC:
                     self.sync_mode = False
-                    self.run_coro(self.serve_async((tid, flags, payload, fds)))
+                    self.run_coro(_loop.serve_async(self, (tid, flags, payload, fds)))
                     return
                 self.run_sync(tid, flags, payload, fds)
             elif op == P.OP_DEF:
@@ -348,6 +349,10 @@ class Server:
         else:
             self.reply(tid, fn, result, chunk=not flags & P.F_APPLY)
 
+    def send_error(self, tid: int, exc: BaseException) -> None:
+        """Send ``exc`` as task ``tid``'s outcome."""
+        send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
+
     def reply(self, tid: int, fn: object, result: object, chunk: bool = False) -> None:
         """Send ``result`` (OK), or why it cannot be sent (ERR).
 
@@ -377,125 +382,6 @@ class Server:
                 )
                 err.__cause__ = exc
             send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(err))
-
-    # -- async mode ----------------------------------------------------------------
-    async def serve_async(self, first: tuple[int, int, bytes | memoryview, list[int]]) -> None:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Future[None] = loop.create_future()
-        tasks: dict[int, asyncio.Task[None]] = {}
-        # Sync tasks one at a time, in the order they came (see the module docstring):
-        # each task's first step, in creation order, queues it on this FIFO lock.
-        self.sync_turn = asyncio.Lock()
-
-        def finish() -> None:
-            if not finished.done():
-                finished.set_result(None)
-
-        def handle(
-            tid: int, op: int, flags: int, payload: bytes | memoryview, fds: list[int]
-        ) -> None:
-            if op == P.OP_TASK:
-                task = loop.create_task(self.run_async(tid, flags, payload, fds))
-                tasks[tid] = task
-
-                def forget(_: object) -> None:
-                    tasks.pop(tid, None)
-
-                task.add_done_callback(forget)
-                return
-            if op == P.OP_DEF:
-                self.define(tid, payload, fds)
-                return
-            _transport.close_fds(fds)
-            if op == P.OP_CANCEL:
-                running = tasks.get(tid)
-                if running is not None:
-                    running.cancel()
-            elif op == P.OP_EXIT:
-                finish()
-
-        def readable() -> None:
-            try:
-                while (got := chan.try_recv()) is not None:
-                    op, tid, flags, payload, fds = P.unpack(*got)
-                    handle(tid, op, flags, payload, fds)
-            except _transport.Closed:
-                finish()
-            except Exception as exc:  # noqa: BLE001 - a message was lost: die, as sync mode does
-                loop.remove_reader(fd)
-                if not finished.done():
-                    finished.set_exception(exc)
-
-        chan = self.tasks
-        tid, flags, payload, fds = first
-        handle(tid, P.OP_TASK, flags, payload, fds)
-        while self.pending:  # read ahead in sync mode (the pool sends none: a guard)
-            op, tid, flags, payload, fds = self.pending.popleft()
-            handle(tid, op, flags, payload, fds)
-        fd = chan.fileno()
-        loop.add_reader(fd, readable)
-        try:
-            readable()
-            await finished
-        finally:
-            loop.remove_reader(fd)
-        # EXIT comes only when we hold no task; end of stream means the parent has gone.
-        for task in list(tasks.values()):
-            task.cancel()
-
-    async def run_async(
-        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
-    ) -> None:
-        try:
-            if flags & P.F_ASYNC:
-                await self._run_async(tid, flags, payload, fds)
-            else:
-                async with self.sync_turn:
-                    await self._run_async(tid, flags, payload, fds)
-        except _transport.Closed:
-            pass  # the parent has gone; serve_async is ending too
-
-    async def _run_async(
-        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
-    ) -> None:
-        msg = self.load(tid, flags, payload, fds)
-        if msg is None:
-            return
-        fn, items, kwds = msg
-        try:
-            if flags & P.F_APPLY:
-                result = fn(*items, **kwds) if kwds else fn(*items)
-                if isinstance(result, types.CoroutineType):
-                    result = await result
-            else:
-                result = []
-                star = flags & P.F_STAR
-                for x in items:
-                    r = fn(*x) if star else fn(x)
-                    if isinstance(r, types.CoroutineType):
-                        r = await r
-                    result.append(r)
-        except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
-            del msg, fn, items, kwds
-            if self.guard is not None:
-                self.check_memory(tid)
-            send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
-            return
-        del msg, items, kwds
-        if self.guard is not None:
-            self.check_memory(tid)
-        self.reply(tid, fn, result)
-
-
-async def _boxed(coro: Any) -> tuple[bool, Any]:
-    """``(True, what coro returns)``, or ``(False, the SystemExit or KeyboardInterrupt it
-    raised)``: those two never leave an asyncio task (see :meth:`Server.run_coro`)."""
-    try:
-        return True, await coro
-    except (KeyboardInterrupt, SystemExit) as exc:
-        return False, exc
 
 
 def main(

@@ -288,9 +288,6 @@ async def test_sync_task_has_its_worker_alone(gate: Gate) -> None:
 
 @asyncio_only
 async def test_idle_workers_first_then_fifo(gate: Gate, tmp_path: Path) -> None:
-    """Idle workers first; then one task queued ahead in each busy worker, the first
-    sent to the first one (docs/decisions/0065-tasks-queued-ahead.md); the rest wait in
-    the pool, in order."""
     log = tmp_path / "order"
     with anyio.fail_after(TIMEOUT):
         async with pool(2) as p, anyio.create_task_group() as tg:
@@ -301,14 +298,11 @@ async def test_idle_workers_first_then_fifo(gate: Gate, tmp_path: Path) -> None:
             for word in "abcde":
                 tg.start_soon(p.apply, funcs.pool_append, (str(log), word))
                 await settled()
-            stats = p.statistics()
-            assert (stats.queued, stats.running) == (3, 4)  # a and b queued ahead
-            gate.release(0)  # one worker runs what it holds, then the queue, in order
-            await p.apply(funcs.pool_append, (str(log), "f"))  # FIFO: after c..e
-            first, *rest = log.read_text().split()
-            assert first in "ab" and rest == list("cdef")
+            assert p.statistics().queued == 5
+            gate.release(0)  # one worker runs the queue, in order
+            await p.apply(funcs.pool_append, (str(log), "f"))  # FIFO: after a..e
+            assert log.read_text().split() == list("abcdef")
             gate.release(1)
-        assert sorted(log.read_text().split()) == list("abcdef")
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -539,8 +533,6 @@ async def test_cancelling_a_caller_kills_its_running_task(gate: Gate) -> None:
 
 
 async def test_cancelled_queued_task_never_starts(gate: Gate, tmp_path: Path) -> None:
-    """Neither the task queued ahead in the busy worker (issue 41) nor the one queued in
-    the pool starts once its caller is cancelled, and the worker is not replaced."""
     marker = tmp_path / "ran"
     with anyio.fail_after(TIMEOUT):
         async with pool(1) as p, anyio.create_task_group() as tg:
@@ -548,16 +540,13 @@ async def test_cancelled_queued_task_never_starts(gate: Gate, tmp_path: Path) ->
             await gate.ready(1)
             with anyio.CancelScope() as scope:
 
-                async def queued(word: str) -> None:
-                    await p.apply(funcs.pool_append, (str(marker), word))
+                async def queued() -> None:
+                    await p.apply(funcs.pool_append, (str(marker), "ran"))
 
                 async with anyio.create_task_group() as inner:
-                    inner.start_soon(queued, "ahead")
+                    inner.start_soon(queued)
                     await settled()
-                    inner.start_soon(queued, "queued")
-                    await settled()
-                    stats = p.statistics()
-                    assert (stats.running, stats.queued) == (2, 1)
+                    assert p.statistics().queued == 1
                     scope.cancel()
             assert p.statistics().queued == 0
             gate.release(0)
@@ -726,8 +715,8 @@ async def test_statistics(gate: Gate) -> None:
                 2,
                 0,
                 2,
-                3,  # the third queued ahead in a busy worker (issue 41)
-                0,
+                2,
+                1,
             )
             gate.release()
             await gate.ready(3)

@@ -1,5 +1,6 @@
 """Regression tests of the tasks queued ahead in a worker (issue 41; see
-docs/decisions/0065-tasks-queued-ahead.md), through the public API.
+docs/decisions/0065-tasks-queued-ahead.md), through the public API (the one seam: which
+running task a task may be queued ahead behind).
 
 A busy worker holds one sync task behind the one it runs and starts it without waiting
 for the parent. Every contract that depends on the pool knowing where a task is holds:
@@ -20,11 +21,20 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
+from aiomp._pool import workers as _workers
 from tests._gate import Gate
 from tests.children import common
 from tests.children import pool as funcs
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def every_task_ends_soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task is queued ahead only behind one expected to end soon (``ends_soon``: a
+    function that ran quickly before): here, behind the tasks the tests hold at a gate."""
+    monkeypatch.setattr(_workers, "ends_soon", lambda w, took, now: True)
+
 
 TIMEOUT = 30
 GRACE = 0.3

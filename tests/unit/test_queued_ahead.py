@@ -6,8 +6,21 @@ No processes, no event loop: each contract is checked on the scheduler's decisio
 
 from __future__ import annotations
 
+import pytest
+
+from aiomp._pool import workers as _workers
 from aiomp._pool.scheduler import DONE, DROPPED, QUEUED, RUNNING
+from aiomp._pool.tasks import Task
 from tests.unit.test_scheduler import Rig
+
+
+@pytest.fixture
+def soon(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every running task ends soon (``ends_soon``'s own rule is tested below)."""
+    monkeypatch.setattr(_workers, "ends_soon", lambda w, took, now: True)
+
+
+pytestmark = pytest.mark.usefixtures("soon")
 
 
 def test_a_sync_task_is_queued_ahead_only_when_no_worker_is_idle() -> None:
@@ -140,3 +153,44 @@ def test_a_maps_chunks_still_wait_two_deep_behind_its_own() -> None:
     chunks = [r.task(group=group) for _ in range(4)]
     r.submit(*chunks)
     assert a.sent == [c.tid for c in chunks[:3]] and r.sched.ahead == 2
+
+
+# -- behind which tasks (ends_soon) ----------------------------------------------------------
+
+
+def test_only_behind_a_function_that_ran_quickly_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks that wait on one another must never wait behind each other in one worker:
+    a task is queued ahead only behind one whose function's last run was quick, and that
+    has not run long yet (a DataLoader's feeds deadlocked without this)."""
+    monkeypatch.undo()  # the real rule
+    r = Rig(1, looks_ahead=True)
+    (a,) = r.handles
+
+    def task(fid: int) -> Task:
+        t = r.task()
+        t.fn_id = fid
+        return t
+
+    first, second = task(7), task(7)
+    r.submit(first, second)
+    assert second.state == QUEUED  # never ran: nothing known of it
+    r.sched.complete(a, first.tid, True, None)  # ran at once: quick
+    third = task(7)
+    r.submit(third)
+    assert a.sent == [first.tid, second.tid, third.tid] and r.sched.ahead == 1
+    r.sched.complete(a, second.tid, True, None)
+    r.sched.complete(a, third.tid, True, None)
+    hold, behind = task(7), task(7)
+    r.submit(hold)
+    r.sched.workers[a].since -= 2 * _workers.AHEAD_WITHIN  # it has run long now
+    r.submit(behind)
+    assert behind.state == QUEUED
+    r.sched.complete(a, hold.tid, True, None)
+    r.sched.complete(a, behind.tid, True, None)
+    _workers.never_ahead(7)
+    try:
+        x, y = task(7), task(7)
+        r.submit(x, y)
+        assert y.state == QUEUED  # never behind a function marked so
+    finally:
+        _workers.NEVER_AHEAD.discard(7)
