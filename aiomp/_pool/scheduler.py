@@ -116,8 +116,7 @@ class Scheduler:
 
     # -- workers ---------------------------------------------------------------------
     def initial_slots(self, processes: int) -> range:
-        """The slots whose workers the pool starts as it opens: all of them."""
-        return range(processes)
+        return range(processes)  # the slots whose workers start as the pool opens: all
 
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
@@ -213,12 +212,10 @@ class Scheduler:
         self.queued += 1
 
     def untake(self, w: WorkerSlot) -> None:
-        """``w``, taken with :attr:`take_idle`, was sent nothing: the next one picked."""
-        self.idle[w] = None
+        self.idle[w] = None  # taken with take_idle, it was sent nothing
 
     def started(self, w: WorkerSlot, task: Task) -> None:
-        """``task`` was sent to ``w``, taken with :attr:`take_idle` before the task was
-        submitted: recorded as :meth:`submit` would have (``apply``'s hot path)."""
+        """``task`` was sent to ``w`` (from :attr:`take_idle`): apply's hot path."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -273,6 +270,16 @@ class Scheduler:
             self.queue.appendleft(task)
             self.queued += 1
 
+    def _ran(self, w: WorkerSlot, task: Task) -> None:
+        """``task``, the first ``w`` held, is done in a busy pool: how long it ran
+        (``workers.ends_soon``), and the one queued ahead behind it has started."""
+        if task.fn_id:
+            if len(self.took) > MAX_TOOK:
+                self.took.clear()
+            self.took[task.fn_id] = monotonic() - w.since
+        if w.running:
+            self._next_started(w)
+
     def _next_started(self, w: WorkerSlot) -> None:
         """The outcome before the task queued ahead in ``w`` came with no ``skipped``: it
         has started. If its caller has gone, it is stopped as a running sync task is."""
@@ -287,11 +294,10 @@ class Scheduler:
             )
 
     @property
-    def unstarted(self) -> int:
-        """Tasks submitted and not started: queued, or queued ahead in a worker."""
+    def unstarted(self) -> int:  # tasks submitted, not started: queued, or queued ahead
         return self.queued + self.ahead
 
-    def task(self, handle: Handle, tid: int) -> Task | None:
+    def task(self, handle: Handle, tid: int) -> Task | None:  # task ``tid`` held by handle
         w = self.workers.get(handle)
         return None if w is None else w.running.get(tid)
 
@@ -306,15 +312,10 @@ class Scheduler:
         w.load -= task.weight
         self.unfinished -= 1
         self.completed += 1
-        if w.lookahead and task.fn_id:  # how long it ran: see workers.AHEAD_WITHIN
-            took = self.took
-            if len(took) > MAX_TOOK:
-                took.clear()
-            took[task.fn_id] = monotonic() - w.since
         task.finish(ok, value)
         if w.load or self.queue or w.state != READY or self._state == _CLOSED:
-            if w.lookahead and w.running:
-                self._next_started(w)
+            if w.lookahead:
+                self._ran(w, task)
             self._make_available(w)
         else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
@@ -370,8 +371,7 @@ class Scheduler:
             self.to_spawn.appendleft(slot)
             self.on_spawn()
 
-    def _wants_workers(self) -> bool:
-        """Open, or closing with tasks still queued."""
+    def _wants_workers(self) -> bool:  # open, or closing with tasks still queued
         return self._state == _OPEN or (self._state == _CLOSING and self.queued > 0)
 
     def break_pool(self, error: BaseException, cause: BaseException | None = None) -> None:
@@ -455,6 +455,8 @@ class Scheduler:
             w.state = GONE
             self.idle.pop(w, None)
             return False
+        if not w.running:
+            w.since = monotonic()  # (apply's hot path, ``started``, leaves it: see _ran)
         self._running(w, task)
         return True
 
@@ -467,8 +469,6 @@ class Scheduler:
                 w.lookahead = False  # it serves from its event loop from now on
             elif w.running:
                 self.ahead += 1
-            else:
-                w.since = monotonic()
         w.running[task.tid] = task
         w.load += task.weight
         w.dispatched += 1
