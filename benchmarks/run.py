@@ -1,8 +1,7 @@
 """Run the comparisons, print one table, and rewrite their sections of RESULTS.md.
 
-    python -m benchmarks.run [spawn queue m2m arrays torch pool run_sync loader serving cuda ray
-                             ray_spawn]
-                             [--quick] [--no-write]
+    python -m benchmarks.run [spawn queue m2m arrays torch pool throughput run_sync loader
+                              serving cuda ray ray_spawn] [--quick] [--no-write]
     python benchmarks/run.py ...
 
 Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
@@ -37,6 +36,7 @@ NAMES = (
     "arrays",
     "torch",
     "pool",
+    "throughput",
     "run_sync",
     "loader",
     "serving",
@@ -51,6 +51,7 @@ TITLES = {
     "arrays": "Arrays through a queue",
     "torch": "torch tensors through a queue",
     "pool": "Pool",
+    "throughput": "Per-call throughput: 32 concurrent one-call tasks on two workers",
     "run_sync": "run_sync and the default pool",
     "loader": "Data loading",
     "serving": "Serving: dynamic batching (pool.batched against pool.apply)",

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._child.report import ErrorPayload
 from .._errors import BrokenWorkerError, QueueClosed
+from .._pool.tasks import fn_info
+from .._pool.workers import never_ahead
 from .._queue.queue import Queue
 from . import worker as _worker
 from .epoch import Epoch, broken, note_batch
@@ -37,6 +39,10 @@ if TYPE_CHECKING:
 
 #: The ``k`` of the mark a slot's feed task puts on the results queue when it ends early.
 ENDED = -1
+
+# A feed task runs until its epoch ends, which needs the other slots' feeds: none may
+# wait behind it in its worker (docs/decisions/0065-tasks-queued-ahead.md).
+never_ahead(fn_info(_worker.feed).fid)
 
 
 class FeedEpoch(Epoch):

@@ -56,13 +56,9 @@ def has_room(sched: Scheduler, weight: int) -> bool:
 
 
 def pending(sched: Scheduler) -> int:
-    """Tasks not started yet: queued in the pool, or sent to a worker that runs its sync
-    tasks in order and waiting there behind the one it runs."""
-    ahead = 0
-    for w in sched.workers.values():
-        if w.handle.in_order and len(w.running) > 1:
-            ahead += max(sum(1 for t in w.running.values() if not t.is_async) - 1, 0)
-    return sched.queued + ahead
+    """Tasks not started yet: queued in the pool, or queued ahead in a worker behind the
+    one it runs (the scheduler's own count)."""
+    return sched.unstarted
 
 
 def overloaded(engine: Engine, weight: int) -> bool:

@@ -31,6 +31,7 @@ from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
+from .workers import KILLED
 
 if TYPE_CHECKING:
     import asyncio
@@ -358,6 +359,9 @@ class Engine:
         )
         self.sched.retire(handle)
 
+    def on_skipped(self, handle: Handle, tid: int) -> None:
+        self.sched.skipped(handle, tid)
+
     def on_lost(self, handle: Handle, exc: BaseException) -> None:
         log.error(
             "aiomp: a message from %s was lost (%s: %s); terminating it",
@@ -393,12 +397,14 @@ class Engine:
         """The caller waiting for ``tasks`` is leaving early: cancelled, or its
         ``timeout`` has passed (the caller shields this).
 
-        Queued tasks are dropped. Running async tasks are cancelled in their worker and
-        given the grace period to finish; the workers of running sync tasks, and of async
-        ones that did not finish in time, are terminated and replaced, each logged at
-        INFO with the task and why. Returns those workers with the stack each printed as
-        it was terminated (None: it could not print; see ``_pool.health``), which the
-        line of a cancellation carries.
+        Queued tasks are dropped, and so are tasks queued ahead in a worker: it is told
+        to skip them, and should it have started one before it learnt, the pool
+        terminates it once it knows (the caller does not wait for that). Running async
+        tasks are cancelled in their worker and given the grace period to finish; the
+        workers of running sync tasks, and of async ones that did not finish in time, are
+        terminated and replaced, each logged at INFO with the task and why. Returns those
+        workers with the stack each printed as it was terminated (None: it could not
+        print; see ``_pool.health``), which the line of a cancellation carries.
         """
         coop: list[Task] = []
         kill: dict[Handle, Task] = {}
@@ -408,7 +414,9 @@ class Engine:
             elif task.state == RUNNING and not self.sched.recall(task):
                 assert task.worker is not None
                 w = task.worker
-                if task.is_async and not w.killed:
+                if self.sched.cancel_ahead(task):
+                    continue  # queued ahead: the worker skips it, or is killed if it starts it
+                if task.is_async and w.state != KILLED:
                     coop.append(task)
                     w.handle.cancel(task.tid)
                 else:

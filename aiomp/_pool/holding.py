@@ -30,6 +30,10 @@ class HoldingScheduler(Scheduler):
         self.held = tuple(range(1, processes))
         return range(min(processes, 1))
 
+    def may_look_ahead(self) -> bool:
+        """Not while slots are held either: their workers take the queue first."""
+        return not self.held and super().may_look_ahead()
+
     def release_held(self) -> None:
         """Ask for the held slots' workers now (nothing if none is held, or the pool is
         broken: no worker is started for a pool on its way out)."""
@@ -63,9 +67,5 @@ class HoldingScheduler(Scheduler):
 
     def submit(self, task: Task) -> None:
         super().submit(task)
-        if self.held and self.queued > self._starting():
+        if self.held and self.queued > self.starting:
             self.release_held()  # more tasks wait than workers are starting for them
-
-    def _starting(self) -> int:
-        """Workers started and not ready yet (nor on their way out)."""
-        return sum(1 for w in self.workers.values() if not (w.ready or w.killed or w.gone))

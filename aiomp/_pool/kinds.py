@@ -31,6 +31,10 @@ class Handle(abc.ABC):
     #: The worker runs the sync tasks it holds one at a time, in the order they were sent:
     #: one sent behind another has not started while the one before it has no outcome.
     in_order: bool = True
+    #: The worker can hold a sync task *queued ahead* behind the one it runs and be told
+    #: to skip it (``cancel``, answered ``on_skipped``) until it starts it: see
+    #: docs/decisions/0065-tasks-queued-ahead.md. Needs ``in_order``.
+    looks_ahead: bool = False
     #: Set (by :meth:`run`) once the worker has exited and the handle is closed. Made in
     #: a task, when the handle is.
     dead: anyio.Event
@@ -132,6 +136,10 @@ class Events(Protocol):
     def on_retire(self, handle: Handle, tid: int, grown: int, limit: int) -> None:
         """The worker's private memory has grown ``grown`` bytes, past the pool's
         ``max_memory`` (``limit``), as it ran task ``tid``: retire it after its tasks."""
+
+    def on_skipped(self, handle: Handle, tid: int) -> None:
+        """Task ``tid``, held by the worker behind another, was not started and never
+        will be there (a ``cancel`` reached it first, or the worker is retiring)."""
 
     def on_init_failed(self, handle: Handle, cause: BaseException) -> None:
         """The initializer raised ``cause`` in the worker: the pool breaks."""

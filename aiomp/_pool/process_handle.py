@@ -66,6 +66,7 @@ class ProcessHandle(Handle):
 
     #: A worker runs its sync tasks one at a time, in the order sent (``worker_main``).
     in_order = True
+    looks_ahead = True
     prints_stack = True
 
     def __init__(
@@ -259,6 +260,8 @@ class ProcessHandle(Handle):
                 _transport.close_fds(fds)
                 return
             self._on_result(self, tid, False, self._remote_error(payload, fds))
+        elif op == P.OP_SKIPPED:
+            self._events.on_skipped(self, tid)
         elif op == P.OP_RETIRE:
             grown, limit = pickle.loads(payload)
             self._events.on_retire(self, tid, grown, limit)

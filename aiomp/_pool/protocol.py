@@ -12,7 +12,7 @@ datagram)::
     OK       header | pickle of the result
     ERR      header | pickle of an ErrorPayload
     INIT     header | pickle of (initializer, initargs)
-    CANCEL, EXIT, READY: the header alone
+    CANCEL, EXIT, READY, SKIPPED: the header alone
 
 The task id sits outside the pickle so that a message that cannot be unpickled can still
 be answered. A plain function (pickled by reference) is sent to each worker once, in a
@@ -58,6 +58,11 @@ OP_ERR = 8
 #: ``max_memory`` (the payload: ``(grown, max_memory)`` in bytes); the pool retires it
 #: after that task.
 OP_RETIRE = 10
+#: Task ``tid``, held by the worker behind the one it ran, was not started and never will
+#: be there: a CANCEL came for it first, or the worker is retiring (``max_memory``). Sent
+#: before the outcome of the task it waited behind: a task held there that has no SKIPPED
+#: by then has started (see docs/decisions/0065-tasks-queued-ahead.md).
+OP_SKIPPED = 11
 
 #: TASK flags: fn is a coroutine function; items are argument tuples (starmap); the task
 #: is one call ``fn(*args, **kwds)`` whose result is the value itself (apply), not a list;

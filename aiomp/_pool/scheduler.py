@@ -11,10 +11,19 @@ The rules (the why is in ``aiomp.Pool``'s docstring):
 * A task is *queued* (waiting in the pool, FIFO), *running* (sent to a worker, or in that
   worker's outbox), *done* or *dropped* (its caller left before it started: it never
   starts).
+* A worker is in one state (:attr:`WorkerSlot.state`): *starting* (not ready yet),
+  *ready* (takes tasks), *retiring* (takes none, exits once it holds none), *exiting*
+  (told to), *gone* (a send found it dead) or *killed* (being terminated by the pool).
 * Idle workers first, most recently idle first (LIFO). An async task (weight 1) otherwise
   goes to the least loaded worker with a free slot; a sync task needs a whole worker
   (weight ``concurrency``), except that up to :data:`CHUNKS_AHEAD` sync chunks of a map may
   wait behind a running sync chunk of the same call.
+* *Queued ahead* (docs/decisions/0065-tasks-queued-ahead.md): with no worker idle or
+  starting, a sync task may wait in a sync-mode worker whose handle ``looks_ahead``,
+  behind a task that ends soon (``workers.ends_soon``). The first task a worker holds has
+  started; each behind it starts as the outcome before it comes, unless the worker said
+  ``skipped`` first. One whose caller leaves is skipped (:meth:`cancel_ahead`), or its
+  worker killed if it started before it learnt.
 * The head of the queue is never overtaken.
 * A send that fails because the worker has gone did not start the task: it goes back to
   the head of the queue. Tasks still in a dead worker's outbox go back the same way, and
@@ -35,12 +44,26 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Iterable
+from time import monotonic
 
 from .._child.bootstrap import UNGUARDED_EXIT, UNGUARDED_MAIN
 from .._errors import BrokenPoolError
 from .health import death_error
 from .kinds import Handle
 from .tasks import DONE, DROPPED, QUEUED, RUNNING, Task, fresh  # noqa: F401 - its states
+from .workers import (
+    EXITING,
+    GONE,
+    KILLED,
+    READY,
+    RETIRING,
+    STARTING,
+    WorkerSlot,
+    cancel_ahead,
+    not_started,
+    pick_busy,
+    take_back,
+)
 
 #: Start-up deaths in a row of one slot's workers that break the pool.
 MAX_START_FAILURES = 3
@@ -48,45 +71,8 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Sync chunks of one map that may wait in a worker behind the one it runs.
-CHUNKS_AHEAD = 2
-
-
-class WorkerSlot:
-    """The scheduler's record of one worker."""
-
-    __slots__ = (
-        "dispatched",
-        "exit_sent",
-        "gone",
-        "handle",
-        "killed",
-        "load",
-        "ready",
-        "reason",
-        "replaced",
-        "retiring",
-        "running",
-        "slot",
-    )
-
-    def __init__(self, handle: Handle) -> None:
-        self.handle = handle
-        self.slot = handle.slot
-        self.ready = False
-        self.load = 0  # slots in use: 1 per async task, `concurrency` for a sync one
-        self.running: dict[int, Task] = {}
-        self.dispatched = 0
-        self.retiring = False  # maxtasksperchild reached: no new tasks, exit when empty
-        self.killed = False  # being terminated by the pool
-        self.gone = False  # a send found it dead: its exit is on its way
-        self.exit_sent = False
-        self.replaced = False  # a worker has been asked for in its place
-        self.reason = ""
-
-    @property
-    def usable(self) -> bool:
-        return self.ready and not (self.retiring or self.killed or self.gone)
+#: Functions whose last run's time the scheduler keeps (``took``) before it forgets all.
+MAX_TOOK = 1024
 
 
 _OPEN, _CLOSING, _CLOSED = range(3)
@@ -116,6 +102,10 @@ class Scheduler:
         self.take_idle = self.idle.popitem
         self.queue: collections.deque[Task] = collections.deque()
         self.queued = 0  # tasks in `queue` still QUEUED (dropped ones leave lazily)
+        self.ahead = 0  # tasks queued ahead in workers, sent and not started
+        self.starting = 0  # workers started, not ready yet, not exited
+        #: Seconds the last run of each function took (``Task.fn_id``; lookahead workers).
+        self.took: dict[int, float] = {}
         self.unfinished = 0  # tasks queued or running
         self.completed = 0
         self.replaced = 0
@@ -127,29 +117,30 @@ class Scheduler:
 
     # -- workers ---------------------------------------------------------------------
     def initial_slots(self, processes: int) -> range:
-        """The slots whose workers the pool starts as it opens: all of them."""
-        return range(processes)
+        return range(processes)  # the slots whose workers start as the pool opens: all
 
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
         self.workers[handle] = WorkerSlot(handle)
+        self.starting += 1
         self.start_errors.pop(handle.slot, None)
 
     def retire(self, handle: Handle) -> None:
         """Send ``handle``'s worker no new task, ask for its replacement now, and let it
         exit once it holds none (``maxtasksperchild``, ``max_memory``)."""
         w = self.workers.get(handle)
-        if w is not None and not (w.retiring or w.killed or w.gone):
-            w.retiring = True
+        if w is not None and w.state == READY:
+            w.state = RETIRING
             self.idle.pop(w, None)
             self._replace(w)
             self._make_available(w)
 
     def ready(self, handle: Handle) -> None:
         w = self.workers.get(handle)
-        if w is None or w.ready:
+        if w is None or w.state != STARTING:
             return
-        w.ready = True
+        w.state = READY
+        self.starting -= 1
         self.start_failures[w.slot] = 0
         self._make_available(w)
 
@@ -158,8 +149,10 @@ class Scheduler:
         w = self.workers.get(handle)
         if w is None:
             return
-        if not w.killed:
-            w.killed = True
+        if w.state != KILLED:
+            if w.state == STARTING:
+                self.starting -= 1
+            w.state = KILLED
             w.reason = w.reason or reason
             self.idle.pop(w, None)
             self._replace(w)
@@ -169,50 +162,35 @@ class Scheduler:
         self, handle: Handle, exitcode: int | None, unsent: Iterable[int] = (), why: str = ""
     ) -> None:
         """``handle``'s worker has exited (``exitcode`` None: it survived SIGKILL; ``why``:
-        its kind's reason, when it died on its own).
-
-        ``unsent``: ids of tasks that never left the pool (its outbox). They, and the sync
-        tasks it had been sent but had not started (see :func:`not_started`), go back to
-        the head of the queue, in order; those whose caller has gone are dropped. The rest
-        it held fail with :class:`BrokenWorkerError`.
-        """
+        its kind's reason, when it died on its own). The tasks it never started
+        (:func:`not_started`; ``unsent``: those still in its outbox) go back to the head of
+        the queue in order (dropped if their caller has gone); the rest fail with
+        :class:`BrokenWorkerError`."""
         w = self.workers.pop(handle, None)
         if w is None:
             return
         if why and not w.reason:
             w.reason = f" ({why})"
+        starting = w.state == STARTING
+        if starting:
+            self.starting -= 1
         self.idle.pop(w, None)
         tasks = w.running
+        if w.lookahead and tasks:
+            self.ahead -= len(tasks) - 1
         w.running = {}
         w.load = 0
         back = [tasks.pop(tid) for tid in not_started(w.handle.in_order, tasks, unsent)]
         for task in reversed(back):
-            task.worker = None
-            if task.abandoned:
-                self.unfinished -= 1
-                task.drop()
-                continue
-            task.state = QUEUED
-            self.queue.appendleft(task)
-            self.queued += 1
+            self._back(task)
         for task in tasks.values():
             err = death_error(handle, exitcode, f"while it ran {task.name}", w.reason)
             self._finish(task, False, err)
-        starting = not (w.ready or w.killed or w.retiring)
         if exitcode is not None and starting and self.broken is None:
-            failures = self.start_failures.get(w.slot, 0) + 1
-            self.start_failures[w.slot] = failures
+            failures = self.start_failures[w.slot] = self.start_failures.get(w.slot, 0) + 1
             if failures >= MAX_START_FAILURES:
                 err = death_error(handle, exitcode, "during start-up")
-                # The guard's hint is in the workers' stderr; the error must say it too.
-                why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
-                self.break_pool(
-                    BrokenPoolError(
-                        f"the pool's worker {w.slot} died during start-up {failures} times "
-                        f"in a row, the last time: {err}{why}"
-                    ),
-                    cause=err,
-                )
+                self.break_pool(start_failures_error(w.slot, failures, err, exitcode), err)
         self._replace(w)
         self._dispatch()
         self._check_drained()
@@ -235,12 +213,10 @@ class Scheduler:
         self.queued += 1
 
     def untake(self, w: WorkerSlot) -> None:
-        """``w``, taken with :attr:`take_idle`, was sent nothing: the next one picked."""
-        self.idle[w] = None
+        self.idle[w] = None  # taken with take_idle, it was sent nothing
 
     def started(self, w: WorkerSlot, task: Task) -> None:
-        """``task`` was sent to ``w``, taken with :attr:`take_idle` before the task was
-        submitted: recorded as :meth:`submit` would have (``apply``'s hot path)."""
+        """``task`` was sent to ``w`` (from :attr:`take_idle`): apply's hot path."""
         self.unfinished += 1
         self._running(w, task)
 
@@ -253,25 +229,76 @@ class Scheduler:
             self._check_drained()
 
     def recall(self, task: Task) -> bool:
-        """A running task's caller has gone: if the task never left the pool (it waits in
-        its worker's outbox), drop it as if it had been queued. False: it has left (the
-        caller stops it or its worker); should that worker die before starting it, it is
-        dropped then rather than sent to another."""
+        """A running task's caller has gone: if it waits in its worker's outbox, drop it as
+        if queued. False: it has left (should its worker die before starting it, it is
+        dropped then rather than sent to another)."""
         w = task.worker
         if task.state != RUNNING or w is None or not w.handle.unsend(task):
             task.abandoned = True
             return False
-        del w.running[task.tid]
-        w.load -= task.weight
-        w.dispatched -= 1
-        task.state = QUEUED
-        task.worker = None
-        self.queued += 1  # drop() counts it out
-        self.drop(task)
+        self.ahead -= take_back(w, task)
+        task.abandoned = True
+        self._back(task)
+        self._check_drained()
         self._make_available(w)
         return True
 
-    def task(self, handle: Handle, tid: int) -> Task | None:
+    cancel_ahead = staticmethod(cancel_ahead)
+
+    def skipped(self, handle: Handle, tid: int) -> None:
+        """``handle``'s worker never starts task ``tid``, held behind another: dropped if
+        its caller has gone, else back to the head of the queue (its worker retires)."""
+        w = self.workers.get(handle)
+        task = None if w is None else w.running.get(tid)
+        if task is None:
+            return
+        assert w is not None
+        self.ahead -= take_back(w, task)
+        self._back(task)
+        self._make_available(w)
+        self._dispatch()
+        self._check_drained()
+
+    def _back(self, task: Task) -> None:
+        """``task`` was never started: to the head of the queue, or dropped if its caller
+        has gone."""
+        task.worker = None
+        if task.abandoned:
+            self.unfinished -= 1
+            task.drop()
+        else:
+            task.state = QUEUED
+            self.queue.appendleft(task)
+            self.queued += 1
+
+    def _ran(self, w: WorkerSlot, task: Task) -> None:
+        """``task``, the first ``w`` held, is done in a busy pool: how long it ran
+        (``workers.ends_soon``), and the one queued ahead behind it has started."""
+        if task.fn_id:
+            if len(self.took) > MAX_TOOK:
+                self.took.clear()
+            self.took[task.fn_id] = monotonic() - w.since
+        if w.running:
+            self._next_started(w)
+
+    def _next_started(self, w: WorkerSlot) -> None:
+        """The outcome before the task queued ahead in ``w`` came with no ``skipped``: it
+        has started. If its caller has gone, it is stopped as a running sync task is."""
+        self.ahead -= 1
+        w.since = monotonic()
+        first = next(iter(w.running.values()))
+        if first.abandoned and w.state != KILLED:
+            self.kill(
+                w.handle,
+                f" (it started {first.name}, queued ahead, before it learnt that the "
+                "task's caller had gone)",
+            )
+
+    @property
+    def unstarted(self) -> int:  # tasks submitted, not started: queued, or queued ahead
+        return self.queued + self.ahead
+
+    def task(self, handle: Handle, tid: int) -> Task | None:  # task ``tid`` held by handle
         w = self.workers.get(handle)
         return None if w is None else w.running.get(tid)
 
@@ -287,15 +314,9 @@ class Scheduler:
         self.unfinished -= 1
         self.completed += 1
         task.finish(ok, value)
-        if (
-            w.load
-            or self.queue
-            or not w.ready
-            or w.retiring
-            or w.killed
-            or w.gone
-            or self._state == _CLOSED
-        ):
+        if w.load or self.queue or w.state != READY or self._state == _CLOSED:
+            if w.lookahead:
+                self._ran(w, task)
             self._make_available(w)
         else:  # idle again, nothing waits. hot path: tests/budgets
             self.idle[w] = None
@@ -326,9 +347,7 @@ class Scheduler:
 
     def _replace(self, w: WorkerSlot) -> None:
         """Start a worker in ``w``'s place, if the pool still wants one (once per worker)."""
-        if w.replaced or self.broken is not None:
-            return
-        if self._state == _CLOSED or (self._state == _CLOSING and not self.queued):
+        if w.replaced or self.broken is not None or not self._wants_workers():
             return
         w.replaced = True
         self.to_spawn.append(w.slot)
@@ -336,10 +355,9 @@ class Scheduler:
         self.on_spawn()
 
     def spawn_failed(self, slot: int, error: BaseException) -> float | None:
-        """The pool could not start a process for ``slot``: ``error`` is why (fork's EAGAIN,
-        ENOMEM, EMFILE...). Returns the seconds to wait before :meth:`respawn` tries again,
-        or None: the pool is broken (an error that is not an OSError, or the retries of
-        :data:`START_RETRY_DELAYS` are spent)."""
+        """The pool could not start a process for ``slot`` (``error``: EAGAIN, ENOMEM...).
+        The seconds to wait before :meth:`respawn`, or None: the pool is broken (not an
+        OSError, or the :data:`START_RETRY_DELAYS` are spent)."""
         failures = self.start_errors.get(slot, 0) + 1
         self.start_errors[slot] = failures
         delays = START_RETRY_DELAYS
@@ -352,12 +370,12 @@ class Scheduler:
 
     def respawn(self, slot: int) -> None:
         """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
-        if self.broken is not None or self._state == _CLOSED:
-            return
-        if self._state == _CLOSING and not self.queued:
-            return
-        self.to_spawn.appendleft(slot)
-        self.on_spawn()
+        if self.broken is None and self._wants_workers():
+            self.to_spawn.appendleft(slot)
+            self.on_spawn()
+
+    def _wants_workers(self) -> bool:  # open, or closing with tasks still queued
+        return self._state == _OPEN or (self._state == _CLOSING and self.queued > 0)
 
     def break_pool(self, error: BaseException, cause: BaseException | None = None) -> None:
         """Break the pool: queued and later tasks fail with BrokenPoolError from ``error``
@@ -385,11 +403,9 @@ class Scheduler:
 
     def _make_available(self, w: WorkerSlot) -> None:
         """``w`` has room again: let it exit if it is retiring, else mark it idle, dispatch."""
-        if w.killed or w.gone or not w.ready:
-            return
-        if w.retiring:
-            if not w.running and not w.exit_sent:
-                w.exit_sent = True
+        if w.state != READY:
+            if w.state == RETIRING and not w.running:
+                w.state = EXITING
                 w.handle.send_exit()
             return
         if w.load == 0 and self._state != _CLOSED:
@@ -402,31 +418,14 @@ class Scheduler:
     def _pick(self, task: Task) -> WorkerSlot | None:
         if self.idle:
             return self.idle.popitem()[0]
-        if task.weight < self.concurrency:  # async: the least loaded with a free slot
-            best: WorkerSlot | None = None
-            for w in self.workers.values():
-                if (
-                    w.usable
-                    and w.load + task.weight <= self.concurrency
-                    and (best is None or w.load < best.load)
-                ):
-                    best = w
-            return best
-        if task.group is None or task.is_async:
-            return None
-        # A sync chunk: behind chunks of its own call only, to the worker holding fewest.
-        group = task.group
-        best = None
-        fewest = CHUNKS_AHEAD + 1
-        for w in self.workers.values():
-            n = len(w.running)
-            if 0 < n < fewest and w.usable:
-                for other in w.running.values():
-                    if other.group is not group or other.is_async:
-                        break
-                else:
-                    best, fewest = w, n
-        return best
+        return pick_busy(
+            self.workers.values(), task, self.concurrency, self.may_look_ahead(), self.took
+        )
+
+    def may_look_ahead(self) -> bool:
+        """Whether a task may be queued ahead in a busy worker now: not while a worker is
+        starting (it takes the task once ready: idle workers first)."""
+        return not self.starting
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:
@@ -460,9 +459,11 @@ class Scheduler:
                 self.idle[w] = None
             return True
         if not sent:
-            w.gone = True
+            w.state = GONE
             self.idle.pop(w, None)
             return False
+        if not w.running:
+            w.since = monotonic()  # (apply's hot path, ``started``, leaves it: see _ran)
         self._running(w, task)
         return True
 
@@ -470,6 +471,11 @@ class Scheduler:
         """``task`` has been sent to ``w`` (or waits in its outbox)."""
         task.state = RUNNING
         task.worker = w
+        if w.lookahead:
+            if task.is_async:
+                w.lookahead = False  # it serves from its event loop from now on
+            elif w.running:
+                self.ahead += 1
         w.running[task.tid] = task
         w.load += task.weight
         w.dispatched += 1
@@ -477,24 +483,17 @@ class Scheduler:
             self.retire(w.handle)
 
     def live_workers(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if not (w.retiring or w.killed or w.gone)]
+        return [w for w in self.workers.values() if w.state <= READY]
 
 
-def not_started(in_order: bool, tasks: dict[int, Task], unsent: Iterable[int]) -> list[int]:
-    """Ids of the tasks that a dead worker held and never started, in the order sent.
-
-    ``tasks`` is in the order sent. The ``unsent`` ones never left the pool. An
-    ``in_order`` worker runs its sync tasks one at a time in that order, so of those it was
-    sent only the first can have started; an async task starts as it arrives.
-    """
-    unsent = set(unsent)
-    out: list[int] = []
-    behind = False  # past the sync task it may have been running
-    for tid, task in tasks.items():
-        if tid in unsent:
-            out.append(tid)
-        elif in_order and not task.is_async:
-            if behind:
-                out.append(tid)
-            behind = True
-    return out
+def start_failures_error(
+    slot: int, failures: int, err: BaseException, exitcode: int
+) -> BrokenPoolError:
+    """Why the pool breaks when ``slot``'s workers died during start-up ``failures`` times
+    in a row, the last one with ``err``."""
+    # The guard's hint is in the workers' stderr; the error must say it too.
+    why = f": {UNGUARDED_MAIN}" if exitcode == UNGUARDED_EXIT else ""
+    return BrokenPoolError(
+        f"the pool's worker {slot} died during start-up {failures} times in a row, the last "
+        f"time: {err}{why}"
+    )

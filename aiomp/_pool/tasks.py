@@ -24,7 +24,7 @@ from . import protocol as P
 if TYPE_CHECKING:
     import asyncio
 
-    from .scheduler import WorkerSlot
+    from .workers import WorkerSlot
 
 QUEUED, RUNNING, DONE, DROPPED = range(4)
 

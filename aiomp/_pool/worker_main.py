@@ -25,6 +25,14 @@ In either mode a worker runs the sync tasks it holds one at a time, in the order
 came: the pool counts on it to know that a sync task sent behind another had not started
 when the worker died (see docs/decisions/0025-pool-failures.md).
 
+In sync mode the pool keeps a task *queued ahead* in the worker, behind the one it runs,
+so that the worker starts it the moment the first ends, without waiting for the parent
+(docs/decisions/0065-tasks-queued-ahead.md). Before it sends a sync task's outcome, the
+worker reads without waiting what has come meanwhile: a ``CANCEL`` of a task held there
+answers ``SKIPPED`` and the task never starts, as does every task once ``max_memory``
+has retired the worker. So the pool knows, when that outcome comes, that the next task
+held here has started unless a ``SKIPPED`` came first.
+
 Whatever a task raises is its outcome, sent to its caller: ``SystemExit`` and
 ``KeyboardInterrupt`` too, as ``concurrent.futures`` sends them (the worker ignores SIGINT,
 so a KeyboardInterrupt can only come from the task itself). The worker serves on.
@@ -38,8 +46,10 @@ Standard library and aiomp's small modules only: this module is imported by ever
 
 from __future__ import annotations
 
+import collections
 import itertools
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -55,6 +65,7 @@ from .._wire import pickling as _reduction
 from .._wire import stream as _stream
 from . import health as _health
 from . import protocol as P
+from . import worker_loop as _loop
 
 # Not `from typing import TYPE_CHECKING`: workers must not pay for importing typing.
 TYPE_CHECKING = False
@@ -116,6 +127,19 @@ class Server:
         #: The pool's ``max_memory``, until the initializer has run; then its guard.
         self.max_memory: int | None = None
         self.guard: _health.MemoryGuard | None = None
+        #: Sync mode: messages read ahead, unpacked, to serve before reading again (the
+        #: task queued ahead; see :meth:`read_ahead`).
+        self.pending: collections.deque[tuple[int, int, int, bytes | memoryview, list[int]]]
+        self.pending = collections.deque()
+        self.sync_mode = True
+        # Whether more has come, without a Python call: a frame already read (``take``),
+        # or the socket readable (``poll(0)``).
+        self.take = tasks.take
+        poller = select.poll()
+        poller.register(tasks.fileno(), select.POLLIN)
+        self.poll = poller.poll
+        #: ``max_memory`` retired it: no task it holds or is sent starts any more.
+        self.retired = False
 
     def forward_logging(self) -> None:
         if self.records is not None and "logging" in sys.modules:
@@ -136,7 +160,7 @@ class Server:
         raised here, after the loop has stopped: asyncio lets those two out of the loop in
         the middle of its step, leaving the loop to stop at once when it next runs.
         """
-        ok, value = self.get_runner().run(_boxed(coro))
+        ok, value = self.get_runner().run(_loop.boxed(coro))
         if ok:
             return value
         raise value
@@ -177,29 +201,68 @@ class Server:
             grown = None
         if grown is not None:
             limit, self.guard = self.guard.limit, None
+            self.retired = True
             send(self.chan, P.OP_RETIRE, tid, (grown, limit))
+
+    # -- tasks queued ahead (sync mode) ---------------------------------------------
+    def read_ahead(self, got: tuple[bytes, list[int]] | None = None) -> None:
+        """Before a sync task's outcome goes: keep what came meanwhile (``got``, then
+        whatever else is there) in :attr:`pending`, and answer SKIPPED for each task held
+        there that a CANCEL names, or every one once the worker is retiring. Never waits.
+        """
+        pending = self.pending
+        if got is None:
+            got = self.tasks.try_recv()
+        while got is not None:
+            op, tid, flags, payload, fds = P.unpack(*got)
+            if op == P.OP_CANCEL:
+                for i, held in enumerate(pending):
+                    if held[0] == P.OP_TASK and held[1] == tid:
+                        del pending[i]
+                        self.skip(held[1], held[4])
+                        break
+            else:
+                pending.append((op, tid, flags, payload, fds))
+            got = self.tasks.try_recv()
+        if self.retired and pending:
+            for held in [m for m in pending if m[0] == P.OP_TASK]:
+                pending.remove(held)
+                self.skip(held[1], held[4])
+
+    def skip(self, tid: int, fds: list[int]) -> None:
+        """Task ``tid`` never starts here: say so (its fds closed)."""
+        _transport.close_fds(fds)
+        self.chan.send_sync(P.control(P.OP_SKIPPED, tid), [])
 
     # -- sync mode -----------------------------------------------------------------
     def serve(self) -> None:
         """Serve tasks until EXIT or end of stream; switch to a loop for an async task."""
         recv = self.tasks.recv_sync
         fns = self.fns
+        pending = self.pending
         while True:
-            got = recv()  # one blocking recvmsg
-            assert got is not None  # (no deadline)
-            data, fds = got
-            if len(data) == _NOARGS_SIZE and not fds:
-                # ``fn()`` of a DEF'd sync function: one unpack, no payload, no pickle.
-                kind, op, tid, flags, fid = _NOARGS_HEAD(data)
-                if kind == _KIND_DATA and op == P.OP_TASK and flags == _APPLY_NOARGS:
-                    fn = fns.get(fid)
-                    if fn is not None and type(fn) is not _BadDef:
-                        self.call(tid, flags, fn, (), None)
-                        continue
-            op, tid, flags, payload, fds = P.unpack(data, fds)
+            if pending:  # read ahead, before the last outcome went
+                op, tid, flags, payload, fds = pending.popleft()
+            else:
+                got = recv()  # one blocking recvmsg
+                assert got is not None  # (no deadline)
+                data, fds = got
+                if len(data) == _NOARGS_SIZE and not fds:
+                    # ``fn()`` of a DEF'd sync function: one unpack, no payload, no pickle.
+                    kind, op, tid, flags, fid = _NOARGS_HEAD(data)
+                    if kind == _KIND_DATA and op == P.OP_TASK and flags == _APPLY_NOARGS:
+                        fn = fns.get(fid)
+                        if fn is not None and type(fn) is not _BadDef and not self.retired:
+                            self.call(tid, flags, fn, (), None)
+                            continue
+                op, tid, flags, payload, fds = P.unpack(data, fds)
             if op == P.OP_TASK:
+                if self.retired:  # sent before the pool learnt: it goes elsewhere
+                    self.skip(tid, fds)
+                    continue
                 if flags & P.F_ASYNC:
-                    self.run_coro(self.serve_async((tid, flags, payload, fds)))
+                    self.sync_mode = False
+                    self.run_coro(_loop.serve_async(self, (tid, flags, payload, fds)))
                     return
                 self.run_sync(tid, flags, payload, fds)
             elif op == P.OP_DEF:
@@ -235,6 +298,8 @@ class Server:
             fn = self.fns[fid]
             if type(fn) is _BadDef:
                 _transport.close_fds(fds)
+                if self.sync_mode:
+                    self.read_ahead()
                 send(self.chan, P.OP_ERR, tid, fn.error)
                 return None
             if flags & P.F_NOARGS:
@@ -242,6 +307,8 @@ class Server:
             args: Any = _reduction.loads(payload[4:], fds)
             return fn, args[0], args[1]
         except BaseException as exc:  # noqa: BLE001 - SystemExit too: the task's outcome
+            if self.sync_mode:
+                self.read_ahead()
             send(
                 self.chan,
                 P.OP_ERR,
@@ -269,15 +336,22 @@ class Server:
             del fn, items, kwds
             if self.guard is not None:
                 self.check_memory(tid)
+            self.read_ahead()
             send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
             return
         del items, kwds
         if self.guard is not None:
             self.check_memory(tid)
+        if (got := self.take()) is not None or self.poll(0) or self.retired:
+            self.read_ahead(got)  # the task queued ahead, a CANCEL of it
         if result is None:
             self.chan.send_sync(_OK_NONE_HEAD + _TID.pack(tid, 0) + _NONE, [])
         else:
             self.reply(tid, fn, result, chunk=not flags & P.F_APPLY)
+
+    def send_error(self, tid: int, exc: BaseException) -> None:
+        """Send ``exc`` as task ``tid``'s outcome."""
+        send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
 
     def reply(self, tid: int, fn: object, result: object, chunk: bool = False) -> None:
         """Send ``result`` (OK), or why it cannot be sent (ERR).
@@ -308,122 +382,6 @@ class Server:
                 )
                 err.__cause__ = exc
             send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(err))
-
-    # -- async mode ----------------------------------------------------------------
-    async def serve_async(self, first: tuple[int, int, bytes | memoryview, list[int]]) -> None:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Future[None] = loop.create_future()
-        tasks: dict[int, asyncio.Task[None]] = {}
-        # Sync tasks one at a time, in the order they came (see the module docstring):
-        # each task's first step, in creation order, queues it on this FIFO lock.
-        self.sync_turn = asyncio.Lock()
-
-        def finish() -> None:
-            if not finished.done():
-                finished.set_result(None)
-
-        def handle(
-            tid: int, op: int, flags: int, payload: bytes | memoryview, fds: list[int]
-        ) -> None:
-            if op == P.OP_TASK:
-                task = loop.create_task(self.run_async(tid, flags, payload, fds))
-                tasks[tid] = task
-
-                def forget(_: object) -> None:
-                    tasks.pop(tid, None)
-
-                task.add_done_callback(forget)
-                return
-            if op == P.OP_DEF:
-                self.define(tid, payload, fds)
-                return
-            _transport.close_fds(fds)
-            if op == P.OP_CANCEL:
-                running = tasks.get(tid)
-                if running is not None:
-                    running.cancel()
-            elif op == P.OP_EXIT:
-                finish()
-
-        def readable() -> None:
-            try:
-                while (got := chan.try_recv()) is not None:
-                    op, tid, flags, payload, fds = P.unpack(*got)
-                    handle(tid, op, flags, payload, fds)
-            except _transport.Closed:
-                finish()
-            except Exception as exc:  # noqa: BLE001 - a message was lost: die, as sync mode does
-                loop.remove_reader(fd)
-                if not finished.done():
-                    finished.set_exception(exc)
-
-        chan = self.tasks
-        tid, flags, payload, fds = first
-        handle(tid, P.OP_TASK, flags, payload, fds)
-        fd = chan.fileno()
-        loop.add_reader(fd, readable)
-        try:
-            readable()
-            await finished
-        finally:
-            loop.remove_reader(fd)
-        # EXIT comes only when we hold no task; end of stream means the parent has gone.
-        for task in list(tasks.values()):
-            task.cancel()
-
-    async def run_async(
-        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
-    ) -> None:
-        try:
-            if flags & P.F_ASYNC:
-                await self._run_async(tid, flags, payload, fds)
-            else:
-                async with self.sync_turn:
-                    await self._run_async(tid, flags, payload, fds)
-        except _transport.Closed:
-            pass  # the parent has gone; serve_async is ending too
-
-    async def _run_async(
-        self, tid: int, flags: int, payload: bytes | memoryview, fds: list[int]
-    ) -> None:
-        msg = self.load(tid, flags, payload, fds)
-        if msg is None:
-            return
-        fn, items, kwds = msg
-        try:
-            if flags & P.F_APPLY:
-                result = fn(*items, **kwds) if kwds else fn(*items)
-                if isinstance(result, types.CoroutineType):
-                    result = await result
-            else:
-                result = []
-                star = flags & P.F_STAR
-                for x in items:
-                    r = fn(*x) if star else fn(x)
-                    if isinstance(r, types.CoroutineType):
-                        r = await r
-                    result.append(r)
-        except BaseException as exc:  # noqa: BLE001 - CancelledError (the parent asked) too
-            del msg, fn, items, kwds
-            if self.guard is not None:
-                self.check_memory(tid)
-            send(self.chan, P.OP_ERR, tid, P.ErrorPayload.of(exc))
-            return
-        del msg, items, kwds
-        if self.guard is not None:
-            self.check_memory(tid)
-        self.reply(tid, fn, result)
-
-
-async def _boxed(coro: Any) -> tuple[bool, Any]:
-    """``(True, what coro returns)``, or ``(False, the SystemExit or KeyboardInterrupt it
-    raised)``: those two never leave an asyncio task (see :meth:`Server.run_coro`)."""
-    try:
-        return True, await coro
-    except (KeyboardInterrupt, SystemExit) as exc:
-        return False, exc
 
 
 def main(

@@ -49,8 +49,9 @@ ROLES: dict[str, str] = {
 
 #: Python calls into aiomp per operation, at most.
 CALLS: dict[str, int] = {
-    # The worker's side of apply(fn), fn sent once: the stream's read (two), run, send.
-    "worker: per apply": 4,
+    # The worker's side of apply(fn), fn sent once: the stream's read (two), run, a look
+    # at what came meanwhile (a task queued ahead, a CANCEL of it: issue 41), send.
+    "worker: per apply": 5,
     # The parent's side of apply(fn) on asyncio and uvloop, sending and receiving.
     "parent: per apply": 16,
     # From `await pool.apply(fn)` to the send of its frame: apply, anyio's cancel-scope

@@ -122,3 +122,24 @@ def result_that_exits_when_unpickled() -> object:
 
 async def nothing_async() -> None:
     return None
+
+
+# -- tasks queued ahead in a worker (tests/pool/test_queued_ahead.py) -------------------------
+
+
+def die_at_gate(key: int, address: str) -> None:
+    """Say ready, wait for the test's release, then SIGKILL this worker."""
+    gate_wait(key, address)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def grow_at_gate(key: int, address: str, mib: int) -> int:
+    """Say ready, wait for the test's release, then keep ``mib`` MiB more of private
+    memory (every page written); return the pid."""
+    gate_wait(key, address)
+    _kept.append(b"\1" * (mib << 20))
+    return os.getpid()
+
+
+#: What a growing worker keeps (a module global: it lives as long as the worker).
+_kept: list[bytes] = []

@@ -58,6 +58,7 @@ CHILD: set[str] = {
     "aiomp._child",
     "aiomp._pool.protocol",
     "aiomp._pool.worker_main",
+    "aiomp._pool.worker_loop",
     "aiomp._pool.health",
     "aiomp._process.mp_private",
     "aiomp._process.start",

@@ -29,9 +29,13 @@ class FakeHandle:
     ``in_order``: it runs its sync tasks one at a time in the order sent (a process
     worker does; a Ray actor need not)."""
 
-    def __init__(self, slot: int, pid: int = 0, in_order: bool = True) -> None:
+    def __init__(
+        self, slot: int, pid: int = 0, in_order: bool = True, looks_ahead: bool = False
+    ) -> None:
         self.slot = slot
         self.in_order = in_order
+        self.looks_ahead = looks_ahead
+        self.cancelled: list[int] = []  # ids it was told to skip (or cancel)
         self.pid = pid or 1000 + slot
         self.sent: list[int] = []
         self.outbox: list[int] = []  # sent, but still waiting for room in the socket
@@ -61,6 +65,9 @@ class FakeHandle:
     def send_exit(self) -> None:
         self.exit_requested = True
 
+    def cancel(self, tid: int) -> None:
+        self.cancelled.append(tid)
+
     def kill(self, now: bool = False) -> None:
         self.killed = True
 
@@ -69,8 +76,13 @@ class Rig:
     """A scheduler with fake workers, and helpers to make tasks."""
 
     def __init__(
-        self, processes: int = 2, concurrency: int = 1, maxtasks: int | None = None
+        self,
+        processes: int = 2,
+        concurrency: int = 1,
+        maxtasks: int | None = None,
+        looks_ahead: bool = False,
     ) -> None:
+        self.looks_ahead = looks_ahead
         self.spawns = 0
         self.drained = 0
         self.sched = Scheduler(concurrency, maxtasks, self._spawn, self._drained)
@@ -87,7 +99,7 @@ class Rig:
         self.drained += 1
 
     def start(self, slot: int, ready: bool = True) -> FakeHandle:
-        h = FakeHandle(slot, pid=2000 + len(self.handles))
+        h = FakeHandle(slot, pid=2000 + len(self.handles), looks_ahead=self.looks_ahead)
         self.handles.append(h)
         self.sched.add(h)
         if ready:
