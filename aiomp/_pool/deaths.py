@@ -14,7 +14,7 @@ import logging
 
 from .health import death_error
 from .kinds import Handle
-from .scheduler import WorkerSlot, not_started
+from .workers import EXITING, KILLED, RETIRING, STARTING, WorkerSlot, not_started
 
 log = logging.getLogger("aiomp")
 
@@ -23,9 +23,9 @@ def died_on_its_own(w: WorkerSlot, exitcode: int | None, asked: bool) -> bool:
     """Whether the exit of ``w``'s worker (``exitcode``) is a death the pool did not
     cause: not terminated by it, nor an exit 0 after it asked (``asked``: the pool is
     closing or broken, or the worker was retired)."""
-    if w.killed or exitcode is None:
+    if w.state == KILLED or exitcode is None:
         return False
-    return exitcode != 0 or not (asked or w.exit_sent or w.retiring)
+    return exitcode != 0 or not (asked or w.state in (RETIRING, EXITING))
 
 
 def log_death(w: WorkerSlot, exitcode: int, unsent: list[int]) -> None:
@@ -33,7 +33,7 @@ def log_death(w: WorkerSlot, exitcode: int, unsent: list[int]) -> None:
     handle: Handle = w.handle
     waiting = set(not_started(handle.in_order, w.running, unsent))
     ran = [t.name for tid, t in w.running.items() if tid not in waiting]
-    if not w.ready:
+    if w.state == STARTING:
         during = "during start-up"
     elif ran:
         during = "while it ran " + ", ".join(ran)
