@@ -13,13 +13,14 @@ their batches are dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 
-from .._errors import BrokenWorkerError
+from .._errors import BrokenWorkerError, QueueClosed
+from .._loop import is_cancellation
 from . import worker as _worker
 from .sampling import derive
 
@@ -43,6 +44,7 @@ class Epoch:
         self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
         self.done = False  # no more batches to request
+        self.closed = False  # left (or ended): its streams are closed
         self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](math.inf)
         limit = loader.timeout is not None
         # With timeout=, a batch is sent only when a worker can take it at once, so that its
@@ -63,7 +65,7 @@ class Epoch:
                 self.close()
                 self.loader.finished(self)
                 raise StopAsyncIteration
-            await self._receive()
+            await receive(self._receive)
         ok, value = got
         self.handed_count += 1
         self._request()
@@ -114,7 +116,9 @@ class Epoch:
         outcome: tuple[int, bool, Any]
         try:
             outcome = (k, True, await self._fetch_map(k, indices))
-        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by __anext__
+        except BaseException as exc:
+            if is_cancellation(exc):
+                raise
             outcome = (k, False, exc)
         finally:
             self.loader.fetched()
@@ -141,17 +145,33 @@ class Epoch:
                 return await self._apply(_worker.build, (indices, seed))
             except BrokenWorkerError as exc:
                 last = exc  # the pool has replaced the worker: the batch again
-            except Exception as exc:
-                note_batch(exc, k, indices)
+            except BaseException as exc:
+                if not is_cancellation(exc):
+                    note_batch(exc, k, indices)
                 raise
         raise broken(last, k, indices, self.loader.max_retries)
 
     def close(self) -> None:
         """Stop taking this epoch's batches (requests still running are dropped)."""
-        self.done = True
+        self.done = self.closed = True
         self.receive.close()
         self.send.close()
         self.ready.clear()
+
+
+async def receive(step: Callable[[], Awaitable[None]]) -> None:
+    """Run an epoch's ``step`` (its wait for the next outcome); an epoch closed under it
+    (the loader was left, or its task host failed) raises RuntimeError, never waits."""
+    try:
+        await step()
+    except (anyio.ClosedResourceError, anyio.EndOfStream, QueueClosed) as exc:
+        raise EpochClosed(
+            "aiomp.DataLoader: this epoch was closed (the loader was left, or its tasks failed)"
+        ) from exc
+
+
+class EpochClosed(RuntimeError):
+    """Raised by an epoch's iterator once the epoch was closed under it."""
 
 
 def note_batch(exc: BaseException, k: int, indices: list[Any]) -> BaseException:

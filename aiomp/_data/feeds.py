@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._child.report import ErrorPayload
 from .._errors import BrokenWorkerError, QueueClosed
+from .._loop import is_cancellation
 from .._queue.queue import Queue
 from . import worker as _worker
 from .epoch import Epoch, broken, note_batch
@@ -73,10 +74,14 @@ class FeedEpoch(Epoch):
         try:
             await loader.pool.apply(_worker.feed, (requests, self.results, slot))
             return
-        except Exception as exc:  # noqa: BLE001 - the owed batches' outcome, see _ended
+        except BaseException as exc:
+            if is_cancellation(exc):
+                raise
             self.ended[slot] = exc
         finally:
             loader.fetched()
+        if self.closed:
+            return  # the epoch was left: its results queue is closed
         try:
             self.results.put_nowait((slot, ENDED, False, None))
         except QueueClosed:

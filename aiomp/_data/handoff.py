@@ -53,9 +53,14 @@ class Handoff:
 
     async def pump(self, open_epoch: Callable[[], Epoch | StreamEpoch]) -> None:
         """On the loop: open the epoch (``loader.__aiter__``: one hop from the consumer's
-        thread starts the epoch and its pump) and move its batches here until its end or
-        first error. Cancelled by the consumer when it stops (the epoch stays as it was)."""
+        thread starts the epoch and its pump) and move its batches here until its end. A
+        batch's error (a ``BaseException`` from the dataset too) is moved as an item and
+        the pump goes on, so that iterating on gives the later batches, as in async code.
+        Cancelled by the consumer when it stops (the epoch stays as it was)."""
         import asyncio
+
+        from .._loop import is_cancellation
+        from .epoch import EpochClosed
 
         self.loop = asyncio.get_running_loop()
         try:
@@ -71,9 +76,17 @@ class Handoff:
             except StopAsyncIteration:
                 self._append(END, None)
                 return
-            except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
-                self._append(ERROR, exc)
-                return
+            except BaseException as exc:
+                if is_cancellation(exc):
+                    raise
+                closed = isinstance(exc, EpochClosed)
+                room = self._append(ERROR, exc)
+                del exc
+                if closed:
+                    return
+                if room is not None:
+                    await room
+                continue
             room = self._append(BATCH, batch)
             del batch
             if room is not None:
@@ -108,9 +121,9 @@ class Handoff:
         if room is not None:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(_wake, room)
-        if kind == BATCH:
-            self.taken += 1
-        elif kind == END:
+        if kind != END:
+            self.taken += 1  # a batch's error counts as handed out, as in async code
+        else:
             self.ended = True
         return kind, value
 
@@ -118,3 +131,38 @@ class Handoff:
 def _wake(room: asyncio.Future[None]) -> None:
     if not room.done():  # not cancelled meanwhile
         room.set_result(None)
+
+
+class Batches:
+    """What ``for batch in loader`` iterates: one epoch's batches, taken off its
+    :class:`Handoff`. A batch's error is raised by the ``next()`` that would have given
+    the batch, and the iterator goes on (torch's skip-the-bad-batch loop works); the
+    epoch's end raises ``StopIteration`` for good. Closing it (or dropping it) stops the
+    pump."""
+
+    def __init__(self, handoff: Handoff, pump: concurrent.futures.Future[None]) -> None:
+        self.handoff = handoff
+        self.pump: concurrent.futures.Future[None] | None = pump
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        if self.pump is None:
+            raise StopIteration
+        kind, value = self.handoff.get(self.pump)
+        if kind == END:
+            self.close()
+            raise StopIteration
+        if kind == ERROR:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop the pump (idempotent; the epoch stays as it was)."""
+        pump, self.pump = self.pump, None
+        if pump is not None and not pump.done():
+            pump.cancel()
+
+    def __del__(self) -> None:
+        self.close()

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
@@ -14,10 +17,11 @@ import anyio.abc
 from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
-from .._process.checks import count
+from .._process.checks import check_start_method, count
+from .._process.placement import slot_envs
 from .epoch import Epoch
 from .feeds import FeedEpoch
-from .handoff import END, ERROR, Handoff
+from .handoff import Batches, Handoff
 from .sampling import Sampling, batch_count, is_map_style
 from .streams import StreamEpoch
 from .worker import init as _init_worker
@@ -121,14 +125,16 @@ class DataLoader:
             if self.map_style
             else None
         )
-        options: dict[str, Any] = {} if env is None else {"env": env}
+        check_start_method(start_method)
+        envs = slot_envs(env, num_workers)  # TypeError now, as Pool(env=...) raises
+        options: dict[str, Any] = {} if envs is None else {"env": envs.__getitem__}
         #: The workers' pool, made when the loader is entered (a pool made here and
         #: never entered would warn of it when collected).
         self._new_pool = functools.partial(
             Pool,
             num_workers,
             initializer=_init_worker,
-            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn),
+            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn, _torch_in_use()),
             start_method=start_method,
             **options,
         )
@@ -144,6 +150,7 @@ class DataLoader:
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
+        self._batches: Batches | None = None  # its iterator
 
     def __len__(self) -> int:
         """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``)."""
@@ -205,14 +212,22 @@ class DataLoader:
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        self.seed = int(state["seed"])
+        epoch, batches, seed = _checked_state(state, self._batches_per_epoch())
+        self.seed = seed
         self._handoff = None
-        self._next_epoch = int(state["epoch"])
-        self._skip = int(state["batches"]) if self.map_style else 0
+        self._next_epoch = epoch
+        self._skip = batches if self.map_style else 0
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
             self._skip_sampler = True
+
+    def _batches_per_epoch(self) -> int | None:
+        """``len(self)``, or None where it is unknown (an iterable dataset with no len)."""
+        try:
+            return len(self)
+        except TypeError:
+            return None
 
     # -- async -------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -313,40 +328,40 @@ class DataLoader:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._portal, self._portal_cm = portal, cm
+        _opened(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        """Stop the workers as ``async with`` does, then the private loop."""
+        """Stop the workers as ``async with`` does, then the private loop. An iterator
+        still referenced (``it = iter(loader)``, unfinished) is stopped first."""
         portal, cm = self._portal, self._portal_cm
         self._portal = self._portal_cm = None
+        _OPEN.discard(self)
         if portal is None:
             return
+        batches, self._batches = self._batches, None
+        if batches is not None:
+            batches.close()
+        if self._handoff is not None:
+            self._handoff.items.clear()  # batches nobody will take
         try:
             portal.call(self.__aexit__, *exc_info)
         finally:
             cm.__exit__(None, None, None)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Batches:
         """One epoch, for a sync loop (inside ``with loader:``). A pump task on the private
         loop moves the epoch's batches to this thread through a :class:`Handoff` (at most
-        ``max(2, num_workers)`` batches wait there). A batch's error is raised here and
-        ends the ``for``; leaving it early stops the pump."""
+        ``max(2, num_workers)`` batches wait there). A batch's error is raised here, and
+        iterating on gives the later batches; leaving the loop early stops the pump."""
         portal = self._portal
         if portal is None:
             raise RuntimeError("use `with loader:` before iterating in sync code")
+        if self._batches is not None:
+            self._batches.close()  # the epoch left early: its pump stops
         self._handoff = handoff = Handoff(max(2, self.num_workers))
-        pump = portal.start_task_soon(handoff.pump, self.__aiter__)
-        try:
-            while True:
-                kind, value = handoff.get(pump)
-                if kind == END:
-                    return
-                if kind == ERROR:
-                    raise value
-                yield value
-                del value  # hold one batch at a time, as an async for does
-        finally:
-            pump.cancel()
+        self._batches = Batches(handoff, portal.start_task_soon(handoff.pump, self.__aiter__))
+        return self._batches
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
@@ -354,9 +369,71 @@ class DataLoader:
 DRAIN_SECONDS = 5.0
 
 
+#: The loaders entered by ``with`` (or a first ``for``) and not yet left.
+_OPEN: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+
+
+def _opened(loader: DataLoader) -> None:
+    """Record ``loader`` as entered by ``with``. The first time: register
+    :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
+    and multiprocessing's, are registered): ``atexit`` runs it before them."""
+    global _HOOKED
+    if not _HOOKED:
+        # weakref.finalize registers its own exit hook (which closes an epoch's queues)
+        # with its first use: make sure it is registered before ours, so ours runs first.
+        weakref.finalize(_close_at_exit, int).atexit = False
+        atexit.register(_close_at_exit)
+        _HOOKED = True
+    _OPEN.add(loader)
+
+
+_HOOKED = False
+
+
+def _close_at_exit() -> None:
+    """Leave each sync loader still open, as ``with`` would, before the interpreter tears
+    down the modules its batches and threads need, and before aiomp's exit hook kills
+    their workers."""
+    for loader in list(_OPEN):
+        try:
+            loader.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - nothing to tell at exit; the workers die anyway
+            pass
+
+
 class _Leaving(Exception):
     """What the loader's block is left with when it is left normally: the Pool must not
     wait for batches nobody will take."""
+
+
+def _torch_in_use() -> bool:
+    """Whether this program uses torch (has imported it): its workers then load torch as
+    they start, so that its RNG is seeded for every batch (even a dataset importing torch
+    only in ``__getitem__``) and batches are collated as torch's."""
+    return "torch" in sys.modules
+
+
+def _checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int]:
+    """``(epoch, batches, seed)`` of a state dict, or ValueError naming its bad field."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"a DataLoader state must be a dict, not {type(state).__name__}")
+    got = []
+    for field in ("epoch", "batches", "seed"):
+        if field not in state:
+            raise ValueError(f"DataLoader state: the field {field!r} is missing")
+        value = state[field]
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(
+                f"DataLoader state: {field!r} must be an int, not {type(value).__name__}"
+            )
+        if field != "seed" and value < 0:
+            raise ValueError(f"DataLoader state: {field!r} must be at least 0, not {value}")
+        got.append(value)
+    if per_epoch is not None and got[1] > per_epoch:
+        raise ValueError(
+            f"DataLoader state: 'batches' is {got[1]}, past the {per_epoch} batches of an epoch"
+        )
+    return got[0], got[1], got[2]
 
 
 def _counts(

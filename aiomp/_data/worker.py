@@ -48,6 +48,7 @@ def init(
     seed: int,
     collate_fn: Callable[[Any], Any] | None,
     worker_init_fn: Callable[[int], object] | None,
+    torch_in_use: bool = False,
 ) -> None:
     """The Pool's initializer: record who this worker is (``aiomp.get_worker_info()`` and,
     where torch is loaded, ``torch.utils.data.get_worker_info()``), then run
@@ -59,8 +60,13 @@ def init(
     if collate_fn is not None:
         _state.collate = collate_fn
     _state.info = _info.set_worker_info(slot, num_workers, derive(seed, slot), dataset)
-    if "torch" in sys.modules:
-        import torch.utils.data  # noqa: F401  (loaded by the dataset already: cheap)
+    # Loaded before the first batch, so that its first draw is seeded too (a dataset may
+    # import numpy or torch only in __getitem__): numpy always (a dependency of aiomp, and
+    # of the default collate); torch where the consumer's program uses it.
+    import numpy.random  # noqa: F401
+
+    if torch_in_use or "torch" in sys.modules:
+        import torch.utils.data  # noqa: F401
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
         worker_init_fn(slot)
@@ -85,8 +91,6 @@ def _seed(seed: int) -> None:
     info = _state.info
     assert info is not None
     info.seed = seed
-    if "numpy" in sys.modules:  # numpy loads numpy.random on first use: a sample's draw
-        import numpy.random  # noqa: F401 - must find it seeded
     reseed(seed)
     # torch's get_worker_info() returns this module global: ours has the same names.
     twi = sys.modules.get("torch.utils.data._utils.worker")
@@ -164,7 +168,7 @@ def feed(requests: Any, results: Any, slot: int) -> None:
             return
         try:
             item = (slot, k, True, build(indices, seed))
-        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by the consumer
+        except BaseException as exc:  # noqa: BLE001 - the batch's outcome (SystemExit too), raised by the consumer
             item = (slot, k, False, (ErrorPayload.of(exc), os.getpid()))
         try:
             put(item)

@@ -1,0 +1,78 @@
+"""Datasets that tests/data/test_trust.py hands to aiomp.DataLoader workers (issue 38:
+a dataset's BaseException, seeds that reproduce numpy's and torch's global RNGs).
+
+Standard library only at module level: numpy and torch are imported by the samples that
+draw from them, as a dataset that imports them lazily does (the worker must seed them
+anyway).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KINDS: dict[str, type[BaseException]] = {
+    "SystemExit": SystemExit,
+    "KeyboardInterrupt": KeyboardInterrupt,
+    "GeneratorExit": GeneratorExit,
+}
+
+
+class BaseRaiseAt:
+    """Sample ``bad`` raises ``kind`` (a BaseException's name) the first ``times`` times
+    it is built (counted in files under ``marks``)."""
+
+    def __init__(self, n: int, bad: int, kind: str, marks: str, times: int = 1) -> None:
+        self.n, self.bad, self.kind, self.marks, self.times = n, bad, kind, marks, times
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.bad:
+            done = len(list(Path(self.marks).iterdir()))
+            if done < self.times:
+                Path(self.marks, str(done)).touch()
+                raise KINDS[self.kind](f"sample {i} raised {self.kind}")
+        return i
+
+
+class BaseRaiseStream:
+    """An iterable dataset whose shard 0 raises ``kind`` at its second sample, once."""
+
+    def __init__(self, n: int, kind: str, marks: str) -> None:
+        self.n, self.kind, self.marks = n, kind, marks
+
+    def __iter__(self) -> Any:
+        import aiomp
+
+        info = aiomp.get_worker_info()
+        assert info is not None
+        for i in range(info.id, self.n, info.num_workers):
+            if i == info.num_workers and not Path(self.marks, "raised").exists():
+                Path(self.marks, "raised").touch()
+                raise KINDS[self.kind](f"sample {i} raised {self.kind}")
+            yield i
+
+
+class Draws:
+    """Sample ``i`` is ``(i, random.random(), numpy.random.random(), torch.rand(()))``
+    (torch's only with ``torch=True``), numpy and torch imported by the sample."""
+
+    def __init__(self, n: int, torch: bool = False) -> None:
+        self.n, self.torch = n, torch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, float, float, float]:
+        import random
+
+        import numpy
+
+        t = 0.0
+        if self.torch:
+            import torch
+
+            t = float(torch.rand(()))
+        return (i, random.random(), float(numpy.random.random()), t)
