@@ -71,7 +71,7 @@ class Epoch:
         self._request()
         if not ok:
             raise value
-        return value
+        return self.loader.pinned(value)
 
     async def _receive(self) -> None:
         """Wait for one request's outcome and file it in ``ready``."""

@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
-import secrets
-import sys
-import weakref
-from collections.abc import Callable, Iterable, Mapping
+import types
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Self
 
 import anyio
@@ -17,13 +14,21 @@ import anyio.abc
 from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
-from .._process.checks import check_start_method, count
 from .._process.placement import slot_envs
+from . import options as _options
 from .epoch import Epoch
 from .feeds import FeedEpoch
-from .handoff import Batches, Handoff
-from .sampling import Sampling, batch_count, is_map_style
+from .handoff import OPEN, Batches, Handoff, opened
+from .local import LocalEpoch
+from .sampling import (
+    BuiltinBatchSampler,
+    BuiltinSampler,
+    Sampling,
+    batch_count,
+    is_map_style,
+)
 from .streams import StreamEpoch
+from .worker import Builder
 from .worker import init as _init_worker
 
 if TYPE_CHECKING:
@@ -76,24 +81,30 @@ class DataLoader:
         self,
         dataset: Any,
         batch_size: int | None = 1,
-        *,
-        shuffle: bool = False,
+        shuffle: bool | None = None,
         sampler: Iterable[Any] | None = None,
         batch_sampler: Iterable[list[Any]] | None = None,
         num_workers: int = 2,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
-        seed: int | None = None,
+        timeout: float | None = 0,
         worker_init_fn: Callable[[int], object] | None = None,
-        prefetch_factor: int = 2,
-        timeout: float | None = None,
-        max_retries: int = 2,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
         in_order: bool = True,
-        start_method: str = "spawn",
+        seed: int | None = None,
+        max_retries: int = 2,
+        start_method: str | None = None,
         env: Any = None,
     ) -> None:
-        num_workers, prefetch_factor = _counts(num_workers, prefetch_factor, timeout, max_retries)
-        self.dataset = dataset
+        num_workers = _options.workers(num_workers)
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
         self.map_style = is_map_style(dataset)
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
@@ -102,31 +113,45 @@ class DataLoader:
                     "sampler, and drop_last"
                 )
             batch_size, drop_last = None, False
-        elif batch_size is None:
-            raise ValueError("batch_size=None (no batching) is not supported: use batch_size=1")
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually exclusive "
+                "with drop_last"
+            )
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
         if not self.map_style and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError(
-                "DataLoader with an iterable-style dataset: expected unspecified sampler, "
-                "batch_sampler and shuffle options"
+                "DataLoader with IterableDataset: expected unspecified sampler, batch_sampler "
+                "and shuffle options"
             )
+        self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.timeout = timeout
-        self.max_retries = max_retries
+        self.prefetch_factor = _options.prefetch(prefetch_factor, num_workers)
+        self.timeout = _options.timeout_of(timeout)
+        self.max_retries = _options.retries(max_retries)
         self.in_order = in_order
+        self.persistent_workers = persistent_workers  # workers persist anyway (see docs)
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self._pin = _options.pin_memory_of(pin_memory, pin_memory_device)
+        self.generator = generator
+        self.collate_fn = collate_fn
+        self.worker_init_fn = worker_init_fn
+        method = _options.start_method_of(multiprocessing_context, start_method, num_workers)
+        self.multiprocessing_context = multiprocessing_context
         #: The seed every batch's RNGs and the shuffling derive from.
-        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.seed = _options.seed_of(seed, generator)
+        auto = batch_size is not None or batch_sampler is not None
         self.sampling = (
-            Sampling(len(dataset), batch_size, shuffle, sampler, batch_sampler, drop_last)
+            Sampling(dataset, batch_size, bool(shuffle), sampler, batch_sampler, drop_last)
             if self.map_style
             else None
         )
-        check_start_method(start_method)
-        envs = slot_envs(env, num_workers)  # TypeError now, as Pool(env=...) raises
+        self._builder = Builder(dataset, collate_fn, auto)  # num_workers=0: in this process
+        envs = slot_envs(env, max(num_workers, 1))  # TypeError now, as Pool(env=...) raises
         options: dict[str, Any] = {} if envs is None else {"env": envs.__getitem__}
         #: The workers' pool, made when the loader is entered (a pool made here and
         #: never entered would warn of it when collected).
@@ -134,15 +159,15 @@ class DataLoader:
             Pool,
             num_workers,
             initializer=_init_worker,
-            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn, _torch_in_use()),
-            start_method=start_method,
+            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn, auto),
+            start_method=method,
             **options,
         )
         self._pool: Pool | None = None
         self._host: TaskHost | None = None
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
-        self._current: Epoch | StreamEpoch | None = None
+        self._current: Epoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
@@ -151,13 +176,59 @@ class DataLoader:
         self._portal_cm: Any = None
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
         self._batches: Batches | None = None  # its iterator
+        self._entered = False  # num_workers=0: ``with`` / ``async with`` entered
+        self._initialized = True
+
+    #: What torch refuses to have assigned once the loader is made.
+    _FIXED = frozenset(
+        ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and self.__dict__.get("_initialized"):
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        """``aiomp.DataLoader[T]``, as torch's ``DataLoader[T]``."""
+        return types.GenericAlias(cls, item)
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler (torch's name): the one given, or the built-in one (``None`` for an
+        iterable-style dataset, whose workers iterate it)."""
+        if self.sampling is None:
+            return self.__dict__.get("_iterable_sampler")
+        user = self.sampling.sampler
+        if user is not None:
+            return user
+        if self.sampling.batch_sampler is not None:
+            return None
+        return BuiltinSampler(self.sampling, lambda: (self.seed, self._next_epoch))
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The batch sampler (torch's name): the one given, or ``sampler`` in lists of
+        ``batch_size`` (None with ``batch_size=None``, or an iterable-style dataset)."""
+        if self.sampling is None or self.sampling.batch_sampler is not None:
+            return None if self.sampling is None else self.sampling.batch_sampler
+        if self.batch_size is None:
+            return None
+        return BuiltinBatchSampler(self.sampler, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``)."""
+        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``),
+        read from ``len(dataset)`` each time, as torch's."""
         if self.sampling is not None:
             return len(self.sampling)
-        assert self.batch_size is not None
-        return batch_count(len(self.dataset), self.batch_size, self.drop_last)
+        n = len(self.dataset)
+        return n if self.batch_size is None else batch_count(n, self.batch_size, self.drop_last)
+
+    def pinned(self, batch: Any) -> Any:
+        """``batch`` in page-locked memory where ``pin_memory`` and CUDA are there."""
+        return batch if self._pin is None else _options.pin_batch(batch)
 
     def __repr__(self) -> str:
         return (
@@ -196,7 +267,7 @@ class DataLoader:
             state["sampler"] = user.state_dict()
         return state
 
-    def _position(self) -> tuple[Epoch | StreamEpoch | None, int]:
+    def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, int]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
         sync code, handed to the consumer's thread (not those waiting in the handoff)."""
         handoff = self._handoff
@@ -212,7 +283,7 @@ class DataLoader:
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        epoch, batches, seed = _checked_state(state, self._batches_per_epoch())
+        epoch, batches, seed = _options.checked_state(state, self._batches_per_epoch())
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
@@ -232,7 +303,9 @@ class DataLoader:
     # -- async -------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         """Start the workers (concurrently: returns before they are ready). On failure or
-        cancellation nothing is left running."""
+        cancellation nothing is left running. ``num_workers=0``: nothing to start."""
+        if self.num_workers == 0:
+            return self
         self._pool = pool = self._new_pool()
         await pool.__aenter__()
         host = TaskHost(lambda: None)
@@ -253,6 +326,8 @@ class DataLoader:
         from the body: no wait."""
         _, exc, tb = exc_info
         self._abandon()
+        if self.num_workers == 0:
+            return
         host, self._host = self._host, None
         if exc is None and self.in_flight:
             # Nobody will take the batches still being built: let them finish for a
@@ -270,19 +345,26 @@ class DataLoader:
             pool, self._pool = self.pool, None
             await pool.__aexit__(type(exc) if exc else None, exc, tb)
 
-    def __aiter__(self) -> Epoch | StreamEpoch:
+    def __aiter__(self) -> Epoch | StreamEpoch | LocalEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
-        if self._host is None:
+        if self._host is None and self.num_workers:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
+        return self._open_epoch()
+
+    def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch:
         self._abandon()
         epoch, skip = self._next_epoch, self._skip
         self._next_epoch, self._skip = epoch + 1, 0
-        current: Epoch | StreamEpoch
-        if self.sampling is None:
-            current = StreamEpoch(self, epoch)
-        else:
+        batches = None
+        if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
+        current: Epoch | StreamEpoch | LocalEpoch
+        if self.num_workers == 0:
+            current = LocalEpoch(self, epoch, skip, self._builder, batches)
+        elif batches is None:
+            current = StreamEpoch(self, epoch)
+        else:
             # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
             kind = Epoch if self.timeout is not None else FeedEpoch
             current = kind(self, epoch, skip, batches)
@@ -305,7 +387,7 @@ class DataLoader:
         if not self.in_flight and self._drained is not None:
             self._drained.set()
 
-    def finished(self, epoch: Epoch | StreamEpoch) -> None:
+    def finished(self, epoch: Epoch | StreamEpoch | LocalEpoch) -> None:
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
@@ -314,6 +396,8 @@ class DataLoader:
     def __enter__(self) -> Self:
         """Start the workers for a program with no event loop: the loader's async side
         runs on a private event loop in a thread, which this thread waits for."""
+        if self.num_workers == 0 or self._portal is not None:
+            return self
         if running_asyncio_loop() is not None or trio_running():
             raise RuntimeError(
                 "`with loader:` blocks its thread: in async code use `async with loader:`"
@@ -328,7 +412,7 @@ class DataLoader:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._portal, self._portal_cm = portal, cm
-        _opened(self)
+        opened(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -336,8 +420,9 @@ class DataLoader:
         still referenced (``it = iter(loader)``, unfinished) is stopped first."""
         portal, cm = self._portal, self._portal_cm
         self._portal = self._portal_cm = None
-        _OPEN.discard(self)
+        OPEN.discard(self)
         if portal is None:
+            self._abandon()
             return
         batches, self._batches = self._batches, None
         if batches is not None:
@@ -349,19 +434,44 @@ class DataLoader:
         finally:
             cm.__exit__(None, None, None)
 
-    def __iter__(self) -> Batches:
-        """One epoch, for a sync loop (inside ``with loader:``). A pump task on the private
-        loop moves the epoch's batches to this thread through a :class:`Handoff` (at most
-        ``max(2, num_workers)`` batches wait there). A batch's error is raised here, and
-        iterating on gives the later batches; leaving the loop early stops the pump."""
+    def __iter__(self) -> Batches | LocalEpoch:
+        """One epoch, for a sync loop. As torch's, it needs no ``with``: the first
+        iteration starts the workers, which persist until :meth:`close`, the loader's
+        collection, or the program's exit. A pump task on the private loop moves the
+        epoch's batches to this thread through a :class:`Handoff` (at most ``max(2,
+        num_workers)`` batches wait there). A batch's error is raised here, and iterating
+        on gives the later batches; leaving the loop early stops the pump."""
+        if self.num_workers == 0:
+            epoch = self._open_epoch()
+            assert isinstance(epoch, LocalEpoch)
+            return epoch
+        if self._portal is None:
+            self.__enter__()
         portal = self._portal
-        if portal is None:
-            raise RuntimeError("use `with loader:` before iterating in sync code")
+        assert portal is not None
         if self._batches is not None:
             self._batches.close()  # the epoch left early: its pump stops
         self._handoff = handoff = Handoff(max(2, self.num_workers))
-        self._batches = Batches(handoff, portal.start_task_soon(handoff.pump, self.__aiter__))
+        self._batches = Batches(handoff, portal.start_task_soon(handoff.pump, self._workers_epoch))
         return self._batches
+
+    def _workers_epoch(self) -> Epoch | StreamEpoch:
+        epoch = self._open_epoch()
+        assert not isinstance(epoch, LocalEpoch)
+        return epoch
+
+    def close(self) -> None:
+        """Stop the workers a ``for`` started (as leaving ``with loader:`` does)."""
+        self.__exit__(None, None, None)
+
+    def __del__(self) -> None:
+        # Collected with its workers running (a ``for`` with no ``with``): stop them, as
+        # torch's loader does, unless collected on an event loop's thread (then at exit).
+        if self.__dict__.get("_portal") is not None and running_asyncio_loop() is None:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - nothing to tell from a finalizer
+                pass
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
@@ -369,86 +479,6 @@ class DataLoader:
 DRAIN_SECONDS = 5.0
 
 
-#: The loaders entered by ``with`` (or a first ``for``) and not yet left.
-_OPEN: weakref.WeakSet[DataLoader] = weakref.WeakSet()
-
-
-def _opened(loader: DataLoader) -> None:
-    """Record ``loader`` as entered by ``with``. The first time: register
-    :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
-    and multiprocessing's, are registered): ``atexit`` runs it before them."""
-    global _HOOKED
-    if not _HOOKED:
-        # weakref.finalize registers its own exit hook (which closes an epoch's queues)
-        # with its first use: make sure it is registered before ours, so ours runs first.
-        weakref.finalize(_close_at_exit, int).atexit = False
-        atexit.register(_close_at_exit)
-        _HOOKED = True
-    _OPEN.add(loader)
-
-
-_HOOKED = False
-
-
-def _close_at_exit() -> None:
-    """Leave each sync loader still open, as ``with`` would, before the interpreter tears
-    down the modules its batches and threads need, and before aiomp's exit hook kills
-    their workers."""
-    for loader in list(_OPEN):
-        try:
-            loader.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001 - nothing to tell at exit; the workers die anyway
-            pass
-
-
 class _Leaving(Exception):
     """What the loader's block is left with when it is left normally: the Pool must not
     wait for batches nobody will take."""
-
-
-def _torch_in_use() -> bool:
-    """Whether this program uses torch (has imported it): its workers then load torch as
-    they start, so that its RNG is seeded for every batch (even a dataset importing torch
-    only in ``__getitem__``) and batches are collated as torch's."""
-    return "torch" in sys.modules
-
-
-def _checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int]:
-    """``(epoch, batches, seed)`` of a state dict, or ValueError naming its bad field."""
-    if not isinstance(state, Mapping):
-        raise ValueError(f"a DataLoader state must be a dict, not {type(state).__name__}")
-    got = []
-    for field in ("epoch", "batches", "seed"):
-        if field not in state:
-            raise ValueError(f"DataLoader state: the field {field!r} is missing")
-        value = state[field]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(
-                f"DataLoader state: {field!r} must be an int, not {type(value).__name__}"
-            )
-        if field != "seed" and value < 0:
-            raise ValueError(f"DataLoader state: {field!r} must be at least 0, not {value}")
-        got.append(value)
-    if per_epoch is not None and got[1] > per_epoch:
-        raise ValueError(
-            f"DataLoader state: 'batches' is {got[1]}, past the {per_epoch} batches of an epoch"
-        )
-    return got[0], got[1], got[2]
-
-
-def _counts(
-    num_workers: object, prefetch_factor: object, timeout: float | None, retries: int
-) -> tuple[int, int]:
-    """``num_workers`` and ``prefetch_factor`` as ints >= 1 (a float or a string is a
-    TypeError, as Python's pools raise), once all four options are checked."""
-    try:
-        workers = count("num_workers", num_workers)
-    except ValueError as exc:
-        exc.add_note("(loading in the consumer, as torch's 0 does, would block its loop)")
-        raise
-    prefetch = count("prefetch_factor", prefetch_factor)
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive or None, not {timeout}")
-    if retries < 0:
-        raise ValueError(f"max_retries must be at least 0, not {retries}")
-    return workers, prefetch

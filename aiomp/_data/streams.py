@@ -98,7 +98,7 @@ class StreamEpoch:
         ok, value = got
         if not ok:
             raise value
-        return value
+        return self.loader.pinned(value)
 
     async def _receive(self) -> None:
         timeout = self.loader.timeout

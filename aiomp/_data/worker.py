@@ -20,14 +20,39 @@ from typing import Any
 
 from .._child import info as _info
 from .._child.seeds import reseed
-from .collate import default_collate
+from .collate import default_collate, default_convert
+
+
+class Builder:
+    """What builds a batch from sample indices: the dataset and the collate function.
+    ``auto``: batches of samples (``collate_fn(list of samples)``); False (torch's
+    ``batch_size=None``): each "batch" is one sample, ``collate_fn(sample)``."""
+
+    def __init__(
+        self, dataset: Any, collate_fn: Callable[[Any], Any] | None, auto: bool = True
+    ) -> None:
+        self.dataset = dataset
+        self.auto = auto
+        self.collate = collate_fn or (default_collate if auto else default_convert)
+
+    def build(self, indices: list[Any]) -> Any:
+        """The batch of ``indices`` (one index where not ``auto``), collated."""
+        dataset = self.dataset
+        if not self.auto:
+            return self.collate(dataset[indices[0]])
+        getitems = getattr(dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
+        return self.collate(samples)
+
+    def chunk(self, samples: list[Any]) -> Any:
+        """An iterable dataset's batch: ``samples`` collated (one sample where not auto)."""
+        return self.collate(samples) if self.auto else self.collate(samples[0])
 
 
 class _State:
     """This worker's loader: set once by :func:`init`."""
 
-    dataset: Any = None
-    collate: Callable[[Any], Any] = staticmethod(default_collate)
+    builder: Builder = Builder(None, None)
     info: _info.WorkerInfo | None = None
 
 
@@ -48,7 +73,7 @@ def init(
     seed: int,
     collate_fn: Callable[[Any], Any] | None,
     worker_init_fn: Callable[[int], object] | None,
-    torch_in_use: bool = False,
+    auto: bool = True,
 ) -> None:
     """The Pool's initializer: record who this worker is (``aiomp.get_worker_info()`` and,
     where torch is loaded, ``torch.utils.data.get_worker_info()``), then run
@@ -56,16 +81,14 @@ def init(
     from .sampling import derive
 
     slot = _slot()
-    _state.dataset = dataset
-    if collate_fn is not None:
-        _state.collate = collate_fn
+    _state.builder = Builder(dataset, collate_fn, auto)
     _state.info = _info.set_worker_info(slot, num_workers, derive(seed, slot), dataset)
     # Loaded before the first batch, so that its first draw is seeded too (a dataset may
-    # import numpy or torch only in __getitem__): numpy always (a dependency of aiomp, and
-    # of the default collate); torch where the consumer's program uses it.
+    # import numpy only in __getitem__; numpy is a dependency of aiomp and of the default
+    # collate). torch, too heavy to load for nothing, is seeded by build() instead.
     import numpy.random  # noqa: F401
 
-    if torch_in_use or "torch" in sys.modules:
+    if "torch" in sys.modules:
         import torch.utils.data  # noqa: F401
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
@@ -103,12 +126,17 @@ def ready() -> None:
 
 
 def build(indices: list[Any], seed: int) -> Any:
-    """One batch of a map-style dataset: its samples, collated."""
+    """One batch of a map-style dataset: its samples, collated, with the RNGs seeded from
+    ``seed``. A dataset that imports torch while building it (in ``__getitem__``) drew
+    from torch's RNG unseeded: the batch is built again, torch seeded (once per worker)."""
+    had_torch = "torch" in sys.modules
     _seed(seed)
-    dataset = _state.dataset
-    getitems = getattr(dataset, "__getitems__", None)
-    samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
-    return _state.collate(samples)
+    batch = _state.builder.build(indices)
+    if not had_torch and "torch" in sys.modules:
+        del batch
+        _seed(seed)
+        batch = _state.builder.build(indices)
+    return batch
 
 
 def stream(
@@ -131,14 +159,14 @@ def stream(
     own, info.id = info.id, shard
     try:
         _seed(derive(seed, epoch, shard, 0))
-        samples = iter(_state.dataset)
+        samples = iter(_state.builder.dataset)
         for j in itertools.count():
             _seed(derive(seed, epoch, shard, j))
             batch = list(itertools.islice(samples, batch_size))
             if not batch or (len(batch) < batch_size and drop_last):
                 break
             if j >= skip:
-                queue.sync.put((shard, j, _state.collate(batch)))
+                queue.sync.put((shard, j, _state.builder.chunk(batch)))
             del batch
         queue.sync.put((shard, -1, None))
     except QueueClosed:
