@@ -192,7 +192,8 @@ class DataLoader:
         super().__setattr__(name, value)
 
     def __class_getitem__(cls, item: Any) -> Any:
-        """``aiomp.DataLoader[T]``, as torch's ``DataLoader[T]``."""
+        """``aiomp.DataLoader[T]`` at run time, as torch's ``DataLoader[T]`` (for mypy the
+        class is not generic: the sample type of an untyped dataset cannot be inferred)."""
         return types.GenericAlias(cls, item)
 
     @property

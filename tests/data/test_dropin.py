@@ -30,7 +30,7 @@ def test_torch_s_signature_in_torch_s_order() -> None:
     positional = [p.name for p in theirs if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert [p.name for p in ours[: len(positional)]] == positional
     assert {p.name for p in theirs} <= {p.name for p in ours}
-    assert aiomp.DataLoader[int] is not None  # subscriptable, as DataLoader[T]
+    assert aiomp.DataLoader[int] is not None  # type: ignore[misc]  # subscriptable, as torch's
 
 
 def test_an_unchanged_torch_training_loop_without_with() -> None:
@@ -61,7 +61,7 @@ def test_an_unchanged_torch_training_loop_without_with() -> None:
         for _ in range(2):
             for images, labels in loader:
                 assert isinstance(labels, torch.Tensor) and labels.dtype == torch.int64
-                F.cross_entropy(model(images), labels).backward()
+                F.cross_entropy(model(images), labels).backward()  # type: ignore[no-untyped-call]
             pids = loader.pool.pids()
         assert len(pids) == 2 and loader.pool.pids() == pids  # persistent
     finally:
@@ -113,7 +113,9 @@ def test_attributes_torch_code_reads_and_may_not_assign() -> None:
     ``dataset``, ``batch_size``, ``drop_last``, ``num_workers``; assigning ``batch_size``
     or ``dataset`` after construction raises as torch's (it was accepted and ignored)."""
     data = Images(8)
-    sampler = DistributedSampler(data, num_replicas=2, rank=0, shuffle=True, seed=1)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        data, num_replicas=2, rank=0, shuffle=True, seed=1
+    )
     loader = aiomp.DataLoader(data, 2, sampler=sampler, num_workers=0)
     assert loader.sampler is sampler and loader.dataset is data
     assert (loader.batch_size, loader.drop_last, loader.num_workers) == (2, False, 0)
