@@ -60,7 +60,8 @@ class StreamEpoch:
     async def _run(self, shard: int) -> None:
         loader = self.loader
         loader.in_flight += 1
-        args = (self.epoch, shard, loader.seed, loader.batch_size, loader.drop_last, self.queue)
+        size = loader.batch_size or 1  # None (no batching): each sample alone
+        args = (self.epoch, shard, loader.seed, size, loader.drop_last, self.queue)
         try:
             with self.scopes[shard]:
                 for tries in range(loader.max_retries + 1):

@@ -21,6 +21,7 @@ from typing import Any
 from .._child import info as _info
 from .._child.seeds import reseed
 from .collate import default_collate, default_convert
+from .sampling import is_map_style
 
 
 class Builder:
@@ -54,6 +55,8 @@ class _State:
 
     builder: Builder = Builder(None, None)
     info: _info.WorkerInfo | None = None
+    pristine: Any = None  # an iterable dataset as it came, for the shards of other slots
+    copies: dict[int, Any] = {}  # noqa: RUF012 - one per worker process
 
 
 _state = _State()
@@ -82,6 +85,8 @@ def init(
 
     slot = _slot()
     _state.builder = Builder(dataset, collate_fn, auto)
+    if not is_map_style(dataset):
+        _state.pristine = _copy(dataset)
     _state.info = _info.set_worker_info(slot, num_workers, derive(seed, slot), dataset)
     # Loaded before the first batch, so that its first draw is seeded too (a dataset may
     # import numpy only in __getitem__; numpy is a dependency of aiomp and of the default
@@ -157,9 +162,10 @@ def stream(
     info = _state.info
     assert info is not None
     own, info.id = info.id, shard
+    info.dataset = dataset = _shard_dataset(shard, own)
     try:
         _seed(derive(seed, epoch, shard, 0))
-        samples = iter(_state.builder.dataset)
+        samples = iter(dataset)
         for j in itertools.count():
             _seed(derive(seed, epoch, shard, j))
             batch = list(itertools.islice(samples, batch_size))
@@ -172,7 +178,30 @@ def stream(
     except QueueClosed:
         pass
     finally:
-        info.id = own
+        info.id, info.dataset = own, _state.builder.dataset
+
+
+def _shard_dataset(shard: int, own: int) -> Any:
+    """The dataset object that shard ``shard`` iterates in this worker: the worker's own
+    for its own slot, else a copy made once per shard from the dataset as it came. So, as
+    in torch (each worker iterates its own copy), a dataset that keeps state in itself
+    never sees another shard's iteration (issue 39 bug 6)."""
+    if shard == own or _state.pristine is None:
+        return _state.builder.dataset
+    dataset = _state.copies.get(shard)
+    if dataset is None:
+        dataset = _state.copies[shard] = _copy(_state.pristine)
+    return dataset
+
+
+def _copy(dataset: Any) -> Any:
+    """A deep copy of ``dataset``, or None where it cannot be copied (then shards share)."""
+    import copy
+
+    try:
+        return copy.deepcopy(dataset)
+    except Exception:  # noqa: BLE001 - a dataset holding a lock or a file: shared, as before
+        return None
 
 
 def feed(requests: Any, results: Any, slot: int) -> None:

@@ -76,3 +76,36 @@ class Draws:
 
             t = float(torch.rand(()))
         return (i, random.random(), float(numpy.random.random()), t)
+
+
+class KeepsPosition:
+    """An iterable dataset that keeps its position in itself (as a file reader would):
+    each shard yields the samples ``i % num_workers == id`` of ``range(n)``. Shard 0
+    touches ``marks/shard0-done`` at its end."""
+
+    def __init__(self, n: int, marks: str) -> None:
+        self.n, self.marks, self.pos = n, marks, 0
+
+    def __iter__(self) -> Any:
+        import aiomp
+
+        info = aiomp.get_worker_info()
+        assert info is not None
+        while self.pos < self.n:
+            i, self.pos = self.pos, self.pos + 1
+            if i % info.num_workers == info.id:
+                yield i
+        if info.id == 0:
+            Path(self.marks, "shard0-done").touch()
+
+
+def slot1_waits_for_shard0(worker_id: int, marks: str) -> None:
+    """A worker_init_fn: worker 1 is not ready before shard 0 has ended, so that the Pool
+    gives shard 1 to worker 0 after shard 0 (bounded: 60 s)."""
+    import time
+
+    if worker_id != 1:
+        return
+    deadline = time.monotonic() + 60
+    while not Path(marks, "shard0-done").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # handshake: polls the file shard 0 writes

@@ -200,3 +200,19 @@ def test_an_abandoned_sync_loader_is_quiet_at_exit(method: str) -> None:
         )
         assert out.returncode == 0 and out.stdout == "[0, 1]\n", out.stderr
         assert out.stderr == ""
+
+
+def test_an_iterable_dataset_s_shards_each_iterate_their_own_copy(tmp_path: Path) -> None:
+    """Issue 39 bug 6: two shards run one after the other in one worker shared the
+    dataset object, so a dataset keeping its position in itself delivered 7 of 14
+    samples. Each shard iterates its own copy, as each torch worker does."""
+    import functools
+
+    from tests.children.data_trust import KeepsPosition, slot1_waits_for_shard0
+
+    init = functools.partial(slot1_waits_for_shard0, marks=str(tmp_path))
+    with aiomp.DataLoader(
+        KeepsPosition(14, str(tmp_path)), 2, worker_init_fn=init, start_method=FS
+    ) as loader:
+        got = sorted(x for b in loader for x in b.tolist())
+    assert got == list(range(14))
