@@ -49,30 +49,35 @@ class DataLoader:
             for images, labels in loader:
                 ...
 
-    torch's names and meanings: ``dataset`` is map-style (``__getitem__`` and ``__len__``:
-    a torch ``Dataset``, a list, an array) or iterable-style (a torch ``IterableDataset`` or
-    any object with ``__iter__`` and no ``__getitem__``; each worker runs its own iterator
-    and shards it by ``get_worker_info()``, as in torch). ``sampler`` and
-    ``batch_sampler`` take torch's samplers; ``shuffle``, ``drop_last``, ``collate_fn``
-    (default: :func:`default_collate`, straight into shared memory),
-    ``worker_init_fn(worker_id)`` and ``prefetch_factor`` (at most
-    ``prefetch_factor * num_workers`` batches requested and not yet handed out) as
-    torch's. Workers are persistent: started by ``async with`` / ``with``, kept over
-    epochs. ``start_method`` and ``env`` are the Pool's.
+    torch's signature, order and meanings (a drop-in: ``for batch in loader`` needs no
+    ``with``; the first iteration starts the workers, which persist until :meth:`close`,
+    collection or exit). ``dataset`` is map-style or iterable-style (each worker shards
+    its own copy by ``get_worker_info()``); ``num_workers=0`` builds the batches in this
+    process (in a thread, in ``async for``); ``batch_size=None`` gives the samples
+    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method;
+    ``pin_memory`` pins where CUDA is there; ``timeout=0`` is none; the default collate is
+    torch's ``default_collate`` where a sample holds a tensor, else
+    :func:`default_collate` (straight into shared memory). Differences from torch, each
+    with its reason: docs/data-loading-differences.md.
 
-    ``seed`` (default: drawn when the loader is made, :attr:`seed`): batch ``k`` of epoch
-    ``e`` is built with Python's ``random``, numpy's global RNG and torch's seeded from
-    ``(seed, e, k)``, and shuffling is drawn from ``(seed, e)``: one seed, the same
-    batches, whatever ``num_workers``.
+    ``seed`` (default: drawn from ``generator``, or torch's global RNG where torch is
+    imported, else fresh: :attr:`seed`): batch ``k`` of epoch ``e`` is built with
+    Python's ``random``, numpy's global RNG and torch's seeded from ``(seed, e, k)``, and
+    shuffling is drawn from ``(seed, e)``: one seed, the same batches, whatever
+    ``num_workers`` (>= 1).
 
     Faults: a worker that dies while building a batch is replaced and the batch built
     again, up to ``max_retries`` times, then :class:`aiomp.BrokenWorkerError` names the
     batch (``batch_index``, ``indices``). An exception raised by the dataset or
     ``collate_fn`` is raised here as its own type, the worker's traceback as its
-    ``__cause__`` and a note naming the batch. ``timeout`` seconds from the moment a
-    worker takes a batch: ``TimeoutError``, the worker replaced. Each of these is raised
-    by the step that would have handed the batch out; iterating on gives the later
-    batches, and the next epoch is whole.
+    ``__cause__`` and a note naming the batch; a ``BaseException`` too (``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``), as :meth:`aiomp.Pool.apply` and
+    ``concurrent.futures`` raise it: wrapping it would let ``except Exception`` swallow a
+    sample's request to stop, and raised by the step that hands its batch out, it is the
+    consumer's to catch (it never stops the event loop or the loader). ``timeout``
+    seconds from the moment a worker takes a batch: ``TimeoutError``, the worker
+    replaced. Each of these is raised by the step that would have handed the batch out;
+    iterating on gives the later batches, and the next epoch is whole.
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` (see there).
     """
@@ -308,7 +313,16 @@ class DataLoader:
         if self.num_workers == 0:
             return self
         self._pool = pool = self._new_pool()
-        await pool.__aenter__()
+        try:
+            await pool.__aenter__()
+        except RuntimeError as exc:
+            if "through inheritance" in str(exc):  # an mp.Value or lock in the dataset
+                exc.add_note(
+                    "aiomp.DataLoader: the dataset holds a multiprocessing object; give "
+                    "multiprocessing_context='fork' (torch's default on Linux), or use "
+                    "aiomp.Queue / shared arrays instead"
+                )
+            raise
         host = TaskHost(lambda: None)
         try:
             await host.start()
