@@ -289,22 +289,18 @@ class DataLoader:
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        epoch, batches, seed = _options.checked_state(state, self._batches_per_epoch())
+        epoch, batches, seed = _options.checked_state(state, _options.length(self))
+        self._abandon()  # an epoch in progress is left: ``state`` is where we are now
+        if self._batches is not None:
+            self._batches.close()
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
-        self._skip = batches if self.map_style else 0
+        self._skip = batches  # an iterable dataset replays the epoch (see above)
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
             self._skip_sampler = True
-
-    def _batches_per_epoch(self) -> int | None:
-        """``len(self)``, or None where it is unknown (an iterable dataset with no len)."""
-        try:
-            return len(self)
-        except TypeError:
-            return None
 
     # -- async -------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -375,6 +371,8 @@ class DataLoader:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
         current: Epoch | StreamEpoch | LocalEpoch
+        if batches is None:
+            skip = 0  # an iterable dataset's epoch is replayed from its start
         if self.num_workers == 0:
             current = LocalEpoch(self, epoch, skip, self._builder, batches)
         elif batches is None:

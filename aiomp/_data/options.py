@@ -127,6 +127,14 @@ def pin_memory_of(pin_memory: bool, device: str) -> str | None:
     return device or "cuda"
 
 
+def length(loader: object) -> int | None:
+    """``len(loader)``, or None where it is unknown (an iterable dataset with no len)."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int]:
     """``(epoch, batches, seed)`` of a state dict, or ValueError naming its bad field."""
     if not isinstance(state, Mapping):

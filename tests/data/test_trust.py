@@ -216,3 +216,20 @@ def test_an_iterable_dataset_s_shards_each_iterate_their_own_copy(tmp_path: Path
     ) as loader:
         got = sorted(x for b in loader for x in b.tolist())
     assert got == list(range(14))
+
+
+def test_state_dict_right_after_load_state_dict_is_what_was_loaded() -> None:
+    """Issue 39 bug 5: ``state_dict()`` right after ``load_state_dict(s)`` did not return
+    ``s`` (an epoch in progress still answered; an iterable dataset said 0 batches)."""
+    from tests.children.data import Stream
+
+    s = {"epoch": 2, "batches": 3, "seed": 7}
+    loader = aiomp.DataLoader(list(range(20)), 2, num_workers=0)
+    it = iter(loader)
+    next(it)
+    loader.load_state_dict(s)
+    assert loader.state_dict() == s
+    assert list(next(iter(loader))) == [6, 7]  # the 4th batch of epoch 2, in order
+    stream = aiomp.DataLoader(Stream(10), 2, num_workers=0)
+    stream.load_state_dict(s)
+    assert stream.state_dict() == s
