@@ -25,8 +25,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from .epoch import Epoch
-    from .loader import DataLoader
     from .streams import StreamEpoch
+    from .syncface import SyncFace
 
 #: What the pump appends: a batch, the epoch's end, or the error to raise.
 BATCH, END, ERROR = 0, 1, 2
@@ -172,10 +172,10 @@ class Batches:
 
 
 #: The loaders entered by ``with`` (or a first ``for``) and not yet left.
-OPEN: weakref.WeakSet[DataLoader] = weakref.WeakSet()
+OPEN: weakref.WeakSet[SyncFace] = weakref.WeakSet()
 
 
-def opened(loader: DataLoader) -> None:
+def opened(loader: SyncFace) -> None:
     """Record ``loader`` as entered by ``with``. The first time: register
     :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
     and multiprocessing's, are registered): ``atexit`` runs it before them."""

@@ -11,14 +11,13 @@ from typing import TYPE_CHECKING, Any, Self
 import anyio
 import anyio.abc
 
-from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .._process.placement import slot_envs
 from . import options as _options
 from .epoch import Epoch
 from .feeds import FeedEpoch
-from .handoff import OPEN, Batches, Handoff, opened
+from .handoff import Batches, Handoff
 from .local import LocalEpoch
 from .sampling import (
     BuiltinBatchSampler,
@@ -28,6 +27,7 @@ from .sampling import (
     is_map_style,
 )
 from .streams import StreamEpoch
+from .syncface import SyncFace
 from .worker import Builder
 from .worker import init as _init_worker
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
 
-class DataLoader:
+class DataLoader(SyncFace):
     """Batches of ``dataset`` built by ``num_workers`` worker processes.
 
     ::
@@ -404,87 +404,6 @@ class DataLoader:
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
-
-    # -- sync --------------------------------------------------------------------------
-    def __enter__(self) -> Self:
-        """Start the workers for a program with no event loop: the loader's async side
-        runs on a private event loop in a thread, which this thread waits for."""
-        if self.num_workers == 0 or self._portal is not None:
-            return self
-        if running_asyncio_loop() is not None or trio_running():
-            raise RuntimeError(
-                "`with loader:` blocks its thread: in async code use `async with loader:`"
-            )
-        from anyio.from_thread import start_blocking_portal
-
-        cm = start_blocking_portal()
-        portal = cm.__enter__()
-        try:
-            portal.call(self.__aenter__)
-        except BaseException as exc:
-            cm.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._portal, self._portal_cm = portal, cm
-        opened(self)
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        """Stop the workers as ``async with`` does, then the private loop. An iterator
-        still referenced (``it = iter(loader)``, unfinished) is stopped first."""
-        portal, cm = self._portal, self._portal_cm
-        self._portal = self._portal_cm = None
-        OPEN.discard(self)
-        if portal is None:
-            self._abandon()
-            return
-        batches, self._batches = self._batches, None
-        if batches is not None:
-            batches.close()
-        if self._handoff is not None:
-            self._handoff.items.clear()  # batches nobody will take
-        try:
-            portal.call(self.__aexit__, *exc_info)
-        finally:
-            cm.__exit__(None, None, None)
-
-    def __iter__(self) -> Batches | LocalEpoch:
-        """One epoch, for a sync loop. As torch's, it needs no ``with``: the first
-        iteration starts the workers, which persist until :meth:`close`, the loader's
-        collection, or the program's exit. A pump task on the private loop moves the
-        epoch's batches to this thread through a :class:`Handoff` (at most ``max(2,
-        num_workers)`` batches wait there). A batch's error is raised here, and iterating
-        on gives the later batches; leaving the loop early stops the pump."""
-        if self.num_workers == 0:
-            epoch = self._open_epoch()
-            assert isinstance(epoch, LocalEpoch)
-            return epoch
-        if self._portal is None:
-            self.__enter__()
-        portal = self._portal
-        assert portal is not None
-        if self._batches is not None:
-            self._batches.close()  # the epoch left early: its pump stops
-        self._handoff = handoff = Handoff(max(2, self.num_workers))
-        self._batches = Batches(handoff, portal.start_task_soon(handoff.pump, self._workers_epoch))
-        return self._batches
-
-    def _workers_epoch(self) -> Epoch | StreamEpoch:
-        epoch = self._open_epoch()
-        assert not isinstance(epoch, LocalEpoch)
-        return epoch
-
-    def close(self) -> None:
-        """Stop the workers a ``for`` started (as leaving ``with loader:`` does)."""
-        self.__exit__(None, None, None)
-
-    def __del__(self) -> None:
-        # Collected with its workers running (a ``for`` with no ``with``): stop them, as
-        # torch's loader does, unless collected on an event loop's thread (then at exit).
-        if self.__dict__.get("_portal") is not None and running_asyncio_loop() is None:
-            try:
-                self.close()
-            except Exception:  # noqa: BLE001 - nothing to tell from a finalizer
-                pass
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
