@@ -13,7 +13,7 @@ their batches are dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -32,7 +32,12 @@ class Epoch:
     """The async iterator of one epoch (what ``async for batch in loader`` iterates)."""
 
     def __init__(
-        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]]
+        self,
+        loader: DataLoader,
+        epoch: int,
+        skip: int,
+        batches: Iterator[list[Any]],
+        later: Iterable[int] = (),
     ) -> None:
         self.loader = loader
         self.epoch = epoch
@@ -40,6 +45,11 @@ class Epoch:
         self.next_k = skip  # the index of the next batch to request
         self.handed = skip  # the index of the next batch to hand out, in order
         self.handed_count = skip  # batches of this epoch handed out (resumed ones included)
+        #: Which batches were handed out (resumed ones included): with in_order=False,
+        #: not only a prefix. ``later``: those handed out past ``skip`` before a resume.
+        self.handed_out = Handed(skip, later)
+        self.resumed = frozenset(later)  # not requested again
+        self.last_k = -1  # the batch __anext__ handed out last
         self.ready: dict[int, tuple[bool, Any]] = {}
         self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
@@ -68,6 +78,7 @@ class Epoch:
             await receive(self._receive)
         ok, value = got
         self.handed_count += 1
+        self.handed_out.add(self.last_k)
         self._request()
         if not ok:
             raise value
@@ -82,14 +93,19 @@ class Epoch:
     def _take(self) -> tuple[bool, Any] | None:
         """The batch to hand out now, if it is here."""
         if self.loader.in_order:
-            got = self.ready.pop(self.handed, None)
+            k = self.handed
+            got = self.ready.pop(k, None)
             if got is None:
                 return None
             self.handed += 1
+            while self.handed in self.resumed:
+                self.handed += 1
         elif self.ready:
-            got = self.ready.pop(next(iter(self.ready)))
+            k = next(iter(self.ready))
+            got = self.ready.pop(k)
         else:
             return None
+        self.last_k = k
         self.requested -= 1
         return got
 
@@ -102,8 +118,10 @@ class Epoch:
             if indices is None:
                 self.done = True
                 return
-            self._dispatch(self.next_k, indices)
-            self.next_k += 1
+            k, self.next_k = self.next_k, self.next_k + 1
+            if k in self.resumed:
+                continue  # handed out before the resume
+            self._dispatch(k, indices)
             self.requested += 1
             self.running += 1
 
@@ -157,6 +175,24 @@ class Epoch:
         self.receive.close()
         self.send.close()
         self.ready.clear()
+
+
+class Handed:
+    """The batches of an epoch handed out: all those before ``prefix``, and ``later``
+    (past it: with ``in_order=False`` batches are handed out as they are ready)."""
+
+    def __init__(self, prefix: int, later: Iterable[int] = ()) -> None:
+        self.prefix = prefix
+        self.later = set(later)
+
+    def add(self, k: int) -> None:
+        self.later.add(k)
+        while self.prefix in self.later:
+            self.later.remove(self.prefix)
+            self.prefix += 1
+
+    def copy(self) -> Handed:
+        return Handed(self.prefix, self.later)
 
 
 async def receive(step: Callable[[], Awaitable[None]]) -> None:

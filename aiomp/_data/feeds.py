@@ -22,7 +22,7 @@ the Pool to see each batch: :class:`~.epoch.Epoch` does that).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._child.report import ErrorPayload
@@ -44,9 +44,14 @@ class FeedEpoch(Epoch):
     """The async iterator of one epoch, its batches built by per-slot feed tasks."""
 
     def __init__(
-        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]]
+        self,
+        loader: DataLoader,
+        epoch: int,
+        skip: int,
+        batches: Iterator[list[Any]],
+        later: Iterable[int] = (),
     ) -> None:
-        super().__init__(loader, epoch, skip, batches)
+        super().__init__(loader, epoch, skip, batches, later)
         n = loader.num_workers
         self.results = Queue()
         self.requests: list[Queue | None] = [None] * n  # a slot's queue while it is fed

@@ -19,6 +19,8 @@ import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from .epoch import Handed
+
 if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
@@ -39,17 +41,16 @@ class Handoff:
     """The batches of one epoch on their way from the pump to a sync consumer.
 
     ``capacity``: at most this many batches wait here (taken off the epoch, not yet by
-    the consumer), on top of the epoch's own prefetch bound. ``base + taken`` is the
+    the consumer), on top of the epoch's own prefetch bound. ``handed`` is the
     epoch's batches handed to the consumer (what ``state_dict`` reports).
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.epoch: Epoch | StreamEpoch | None = None  # set by the pump as it starts
-        self.base = 0
-        self.taken = 0
+        self.handed = Handed(0)  # the epoch's batches handed to the consumer
         self.ended = False  # the consumer has seen the epoch's end
-        self.items: deque[tuple[int, Any]] = deque()
+        self.items: deque[tuple[int, Any, int]] = deque()
         self.cond = threading.Condition(threading.Lock())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.room: asyncio.Future[None] | None = None  # the pump's wait for room
@@ -63,7 +64,7 @@ class Handoff:
         import asyncio
 
         from .._loop import is_cancellation
-        from .epoch import EpochClosed
+        from .epoch import Epoch, EpochClosed
 
         self.loop = asyncio.get_running_loop()
         try:
@@ -71,7 +72,9 @@ class Handoff:
         except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
             self._append(ERROR, exc)
             return
-        self.base = epoch.handed_count
+        self.handed = (
+            epoch.handed_out.copy() if isinstance(epoch, Epoch) else Handed(epoch.handed_count)
+        )
         self.epoch = epoch
         while True:
             try:
@@ -83,22 +86,23 @@ class Handoff:
                 if is_cancellation(exc):
                     raise
                 closed = isinstance(exc, EpochClosed)
-                room = self._append(ERROR, exc)
+                room = self._append(ERROR, exc, getattr(epoch, "last_k", -1))
                 del exc
                 if closed:
                     return
                 if room is not None:
                     await room
                 continue
-            room = self._append(BATCH, batch)
+            room = self._append(BATCH, batch, getattr(epoch, "last_k", -1))
             del batch
             if room is not None:
                 await room
 
-    def _append(self, kind: int, value: Any) -> asyncio.Future[None] | None:
-        """Append an item; return the future to wait on when the deque is now full."""
+    def _append(self, kind: int, value: Any, k: int = -1) -> asyncio.Future[None] | None:
+        """Append an item (``k``: its batch index, -1 where the epoch hands out in order);
+        return the future to wait on when the deque is now full."""
         with self.cond:
-            self.items.append((kind, value))
+            self.items.append((kind, value, k))
             self.cond.notify()
             if len(self.items) < self.capacity:
                 return None
@@ -115,7 +119,7 @@ class Handoff:
                     pump.result()  # raises its error
                     raise RuntimeError("aiomp.DataLoader: the loader's loop stopped")
                 self.cond.wait(POLL_SECONDS)
-            kind, value = self.items.popleft()
+            kind, value, k = self.items.popleft()
             room = self.room
             if room is not None and len(self.items) <= self.capacity // 2:
                 self.room = None
@@ -124,8 +128,8 @@ class Handoff:
         if room is not None:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(_wake, room)
-        if kind != END:
-            self.taken += 1  # a batch's error counts as handed out, as in async code
+        if kind != END:  # a batch's error counts as handed out, as in async code
+            self.handed.add(k if k >= 0 else self.handed.prefix)
         else:
             self.ended = True
         return kind, value

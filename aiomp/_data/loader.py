@@ -15,7 +15,7 @@ from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .._process.placement import slot_envs
 from . import options as _options
-from .epoch import Epoch
+from .epoch import Epoch, Handed
 from .feeds import FeedEpoch
 from .handoff import Batches, Handoff
 from .local import LocalEpoch
@@ -172,6 +172,7 @@ class DataLoader(SyncFace):
         self._host: TaskHost | None = None
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
+        self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
         self._current: Epoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
@@ -252,7 +253,7 @@ class DataLoader(SyncFace):
     # -- epochs and resume -------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
-        self._next_epoch, self._skip = int(epoch), 0
+        self._next_epoch, self._skip, self._later = int(epoch), 0, ()
         self._handoff = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -261,26 +262,32 @@ class DataLoader(SyncFace):
         if it has one). Taken inside an epoch, it points at the next batch of it; taken
         after, at the start of the next epoch."""
         current, handed = self._position()
-        if current is not None and not (self.sampling is not None and handed >= len(self.sampling)):
-            epoch, batches = current.epoch, handed
+        later: Iterable[int] = ()
+        if current is not None and not (
+            self.sampling is not None and handed.prefix >= len(self.sampling)
+        ):
+            epoch, batches, later = current.epoch, handed.prefix, handed.later
         elif current is not None:
             epoch, batches = current.epoch + 1, 0
         else:
-            epoch, batches = self._next_epoch, self._skip
+            epoch, batches, later = self._next_epoch, self._skip, self._later
         state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
+        if later:  # in_order=False: batches handed out past ``batches``
+            state["later"] = sorted(later)
         user = None if self.sampling is None else self.sampling.user_sampler()
         if user is not None and hasattr(user, "state_dict"):
             state["sampler"] = user.state_dict()
         return state
 
-    def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, int]:
+    def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, Handed]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
         sync code, handed to the consumer's thread (not those waiting in the handoff)."""
-        handoff = self._handoff
+        handoff, current = self._handoff, self._current
         if handoff is not None and handoff.epoch is not None:
-            return (None, 0) if handoff.ended else (handoff.epoch, handoff.base + handoff.taken)
-        current = self._current
-        return current, 0 if current is None else current.handed_count
+            return (None, Handed(0)) if handoff.ended else (handoff.epoch, handoff.handed)
+        if isinstance(current, Epoch):
+            return current, current.handed_out
+        return current, Handed(0 if current is None else current.handed_count)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` (from :meth:`state_dict`) was taken: the next ``async
@@ -289,7 +296,7 @@ class DataLoader(SyncFace):
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        epoch, batches, seed = _options.checked_state(state, _options.length(self))
+        epoch, batches, seed, later = _options.checked_state(state, _options.length(self))
         self._abandon()  # an epoch in progress is left: ``state`` is where we are now
         if self._batches is not None:
             self._batches.close()
@@ -297,6 +304,7 @@ class DataLoader(SyncFace):
         self._handoff = None
         self._next_epoch = epoch
         self._skip = batches  # an iterable dataset replays the epoch (see above)
+        self._later = later
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
@@ -364,8 +372,8 @@ class DataLoader(SyncFace):
 
     def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch:
         self._abandon()
-        epoch, skip = self._next_epoch, self._skip
-        self._next_epoch, self._skip = epoch + 1, 0
+        epoch, skip, later = self._next_epoch, self._skip, self._later
+        self._next_epoch, self._skip, self._later = epoch + 1, 0, ()
         batches = None
         if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
@@ -380,7 +388,7 @@ class DataLoader(SyncFace):
         else:
             # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
             kind = Epoch if self.timeout is not None else FeedEpoch
-            current = kind(self, epoch, skip, batches)
+            current = kind(self, epoch, skip, batches, later)
         self._current = current
         return current
 

@@ -135,8 +135,9 @@ def length(loader: object) -> int | None:
         return None
 
 
-def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int]:
-    """``(epoch, batches, seed)`` of a state dict, or ValueError naming its bad field."""
+def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int, tuple[int, ...]]:
+    """``(epoch, batches, seed, later)`` of a state dict, or ValueError naming its bad
+    field (``later``, optional: the batches handed out past ``batches``)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"a DataLoader state must be a dict, not {type(state).__name__}")
     got = []
@@ -155,7 +156,16 @@ def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int]:
         raise ValueError(
             f"DataLoader state: 'batches' is {got[1]}, past the {per_epoch} batches of an epoch"
         )
-    return got[0], got[1], got[2]
+    later = state.get("later", ())
+    if not isinstance(later, list | tuple) or not all(
+        isinstance(k, int) and not isinstance(k, bool) and k > got[1] for k in later
+    ):
+        raise ValueError(f"DataLoader state: 'later' must list batches past 'batches' ({got[1]})")
+    if per_epoch is not None and any(k >= per_epoch for k in later):
+        raise ValueError(
+            f"DataLoader state: 'later' names a batch past the {per_epoch} of an epoch"
+        )
+    return got[0], got[1], got[2], tuple(later)
 
 
 def retries(max_retries: object) -> int:

@@ -109,3 +109,26 @@ def slot1_waits_for_shard0(worker_id: int, marks: str) -> None:
     deadline = time.monotonic() + 60
     while not Path(marks, "shard0-done").exists() and time.monotonic() < deadline:
         time.sleep(0.01)  # handshake: polls the file shard 0 writes
+
+
+class HeldBack:
+    """Sample 0 waits (bounded: 60 s) until sample 6 has been built, the first time: with
+    two workers and ``in_order=False``, batch 0 (of 2) comes after batches 1 and 3."""
+
+    def __init__(self, n: int, marks: str) -> None:
+        self.n, self.marks = n, marks
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        import time
+
+        released = Path(self.marks, "released")
+        if i == 6:
+            released.touch()
+        if i == 0:
+            deadline = time.monotonic() + 60
+            while not released.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)  # handshake: polls the file sample 6 writes
+        return i

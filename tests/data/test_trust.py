@@ -233,3 +233,26 @@ def test_state_dict_right_after_load_state_dict_is_what_was_loaded() -> None:
     stream = aiomp.DataLoader(Stream(10), 2, num_workers=0)
     stream.load_state_dict(s)
     assert stream.state_dict() == s
+
+
+def test_resume_out_of_order_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    """Issue 39 bug 4: with ``in_order=False`` the state counted the batches handed out
+    and the resume skipped that many in sampler order: batches 1 and 3 handed out first
+    made a resume skip 0 and 1 (0 lost, 3 twice). The state names them."""
+    from tests.children.data_trust import HeldBack
+
+    with aiomp.DataLoader(
+        HeldBack(16, str(tmp_path)), 2, num_workers=2, in_order=False, start_method=FS
+    ) as loader:
+        it = iter(loader)
+        got = [next(it).tolist(), next(it).tolist()]
+        state = loader.state_dict()
+    assert sorted(got) == [[2, 3], [6, 7]]
+    assert state == {"epoch": 0, "batches": 0, "seed": loader.seed, "later": [1, 3]}
+    with aiomp.DataLoader(
+        HeldBack(16, str(tmp_path)), 2, num_workers=3, in_order=False, start_method=FS
+    ) as again:
+        again.load_state_dict(state)
+        assert again.state_dict() == state
+        rest = [b.tolist() for b in again]
+    assert sorted(x for b in got + rest for x in b) == list(range(16))
