@@ -50,8 +50,8 @@ class DataLoader(SyncFace):
                 ...
 
     torch's signature, order and meanings (a drop-in: ``for batch in loader`` needs no
-    ``with``; the first iteration starts the workers, which persist until :meth:`close`,
-    collection or exit). ``dataset`` is map-style or iterable-style (each worker shards
+    ``with``; the first iteration starts the workers, which persist until :meth:`close`
+    or exit). ``dataset`` is map-style or iterable-style (each worker shards
     its own copy by ``get_worker_info()``); ``num_workers=0`` builds the batches in this
     process (in a thread, in ``async for``); ``batch_size=None`` gives the samples
     unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method;

@@ -4,8 +4,10 @@ in a program with no event loop.
 The loader's async side runs on a private event loop in a thread (anyio's blocking
 portal); an epoch's batches reach the consumer's thread through a
 :class:`~.handoff.Handoff`. A ``for`` with no ``with`` starts the workers, as torch's
-loader does; they persist until :meth:`SyncFace.close`, the loader's collection, or the
-program's exit (:func:`~.handoff.opened` closes it then, before aiomp's own exit hook).
+loader does; they persist until :meth:`SyncFace.close` or the program's exit
+(:func:`~.handoff.opened` closes it then, before aiomp's own exit hook); a loader
+collected with its workers running stops them (not promptly: its epochs hold it in a
+reference cycle).
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ class SyncFace:
 
     def __iter__(self) -> Batches | LocalEpoch:
         """One epoch, for a sync loop. As torch's, it needs no ``with``: the first
-        iteration starts the workers, which persist until :meth:`close`, the loader's
-        collection, or the program's exit. A pump task on the private loop moves the
+        iteration starts the workers, which persist until :meth:`close` or the program's
+        exit. A pump task on the private loop moves the
         epoch's batches to this thread through a :class:`Handoff` (at most ``max(2,
         num_workers)`` batches wait there). A batch's error is raised here, and iterating
         on gives the later batches; leaving the loop early stops the pump."""
