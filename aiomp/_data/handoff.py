@@ -147,9 +147,12 @@ class Batches:
     epoch's end raises ``StopIteration`` for good. Closing it (or dropping it) stops the
     pump."""
 
-    def __init__(self, handoff: Handoff, pump: concurrent.futures.Future[None]) -> None:
+    def __init__(
+        self, handoff: Handoff, pump: concurrent.futures.Future[None], owner: object
+    ) -> None:
         self.handoff = handoff
         self.pump: concurrent.futures.Future[None] | None = pump
+        self.owner: object = owner  # the loader: alive while its iterator is
 
     def __iter__(self) -> Batches:
         return self
@@ -168,6 +171,7 @@ class Batches:
     def close(self) -> None:
         """Stop the pump (idempotent; the epoch stays as it was)."""
         pump, self.pump = self.pump, None
+        self.owner = None
         if pump is not None and not pump.done():
             pump.cancel()
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 import anyio.abc
@@ -181,7 +182,7 @@ class DataLoader(SyncFace):
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
-        self._batches: Batches | None = None  # its iterator
+        self._batches: weakref.ref[Batches] | None = None  # its iterator (which holds us)
         self._entered = False  # num_workers=0: ``with`` / ``async with`` entered
         self._initialized = True
 
@@ -298,8 +299,7 @@ class DataLoader(SyncFace):
         from its start (its iterators' positions live in the workers that ran them)."""
         epoch, batches, seed, later = _options.checked_state(state, _options.length(self))
         self._abandon()  # an epoch in progress is left: ``state`` is where we are now
-        if self._batches is not None:
-            self._batches.close()
+        self._close_batches()
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
@@ -381,14 +381,18 @@ class DataLoader(SyncFace):
         current: Epoch | StreamEpoch | LocalEpoch
         if batches is None:
             skip = 0  # an iterable dataset's epoch is replayed from its start
+        # The epoch (and its tasks) hold the loader weakly: a loader dropped by its user
+        # is collected at once, and stops its workers (see SyncFace.__del__).
+        owner = cast("DataLoader", weakref.proxy(self))
         if self.num_workers == 0:
-            current = LocalEpoch(self, epoch, skip, self._builder, batches)
+            current = LocalEpoch(owner, epoch, skip, self._builder, batches)
+            current.keep = self  # held by the consumer: the loader lives while it iterates
         elif batches is None:
-            current = StreamEpoch(self, epoch)
+            current = StreamEpoch(owner, epoch)
         else:
             # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
             kind = Epoch if self.timeout is not None else FeedEpoch
-            current = kind(self, epoch, skip, batches, later)
+            current = kind(owner, epoch, skip, batches, later)
         self._current = current
         return current
 

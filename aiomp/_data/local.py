@@ -40,6 +40,7 @@ class LocalEpoch:
         self.batches = batches  # map-style: the index lists; None: an iterable dataset
         self.samples: Iterator[Any] | None = None
         self.ended = False
+        self.keep: object = None  # the loader, while a sync consumer iterates
 
     def __iter__(self) -> LocalEpoch:
         return self
@@ -79,9 +80,10 @@ class LocalEpoch:
         return True, self.loader.pinned(self.builder.chunk(chunk))
 
     def _end(self) -> tuple[bool, Any]:
-        self.close()
         self.loader.finished(self)
+        self.close()
         return False, None
 
     def close(self) -> None:
         self.ended = True
+        self.keep = None

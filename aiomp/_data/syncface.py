@@ -12,6 +12,8 @@ reference cycle).
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
 from .._loop import running_asyncio_loop, trio_running
@@ -33,7 +35,7 @@ class SyncFace:
     _portal: BlockingPortal | None
     _portal_cm: Any
     _handoff: Handoff | None
-    _batches: Batches | None
+    _batches: weakref.ref[Batches] | None
 
     if TYPE_CHECKING:  # the loader's, used here
 
@@ -73,15 +75,13 @@ class SyncFace:
         if portal is None:
             self._abandon()
             return
-        batches, self._batches = self._batches, None
-        if batches is not None:
-            batches.close()
-        if self._handoff is not None:
-            self._handoff.items.clear()  # batches nobody will take
+        self._close_batches()
         try:
             portal.call(self.__aexit__, *exc_info)
         finally:
-            cm.__exit__(None, None, None)
+            cm.__exit__(None, None, None)  # the loop has stopped: so has the pump
+            if self._handoff is not None:
+                self._handoff.items.clear()  # batches nobody will take
 
     def __iter__(self) -> Batches | LocalEpoch:
         """One epoch, for a sync loop. As torch's, it needs no ``with``: the first
@@ -98,11 +98,21 @@ class SyncFace:
             self.__enter__()
         portal = self._portal
         assert portal is not None
-        if self._batches is not None:
-            self._batches.close()  # the epoch left early: its pump stops
+        self._close_batches()  # the epoch left early: its pump stops
         self._handoff = handoff = Handoff(max(2, self.num_workers))
-        self._batches = Batches(handoff, portal.start_task_soon(handoff.pump, self._workers_epoch))
-        return self._batches
+        pump = portal.start_task_soon(handoff.pump, _opener(weakref.ref(self)))
+        # The iterator holds the loader (``for b in DataLoader(...)`` keeps it alive), the
+        # loader holds the iterator weakly: dropping both collects the loader at once.
+        batches = Batches(handoff, pump, self)
+        self._batches = weakref.ref(batches)
+        return batches
+
+    def _close_batches(self) -> None:
+        """Stop the pump of the current sync iterator, if any."""
+        ref, self._batches = self._batches, None
+        batches = None if ref is None else ref()
+        if batches is not None:
+            batches.close()
 
     def _workers_epoch(self) -> Epoch | StreamEpoch:
         epoch = self._open_epoch()
@@ -121,3 +131,16 @@ class SyncFace:
                 self.close()
             except Exception:  # noqa: BLE001 - nothing to tell from a finalizer
                 pass
+
+
+def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], Epoch | StreamEpoch]:
+    """What the pump calls to open its epoch, holding the loader weakly (so that no
+    reference from the private loop's thread keeps a dropped loader alive)."""
+
+    def open_epoch() -> Epoch | StreamEpoch:
+        loader = ref()
+        if loader is None:
+            raise RuntimeError("aiomp.DataLoader: the loader was collected")
+        return loader._workers_epoch()
+
+    return open_epoch

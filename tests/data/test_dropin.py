@@ -177,3 +177,26 @@ def test_torch_s_argument_errors_at_construction() -> None:
             aiomp.DataLoader(data, **kwargs)  # type: ignore[arg-type]
     ctx = multiprocessing.get_context(FS)
     assert aiomp.DataLoader(data, multiprocessing_context=ctx).num_workers == 2
+
+
+def test_a_dropped_loader_stops_its_workers() -> None:
+    """``for batch in DataLoader(...)`` with no ``with`` keeps its workers while the loader
+    lives; dropped, the loader is collected at once (its epochs hold it weakly) and stops
+    them, as torch's loader does."""
+    import os
+    import weakref
+
+    loader = aiomp.DataLoader(list(range(6)), 2, multiprocessing_context=FS)
+    assert [b.tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]]
+    pids = loader.pool.pids()
+    ref = weakref.ref(loader)
+    del loader
+    assert ref() is None and len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # a temporary loader lives while its iterator does
+    assert [b.tolist() for b in aiomp.DataLoader([1, 2, 3], 2, multiprocessing_context=FS)] == [
+        [1, 2],
+        [3],
+    ]
