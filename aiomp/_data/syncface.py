@@ -5,9 +5,9 @@ The loader's async side runs on a private event loop in a thread (anyio's blocki
 portal); an epoch's batches reach the consumer's thread through a
 :class:`~.handoff.Handoff`. A ``for`` with no ``with`` starts the workers, as torch's
 loader does; they persist until :meth:`SyncFace.close` or the program's exit
-(:func:`~.handoff.opened` closes it then, before aiomp's own exit hook); a loader
-collected with its workers running stops them (not promptly: its epochs hold it in a
-reference cycle).
+(:func:`~.handoff.opened` closes it then, before aiomp's own exit hook), or its
+collection: its epochs hold it weakly, its iterator strongly (it lives while a ``for``
+runs), so dropped, it is collected at once and stops its workers.
 """
 
 from __future__ import annotations
