@@ -1,8 +1,14 @@
 """``aiomp.DataLoader``: torch's DataLoader over an :class:`aiomp.Pool`.
 
-- ``loader``: the DataLoader itself (options, ``async with``, epochs, the sync face);
-- ``epoch``: one epoch's batches in flight (prefetch bound, order, retries, faults);
-- ``sampling``: which samples make each batch, per-batch seeds, resume state;
+- ``loader``: the DataLoader itself (torch's arguments, ``async with``, epochs, resume);
+- ``options``: torch's arguments checked as torch checks them, and the resume state's;
+- ``syncface``: ``with loader:`` and ``for batch in loader`` with no event loop;
+- ``handoff``: the sync face's channel from the private loop's thread, and its exit hook;
+- ``epoch``: one map-style epoch's batches in flight (prefetch bound, order, retries);
+- ``feeds``: the default transport of a map-style epoch (one feed task per worker slot);
+- ``streams``: one epoch of an iterable-style dataset (one task per shard);
+- ``local``: ``num_workers=0``, batches built in the calling process;
+- ``sampling``: which samples make each batch, per-batch seeds, the built-in samplers;
 - ``collate``: the default collate, straight into shared memory (runs in the workers);
 - ``worker``: what a loader's worker runs (its initializer and its batch tasks).
 """

@@ -2,11 +2,14 @@
 
 Runs in the loader's workers. Each leaf keeps its kind and is stacked along a new axis 0:
 numpy arrays (and numpy scalars) into one ``aiomp.empty`` array; Python bools, ints and
-floats into a bool, int64 or float64 ``aiomp.empty`` array; torch tensors into one tensor
-on a shared storage (as torch's own collate does in a worker); strings and bytes into a
+floats into a bool, int64 or float64 ``aiomp.empty`` array; strings and bytes into a
 list. Dicts (same keys), namedtuples (same type), tuples and lists (a list, as torch's)
 are collated field by field. The batch then travels as handles: the consumer maps the
 worker's memory, with no copy after this one.
+
+Where torch is in use (a sample holds a torch tensor) the batch is torch's own
+``default_collate``'s (numbers become tensors, so an unchanged training loop runs); in a
+worker it stacks into shared storage, as in torch's loader.
 
 numpy and torch are looked up in ``sys.modules``: a sample holding an array or a tensor
 has imported them already, so a torch-free dataset never imports torch.
@@ -22,13 +25,45 @@ from typing import Any
 def default_collate(samples: Sequence[Any]) -> Any:
     """Stack ``samples`` (one batch's, at least one) into shared memory, as described above."""
     elem = samples[0]
+    torch = sys.modules.get("torch")
+    if torch is not None and _holds_tensor(elem, torch.Tensor):
+        from torch.utils.data import default_collate as torch_collate
+
+        return torch_collate(list(samples))
+    return _collate(samples)
+
+
+def default_convert(sample: Any) -> Any:
+    """The collate of ``batch_size=None`` (each sample alone): the sample as it is, or
+    torch's ``default_convert`` of it where it holds a torch tensor."""
+    torch = sys.modules.get("torch")
+    if torch is not None and _holds_tensor(sample, torch.Tensor):
+        from torch.utils.data import default_convert as torch_convert
+
+        return torch_convert(sample)  # type: ignore[no-untyped-call]
+    return sample
+
+
+def _holds_tensor(elem: Any, tensor: type, depth: int = 0) -> bool:
+    """Whether ``elem`` is, or holds (in dicts, tuples and lists), a torch tensor."""
+    if isinstance(elem, tensor):
+        return True
+    if depth > 4 or isinstance(elem, str | bytes):
+        return False
+    if isinstance(elem, Mapping):
+        return any(_holds_tensor(v, tensor, depth + 1) for v in elem.values())
+    if isinstance(elem, tuple | list):
+        return any(_holds_tensor(v, tensor, depth + 1) for v in elem[:64])
+    return False
+
+
+def _collate(samples: Sequence[Any]) -> Any:
+    """aiomp's own collate (no torch tensor in the samples)."""
+    elem = samples[0]
     kind = type(elem)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(elem, np.ndarray | np.generic):
         return _stack_numpy(samples, np)
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(elem, torch.Tensor):
-        return _stack_torch(samples, torch)
     if kind is bool or kind is int or kind is float:
         return _numbers(samples, kind)
     if isinstance(elem, str | bytes):
@@ -36,9 +71,9 @@ def default_collate(samples: Sequence[Any]) -> Any:
     if isinstance(elem, Mapping):
         return _mapping(samples, elem)
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # a namedtuple
-        return kind(*(default_collate(field) for field in _transpose(samples)))
+        return kind(*(_collate(field) for field in _transpose(samples)))
     if isinstance(elem, tuple | list):
-        return [default_collate(field) for field in _transpose(samples)]
+        return [_collate(field) for field in _transpose(samples)]
     if isinstance(elem, int | float):  # a subclass (an IntEnum): as its base kind
         return _numbers(samples, float if isinstance(elem, float) else int)
     raise TypeError(
@@ -61,18 +96,6 @@ def _stack_numpy(samples: Sequence[Any], np: Any) -> Any:
     return stack(arrays)
 
 
-def _stack_torch(samples: Sequence[Any], torch: Any) -> Any:
-    elem = samples[0]
-    if elem.device.type != "cpu":
-        return torch.stack(list(samples))
-    # torch's own collate in a worker: stack into a storage made shared from the start,
-    # so sending it sends its fd (and nothing is copied into shared memory afterwards).
-    numel = sum(x.numel() for x in samples)
-    storage = elem._typed_storage()._new_shared(numel, device=elem.device)
-    out = elem.new(storage).resize_(len(samples), *elem.shape)
-    return torch.stack(list(samples), out=out)
-
-
 def _numbers(samples: Sequence[Any], kind: type) -> Any:
     import numpy as np
 
@@ -92,7 +115,7 @@ def _mapping(samples: Sequence[Any], elem: Mapping[Any, Any]) -> Any:
                 f"default_collate: sample {i} of the batch has keys {list(sample)}, "
                 f"sample 0 has {keys}"
             )
-    collated = {key: default_collate([s[key] for s in samples]) for key in keys}
+    collated = {key: _collate([s[key] for s in samples]) for key in keys}
     try:
         return type(elem)(collated)  # type: ignore[call-arg]  # keep an OrderedDict or a custom mapping's type
     except TypeError:

@@ -13,13 +13,14 @@ their batches are dropped.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 
-from .._errors import BrokenWorkerError
+from .._errors import BrokenWorkerError, QueueClosed
+from .._loop import is_cancellation
 from . import worker as _worker
 from .sampling import derive
 
@@ -31,7 +32,12 @@ class Epoch:
     """The async iterator of one epoch (what ``async for batch in loader`` iterates)."""
 
     def __init__(
-        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]]
+        self,
+        loader: DataLoader,
+        epoch: int,
+        skip: int,
+        batches: Iterator[list[Any]],
+        later: Iterable[int] = (),
     ) -> None:
         self.loader = loader
         self.epoch = epoch
@@ -39,10 +45,16 @@ class Epoch:
         self.next_k = skip  # the index of the next batch to request
         self.handed = skip  # the index of the next batch to hand out, in order
         self.handed_count = skip  # batches of this epoch handed out (resumed ones included)
+        #: Which batches were handed out (resumed ones included): with in_order=False,
+        #: not only a prefix. ``later``: those handed out past ``skip`` before a resume.
+        self.handed_out = Handed(skip, later)
+        self.resumed = frozenset(later)  # not requested again
+        self.last_k = -1  # the batch __anext__ handed out last
         self.ready: dict[int, tuple[bool, Any]] = {}
         self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
         self.done = False  # no more batches to request
+        self.closed = False  # left (or ended): its streams are closed
         self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](math.inf)
         limit = loader.timeout is not None
         # With timeout=, a batch is sent only when a worker can take it at once, so that its
@@ -63,13 +75,14 @@ class Epoch:
                 self.close()
                 self.loader.finished(self)
                 raise StopAsyncIteration
-            await self._receive()
+            await receive(self._receive)
         ok, value = got
         self.handed_count += 1
+        self.handed_out.add(self.last_k)
         self._request()
         if not ok:
             raise value
-        return value
+        return self.loader.pinned(value)
 
     async def _receive(self) -> None:
         """Wait for one request's outcome and file it in ``ready``."""
@@ -80,14 +93,19 @@ class Epoch:
     def _take(self) -> tuple[bool, Any] | None:
         """The batch to hand out now, if it is here."""
         if self.loader.in_order:
-            got = self.ready.pop(self.handed, None)
+            k = self.handed
+            got = self.ready.pop(k, None)
             if got is None:
                 return None
             self.handed += 1
+            while self.handed in self.resumed:
+                self.handed += 1
         elif self.ready:
-            got = self.ready.pop(next(iter(self.ready)))
+            k = next(iter(self.ready))
+            got = self.ready.pop(k)
         else:
             return None
+        self.last_k = k
         self.requested -= 1
         return got
 
@@ -100,8 +118,10 @@ class Epoch:
             if indices is None:
                 self.done = True
                 return
-            self._dispatch(self.next_k, indices)
-            self.next_k += 1
+            k, self.next_k = self.next_k, self.next_k + 1
+            if k in self.resumed:
+                continue  # handed out before the resume
+            self._dispatch(k, indices)
             self.requested += 1
             self.running += 1
 
@@ -114,7 +134,9 @@ class Epoch:
         outcome: tuple[int, bool, Any]
         try:
             outcome = (k, True, await self._fetch_map(k, indices))
-        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by __anext__
+        except BaseException as exc:
+            if is_cancellation(exc):
+                raise
             outcome = (k, False, exc)
         finally:
             self.loader.fetched()
@@ -141,17 +163,51 @@ class Epoch:
                 return await self._apply(_worker.build, (indices, seed))
             except BrokenWorkerError as exc:
                 last = exc  # the pool has replaced the worker: the batch again
-            except Exception as exc:
-                note_batch(exc, k, indices)
+            except BaseException as exc:
+                if not is_cancellation(exc):
+                    note_batch(exc, k, indices)
                 raise
         raise broken(last, k, indices, self.loader.max_retries)
 
     def close(self) -> None:
         """Stop taking this epoch's batches (requests still running are dropped)."""
-        self.done = True
+        self.done = self.closed = True
         self.receive.close()
         self.send.close()
         self.ready.clear()
+
+
+class Handed:
+    """The batches of an epoch handed out: all those before ``prefix``, and ``later``
+    (past it: with ``in_order=False`` batches are handed out as they are ready)."""
+
+    def __init__(self, prefix: int, later: Iterable[int] = ()) -> None:
+        self.prefix = prefix
+        self.later = set(later)
+
+    def add(self, k: int) -> None:
+        self.later.add(k)
+        while self.prefix in self.later:
+            self.later.remove(self.prefix)
+            self.prefix += 1
+
+    def copy(self) -> Handed:
+        return Handed(self.prefix, self.later)
+
+
+async def receive(step: Callable[[], Awaitable[None]]) -> None:
+    """Run an epoch's ``step`` (its wait for the next outcome); an epoch closed under it
+    (the loader was left, or its task host failed) raises RuntimeError, never waits."""
+    try:
+        await step()
+    except (anyio.ClosedResourceError, anyio.EndOfStream, QueueClosed) as exc:
+        raise EpochClosed(
+            "aiomp.DataLoader: this epoch was closed (the loader was left, or its tasks failed)"
+        ) from exc
+
+
+class EpochClosed(RuntimeError):
+    """Raised by an epoch's iterator once the epoch was closed under it."""
 
 
 def note_batch(exc: BaseException, k: int, indices: list[Any]) -> BaseException:

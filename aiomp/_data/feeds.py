@@ -22,11 +22,12 @@ the Pool to see each batch: :class:`~.epoch.Epoch` does that).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._child.report import ErrorPayload
 from .._errors import BrokenWorkerError, QueueClosed
+from .._loop import is_cancellation
 from .._pool.tasks import fn_info
 from .._pool.workers import never_ahead
 from .._queue.queue import Queue
@@ -49,9 +50,14 @@ class FeedEpoch(Epoch):
     """The async iterator of one epoch, its batches built by per-slot feed tasks."""
 
     def __init__(
-        self, loader: DataLoader, epoch: int, skip: int, batches: Iterator[list[Any]]
+        self,
+        loader: DataLoader,
+        epoch: int,
+        skip: int,
+        batches: Iterator[list[Any]],
+        later: Iterable[int] = (),
     ) -> None:
-        super().__init__(loader, epoch, skip, batches)
+        super().__init__(loader, epoch, skip, batches, later)
         n = loader.num_workers
         self.results = Queue()
         self.requests: list[Queue | None] = [None] * n  # a slot's queue while it is fed
@@ -79,10 +85,14 @@ class FeedEpoch(Epoch):
         try:
             await loader.pool.apply(_worker.feed, (requests, self.results, slot))
             return
-        except Exception as exc:  # noqa: BLE001 - the owed batches' outcome, see _ended
+        except BaseException as exc:
+            if is_cancellation(exc):
+                raise
             self.ended[slot] = exc
         finally:
             loader.fetched()
+        if self.closed:
+            return  # the epoch was left: its results queue is closed
         try:
             self.results.put_nowait((slot, ENDED, False, None))
         except QueueClosed:

@@ -13,9 +13,13 @@ is the one waiting. See docs/decisions/0047-loader-feeds.md.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any
+
+from .epoch import Handed
 
 if TYPE_CHECKING:
     import asyncio
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
 
     from .epoch import Epoch
     from .streams import StreamEpoch
+    from .syncface import SyncFace
 
 #: What the pump appends: a batch, the epoch's end, or the error to raise.
 BATCH, END, ERROR = 0, 1, 2
@@ -36,26 +41,30 @@ class Handoff:
     """The batches of one epoch on their way from the pump to a sync consumer.
 
     ``capacity``: at most this many batches wait here (taken off the epoch, not yet by
-    the consumer), on top of the epoch's own prefetch bound. ``base + taken`` is the
+    the consumer), on top of the epoch's own prefetch bound. ``handed`` is the
     epoch's batches handed to the consumer (what ``state_dict`` reports).
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.epoch: Epoch | StreamEpoch | None = None  # set by the pump as it starts
-        self.base = 0
-        self.taken = 0
+        self.handed = Handed(0)  # the epoch's batches handed to the consumer
         self.ended = False  # the consumer has seen the epoch's end
-        self.items: deque[tuple[int, Any]] = deque()
+        self.items: deque[tuple[int, Any, int]] = deque()
         self.cond = threading.Condition(threading.Lock())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.room: asyncio.Future[None] | None = None  # the pump's wait for room
 
     async def pump(self, open_epoch: Callable[[], Epoch | StreamEpoch]) -> None:
         """On the loop: open the epoch (``loader.__aiter__``: one hop from the consumer's
-        thread starts the epoch and its pump) and move its batches here until its end or
-        first error. Cancelled by the consumer when it stops (the epoch stays as it was)."""
+        thread starts the epoch and its pump) and move its batches here until its end. A
+        batch's error (a ``BaseException`` from the dataset too) is moved as an item and
+        the pump goes on, so that iterating on gives the later batches, as in async code.
+        Cancelled by the consumer when it stops (the epoch stays as it was)."""
         import asyncio
+
+        from .._loop import is_cancellation
+        from .epoch import Epoch, EpochClosed
 
         self.loop = asyncio.get_running_loop()
         try:
@@ -63,7 +72,9 @@ class Handoff:
         except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
             self._append(ERROR, exc)
             return
-        self.base = epoch.handed_count
+        self.handed = (
+            epoch.handed_out.copy() if isinstance(epoch, Epoch) else Handed(epoch.handed_count)
+        )
         self.epoch = epoch
         while True:
             try:
@@ -71,18 +82,27 @@ class Handoff:
             except StopAsyncIteration:
                 self._append(END, None)
                 return
-            except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
-                self._append(ERROR, exc)
-                return
-            room = self._append(BATCH, batch)
+            except BaseException as exc:
+                if is_cancellation(exc):
+                    raise
+                closed = isinstance(exc, EpochClosed)
+                room = self._append(ERROR, exc, getattr(epoch, "last_k", -1))
+                del exc
+                if closed:
+                    return
+                if room is not None:
+                    await room
+                continue
+            room = self._append(BATCH, batch, getattr(epoch, "last_k", -1))
             del batch
             if room is not None:
                 await room
 
-    def _append(self, kind: int, value: Any) -> asyncio.Future[None] | None:
-        """Append an item; return the future to wait on when the deque is now full."""
+    def _append(self, kind: int, value: Any, k: int = -1) -> asyncio.Future[None] | None:
+        """Append an item (``k``: its batch index, -1 where the epoch hands out in order);
+        return the future to wait on when the deque is now full."""
         with self.cond:
-            self.items.append((kind, value))
+            self.items.append((kind, value, k))
             self.cond.notify()
             if len(self.items) < self.capacity:
                 return None
@@ -99,7 +119,7 @@ class Handoff:
                     pump.result()  # raises its error
                     raise RuntimeError("aiomp.DataLoader: the loader's loop stopped")
                 self.cond.wait(POLL_SECONDS)
-            kind, value = self.items.popleft()
+            kind, value, k = self.items.popleft()
             room = self.room
             if room is not None and len(self.items) <= self.capacity // 2:
                 self.room = None
@@ -108,9 +128,9 @@ class Handoff:
         if room is not None:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(_wake, room)
-        if kind == BATCH:
-            self.taken += 1
-        elif kind == END:
+        if kind != END:  # a batch's error counts as handed out, as in async code
+            self.handed.add(k if k >= 0 else self.handed.prefix)
+        else:
             self.ended = True
         return kind, value
 
@@ -118,3 +138,74 @@ class Handoff:
 def _wake(room: asyncio.Future[None]) -> None:
     if not room.done():  # not cancelled meanwhile
         room.set_result(None)
+
+
+class Batches:
+    """What ``for batch in loader`` iterates: one epoch's batches, taken off its
+    :class:`Handoff`. A batch's error is raised by the ``next()`` that would have given
+    the batch, and the iterator goes on (torch's skip-the-bad-batch loop works); the
+    epoch's end raises ``StopIteration`` for good. Closing it (or dropping it) stops the
+    pump."""
+
+    def __init__(
+        self, handoff: Handoff, pump: concurrent.futures.Future[None], owner: object
+    ) -> None:
+        self.handoff = handoff
+        self.pump: concurrent.futures.Future[None] | None = pump
+        self.owner: object = owner  # the loader: alive while its iterator is
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        if self.pump is None:
+            raise StopIteration
+        kind, value = self.handoff.get(self.pump)
+        if kind == END:
+            self.close()
+            raise StopIteration
+        if kind == ERROR:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop the pump (idempotent; the epoch stays as it was)."""
+        pump, self.pump = self.pump, None
+        self.owner = None
+        if pump is not None and not pump.done():
+            pump.cancel()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+#: The loaders entered by ``with`` (or a first ``for``) and not yet left.
+OPEN: weakref.WeakSet[SyncFace] = weakref.WeakSet()
+
+
+def opened(loader: SyncFace) -> None:
+    """Record ``loader`` as entered by ``with``. The first time: register
+    :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
+    and multiprocessing's, are registered): ``atexit`` runs it before them."""
+    global _HOOKED
+    if not _HOOKED:
+        # weakref.finalize registers its own exit hook (which closes an epoch's queues)
+        # with its first use: make sure it is registered before ours, so ours runs first.
+        weakref.finalize(_close_at_exit, int).atexit = False
+        atexit.register(_close_at_exit)
+        _HOOKED = True
+    OPEN.add(loader)
+
+
+_HOOKED = False
+
+
+def _close_at_exit() -> None:
+    """Leave each sync loader still open, as ``with`` would, before the interpreter tears
+    down the modules its batches and threads need, and before aiomp's exit hook kills
+    their workers."""
+    for loader in list(OPEN):
+        try:
+            loader.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - nothing to tell at exit; the workers die anyway
+            pass

@@ -4,29 +4,39 @@
 from __future__ import annotations
 
 import functools
-import secrets
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Self
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 import anyio.abc
 
-from .._loop import running_asyncio_loop, trio_running
 from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
-from .._process.checks import count
-from .epoch import Epoch
+from .._process.placement import slot_envs
+from . import options as _options
+from .epoch import Epoch, Handed
 from .feeds import FeedEpoch
-from .handoff import END, ERROR, Handoff
-from .sampling import Sampling, batch_count, is_map_style
+from .handoff import Batches, Handoff
+from .local import LocalEpoch
+from .sampling import (
+    BuiltinBatchSampler,
+    BuiltinSampler,
+    Sampling,
+    batch_count,
+    is_map_style,
+)
 from .streams import StreamEpoch
+from .syncface import SyncFace
+from .worker import Builder
 from .worker import init as _init_worker
 
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
 
-class DataLoader:
+class DataLoader(SyncFace):
     """Batches of ``dataset`` built by ``num_workers`` worker processes.
 
     ::
@@ -40,30 +50,35 @@ class DataLoader:
             for images, labels in loader:
                 ...
 
-    torch's names and meanings: ``dataset`` is map-style (``__getitem__`` and ``__len__``:
-    a torch ``Dataset``, a list, an array) or iterable-style (a torch ``IterableDataset`` or
-    any object with ``__iter__`` and no ``__getitem__``; each worker runs its own iterator
-    and shards it by ``get_worker_info()``, as in torch). ``sampler`` and
-    ``batch_sampler`` take torch's samplers; ``shuffle``, ``drop_last``, ``collate_fn``
-    (default: :func:`default_collate`, straight into shared memory),
-    ``worker_init_fn(worker_id)`` and ``prefetch_factor`` (at most
-    ``prefetch_factor * num_workers`` batches requested and not yet handed out) as
-    torch's. Workers are persistent: started by ``async with`` / ``with``, kept over
-    epochs. ``start_method`` and ``env`` are the Pool's.
+    torch's signature, order and meanings (a drop-in: ``for batch in loader`` needs no
+    ``with``; the first iteration starts the workers, which persist until :meth:`close`
+    or exit). ``dataset`` is map-style or iterable-style (each worker shards
+    its own copy by ``get_worker_info()``); ``num_workers=0`` builds the batches in this
+    process (in a thread, in ``async for``); ``batch_size=None`` gives the samples
+    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method;
+    ``pin_memory`` pins where CUDA is there; ``timeout=0`` is none; the default collate is
+    torch's ``default_collate`` where a sample holds a tensor, else
+    :func:`default_collate` (straight into shared memory). Differences from torch, each
+    with its reason: docs/data-loading-differences.md.
 
-    ``seed`` (default: drawn when the loader is made, :attr:`seed`): batch ``k`` of epoch
-    ``e`` is built with Python's ``random``, numpy's global RNG and torch's seeded from
-    ``(seed, e, k)``, and shuffling is drawn from ``(seed, e)``: one seed, the same
-    batches, whatever ``num_workers``.
+    ``seed`` (default: drawn from ``generator``, or torch's global RNG where torch is
+    imported, else fresh: :attr:`seed`): batch ``k`` of epoch ``e`` is built with
+    Python's ``random``, numpy's global RNG and torch's seeded from ``(seed, e, k)``, and
+    shuffling is drawn from ``(seed, e)``: one seed, the same batches, whatever
+    ``num_workers`` (>= 1).
 
     Faults: a worker that dies while building a batch is replaced and the batch built
     again, up to ``max_retries`` times, then :class:`aiomp.BrokenWorkerError` names the
     batch (``batch_index``, ``indices``). An exception raised by the dataset or
     ``collate_fn`` is raised here as its own type, the worker's traceback as its
-    ``__cause__`` and a note naming the batch. ``timeout`` seconds from the moment a
-    worker takes a batch: ``TimeoutError``, the worker replaced. Each of these is raised
-    by the step that would have handed the batch out; iterating on gives the later
-    batches, and the next epoch is whole.
+    ``__cause__`` and a note naming the batch; a ``BaseException`` too (``SystemExit``,
+    ``KeyboardInterrupt``, ``GeneratorExit``), as :meth:`aiomp.Pool.apply` and
+    ``concurrent.futures`` raise it: wrapping it would let ``except Exception`` swallow a
+    sample's request to stop, and raised by the step that hands its batch out, it is the
+    consumer's to catch (it never stops the event loop or the loader). ``timeout``
+    seconds from the moment a worker takes a batch: ``TimeoutError``, the worker
+    replaced. Each of these is raised by the step that would have handed the batch out;
+    iterating on gives the later batches, and the next epoch is whole.
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` (see there).
     """
@@ -72,24 +87,30 @@ class DataLoader:
         self,
         dataset: Any,
         batch_size: int | None = 1,
-        *,
-        shuffle: bool = False,
+        shuffle: bool | None = None,
         sampler: Iterable[Any] | None = None,
         batch_sampler: Iterable[list[Any]] | None = None,
         num_workers: int = 2,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
         drop_last: bool = False,
-        seed: int | None = None,
+        timeout: float | None = 0,
         worker_init_fn: Callable[[int], object] | None = None,
-        prefetch_factor: int = 2,
-        timeout: float | None = None,
-        max_retries: int = 2,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
         in_order: bool = True,
-        start_method: str = "spawn",
+        seed: int | None = None,
+        max_retries: int = 2,
+        start_method: str | None = None,
         env: Any = None,
     ) -> None:
-        num_workers, prefetch_factor = _counts(num_workers, prefetch_factor, timeout, max_retries)
-        self.dataset = dataset
+        num_workers = _options.workers(num_workers)
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
         self.map_style = is_map_style(dataset)
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
@@ -98,45 +119,62 @@ class DataLoader:
                     "sampler, and drop_last"
                 )
             batch_size, drop_last = None, False
-        elif batch_size is None:
-            raise ValueError("batch_size=None (no batching) is not supported: use batch_size=1")
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually exclusive "
+                "with drop_last"
+            )
         if sampler is not None and shuffle:
             raise ValueError("sampler option is mutually exclusive with shuffle")
         if not self.map_style and (sampler is not None or batch_sampler is not None or shuffle):
             raise ValueError(
-                "DataLoader with an iterable-style dataset: expected unspecified sampler, "
-                "batch_sampler and shuffle options"
+                "DataLoader with IterableDataset: expected unspecified sampler, batch_sampler "
+                "and shuffle options"
             )
+        self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
-        self.prefetch_factor = prefetch_factor
-        self.timeout = timeout
-        self.max_retries = max_retries
+        self.prefetch_factor = _options.prefetch(prefetch_factor, num_workers)
+        self.timeout = _options.timeout_of(timeout)
+        self.max_retries = _options.retries(max_retries)
         self.in_order = in_order
+        self.persistent_workers = persistent_workers  # workers persist anyway (see docs)
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self._pin = _options.pin_memory_of(pin_memory, pin_memory_device)
+        self.generator = generator
+        self.collate_fn = collate_fn
+        self.worker_init_fn = worker_init_fn
+        method = _options.start_method_of(multiprocessing_context, start_method, num_workers)
+        self.multiprocessing_context = multiprocessing_context
         #: The seed every batch's RNGs and the shuffling derive from.
-        self.seed = secrets.randbits(63) if seed is None else int(seed)
+        self.seed = _options.seed_of(seed, generator)
+        auto = batch_size is not None or batch_sampler is not None
         self.sampling = (
-            Sampling(len(dataset), batch_size, shuffle, sampler, batch_sampler, drop_last)
+            Sampling(dataset, batch_size, bool(shuffle), sampler, batch_sampler, drop_last)
             if self.map_style
             else None
         )
-        options: dict[str, Any] = {} if env is None else {"env": env}
+        self._builder = Builder(dataset, collate_fn, auto)  # num_workers=0: in this process
+        envs = slot_envs(env, max(num_workers, 1))  # TypeError now, as Pool(env=...) raises
+        options: dict[str, Any] = {} if envs is None else {"env": envs.__getitem__}
         #: The workers' pool, made when the loader is entered (a pool made here and
         #: never entered would warn of it when collected).
         self._new_pool = functools.partial(
             Pool,
             num_workers,
             initializer=_init_worker,
-            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn),
-            start_method=start_method,
+            initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn, auto),
+            start_method=method,
             **options,
         )
         self._pool: Pool | None = None
         self._host: TaskHost | None = None
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
-        self._current: Epoch | StreamEpoch | None = None
+        self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
+        self._current: Epoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
@@ -144,13 +182,61 @@ class DataLoader:
         self._portal: BlockingPortal | None = None
         self._portal_cm: Any = None
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
+        self._batches: weakref.ref[Batches] | None = None  # its iterator (which holds us)
+        self._entered = False  # num_workers=0: ``with`` / ``async with`` entered
+        self._initialized = True
+
+    #: What torch refuses to have assigned once the loader is made.
+    _FIXED = frozenset(
+        ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+    )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and self.__dict__.get("_initialized"):
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        """``aiomp.DataLoader[T]`` at run time, as torch's ``DataLoader[T]`` (for mypy the
+        class is not generic: the sample type of an untyped dataset cannot be inferred)."""
+        return types.GenericAlias(cls, item)
+
+    @property
+    def sampler(self) -> Any:
+        """The sampler (torch's name): the one given, or the built-in one (``None`` for an
+        iterable-style dataset, whose workers iterate it)."""
+        if self.sampling is None:
+            return self.__dict__.get("_iterable_sampler")
+        user = self.sampling.sampler
+        if user is not None:
+            return user
+        if self.sampling.batch_sampler is not None:
+            return None
+        return BuiltinSampler(self.sampling, lambda: (self.seed, self._next_epoch))
+
+    @property
+    def batch_sampler(self) -> Any:
+        """The batch sampler (torch's name): the one given, or ``sampler`` in lists of
+        ``batch_size`` (None with ``batch_size=None``, or an iterable-style dataset)."""
+        if self.sampling is None or self.sampling.batch_sampler is not None:
+            return None if self.sampling is None else self.sampling.batch_sampler
+        if self.batch_size is None:
+            return None
+        return BuiltinBatchSampler(self.sampler, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``)."""
+        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``),
+        read from ``len(dataset)`` each time, as torch's."""
         if self.sampling is not None:
             return len(self.sampling)
-        assert self.batch_size is not None
-        return batch_count(len(self.dataset), self.batch_size, self.drop_last)
+        n = len(self.dataset)
+        return n if self.batch_size is None else batch_count(n, self.batch_size, self.drop_last)
+
+    def pinned(self, batch: Any) -> Any:
+        """``batch`` in page-locked memory where ``pin_memory`` and CUDA are there."""
+        return batch if self._pin is None else _options.pin_batch(batch)
 
     def __repr__(self) -> str:
         return (
@@ -168,7 +254,7 @@ class DataLoader:
     # -- epochs and resume -------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
-        self._next_epoch, self._skip = int(epoch), 0
+        self._next_epoch, self._skip, self._later = int(epoch), 0, ()
         self._handoff = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -177,26 +263,32 @@ class DataLoader:
         if it has one). Taken inside an epoch, it points at the next batch of it; taken
         after, at the start of the next epoch."""
         current, handed = self._position()
-        if current is not None and not (self.sampling is not None and handed >= len(self.sampling)):
-            epoch, batches = current.epoch, handed
+        later: Iterable[int] = ()
+        if current is not None and not (
+            self.sampling is not None and handed.prefix >= len(self.sampling)
+        ):
+            epoch, batches, later = current.epoch, handed.prefix, handed.later
         elif current is not None:
             epoch, batches = current.epoch + 1, 0
         else:
-            epoch, batches = self._next_epoch, self._skip
+            epoch, batches, later = self._next_epoch, self._skip, self._later
         state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
+        if later:  # in_order=False: batches handed out past ``batches``
+            state["later"] = sorted(later)
         user = None if self.sampling is None else self.sampling.user_sampler()
         if user is not None and hasattr(user, "state_dict"):
             state["sampler"] = user.state_dict()
         return state
 
-    def _position(self) -> tuple[Epoch | StreamEpoch | None, int]:
+    def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, Handed]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
         sync code, handed to the consumer's thread (not those waiting in the handoff)."""
-        handoff = self._handoff
+        handoff, current = self._handoff, self._current
         if handoff is not None and handoff.epoch is not None:
-            return (None, 0) if handoff.ended else (handoff.epoch, handoff.base + handoff.taken)
-        current = self._current
-        return current, 0 if current is None else current.handed_count
+            return (None, Handed(0)) if handoff.ended else (handoff.epoch, handoff.handed)
+        if isinstance(current, Epoch):
+            return current, current.handed_out
+        return current, Handed(0 if current is None else current.handed_count)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where ``state`` (from :meth:`state_dict`) was taken: the next ``async
@@ -205,10 +297,14 @@ class DataLoader:
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        self.seed = int(state["seed"])
+        epoch, batches, seed, later = _options.checked_state(state, _options.length(self))
+        self._abandon()  # an epoch in progress is left: ``state`` is where we are now
+        self._close_batches()
+        self.seed = seed
         self._handoff = None
-        self._next_epoch = int(state["epoch"])
-        self._skip = int(state["batches"]) if self.map_style else 0
+        self._next_epoch = epoch
+        self._skip = batches  # an iterable dataset replays the epoch (see above)
+        self._later = later
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
@@ -217,9 +313,20 @@ class DataLoader:
     # -- async -------------------------------------------------------------------------
     async def __aenter__(self) -> Self:
         """Start the workers (concurrently: returns before they are ready). On failure or
-        cancellation nothing is left running."""
+        cancellation nothing is left running. ``num_workers=0``: nothing to start."""
+        if self.num_workers == 0:
+            return self
         self._pool = pool = self._new_pool()
-        await pool.__aenter__()
+        try:
+            await pool.__aenter__()
+        except RuntimeError as exc:
+            if "through inheritance" in str(exc):  # an mp.Value or lock in the dataset
+                exc.add_note(
+                    "aiomp.DataLoader: the dataset holds a multiprocessing object; give "
+                    "multiprocessing_context='fork' (torch's default on Linux), or use "
+                    "aiomp.Queue / shared arrays instead"
+                )
+            raise
         host = TaskHost(lambda: None)
         try:
             await host.start()
@@ -238,6 +345,8 @@ class DataLoader:
         from the body: no wait."""
         _, exc, tb = exc_info
         self._abandon()
+        if self.num_workers == 0:
+            return
         host, self._host = self._host, None
         if exc is None and self.in_flight:
             # Nobody will take the batches still being built: let them finish for a
@@ -255,22 +364,35 @@ class DataLoader:
             pool, self._pool = self.pool, None
             await pool.__aexit__(type(exc) if exc else None, exc, tb)
 
-    def __aiter__(self) -> Epoch | StreamEpoch:
+    def __aiter__(self) -> Epoch | StreamEpoch | LocalEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
-        if self._host is None:
+        if self._host is None and self.num_workers:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
+        return self._open_epoch()
+
+    def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch:
         self._abandon()
-        epoch, skip = self._next_epoch, self._skip
-        self._next_epoch, self._skip = epoch + 1, 0
-        current: Epoch | StreamEpoch
-        if self.sampling is None:
-            current = StreamEpoch(self, epoch)
-        else:
+        epoch, skip, later = self._next_epoch, self._skip, self._later
+        self._next_epoch, self._skip, self._later = epoch + 1, 0, ()
+        batches = None
+        if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
+        current: Epoch | StreamEpoch | LocalEpoch
+        if batches is None:
+            skip = 0  # an iterable dataset's epoch is replayed from its start
+        # The epoch (and its tasks) hold the loader weakly: a loader dropped by its user
+        # is collected at once, and stops its workers (see SyncFace.__del__).
+        owner = cast("DataLoader", weakref.proxy(self))
+        if self.num_workers == 0:
+            current = LocalEpoch(owner, epoch, skip, self._builder, batches)
+            current.keep = self  # held by the consumer: the loader lives while it iterates
+        elif batches is None:
+            current = StreamEpoch(owner, epoch)
+        else:
             # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
             kind = Epoch if self.timeout is not None else FeedEpoch
-            current = kind(self, epoch, skip, batches)
+            current = kind(owner, epoch, skip, batches, later)
         self._current = current
         return current
 
@@ -290,63 +412,10 @@ class DataLoader:
         if not self.in_flight and self._drained is not None:
             self._drained.set()
 
-    def finished(self, epoch: Epoch | StreamEpoch) -> None:
+    def finished(self, epoch: Epoch | StreamEpoch | LocalEpoch) -> None:
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
-
-    # -- sync --------------------------------------------------------------------------
-    def __enter__(self) -> Self:
-        """Start the workers for a program with no event loop: the loader's async side
-        runs on a private event loop in a thread, which this thread waits for."""
-        if running_asyncio_loop() is not None or trio_running():
-            raise RuntimeError(
-                "`with loader:` blocks its thread: in async code use `async with loader:`"
-            )
-        from anyio.from_thread import start_blocking_portal
-
-        cm = start_blocking_portal()
-        portal = cm.__enter__()
-        try:
-            portal.call(self.__aenter__)
-        except BaseException as exc:
-            cm.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        self._portal, self._portal_cm = portal, cm
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        """Stop the workers as ``async with`` does, then the private loop."""
-        portal, cm = self._portal, self._portal_cm
-        self._portal = self._portal_cm = None
-        if portal is None:
-            return
-        try:
-            portal.call(self.__aexit__, *exc_info)
-        finally:
-            cm.__exit__(None, None, None)
-
-    def __iter__(self) -> Iterator[Any]:
-        """One epoch, for a sync loop (inside ``with loader:``). A pump task on the private
-        loop moves the epoch's batches to this thread through a :class:`Handoff` (at most
-        ``max(2, num_workers)`` batches wait there). A batch's error is raised here and
-        ends the ``for``; leaving it early stops the pump."""
-        portal = self._portal
-        if portal is None:
-            raise RuntimeError("use `with loader:` before iterating in sync code")
-        self._handoff = handoff = Handoff(max(2, self.num_workers))
-        pump = portal.start_task_soon(handoff.pump, self.__aiter__)
-        try:
-            while True:
-                kind, value = handoff.get(pump)
-                if kind == END:
-                    return
-                if kind == ERROR:
-                    raise value
-                yield value
-                del value  # hold one batch at a time, as an async for does
-        finally:
-            pump.cancel()
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
@@ -357,21 +426,3 @@ DRAIN_SECONDS = 5.0
 class _Leaving(Exception):
     """What the loader's block is left with when it is left normally: the Pool must not
     wait for batches nobody will take."""
-
-
-def _counts(
-    num_workers: object, prefetch_factor: object, timeout: float | None, retries: int
-) -> tuple[int, int]:
-    """``num_workers`` and ``prefetch_factor`` as ints >= 1 (a float or a string is a
-    TypeError, as Python's pools raise), once all four options are checked."""
-    try:
-        workers = count("num_workers", num_workers)
-    except ValueError as exc:
-        exc.add_note("(loading in the consumer, as torch's 0 does, would block its loop)")
-        raise
-    prefetch = count("prefetch_factor", prefetch_factor)
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive or None, not {timeout}")
-    if retries < 0:
-        raise ValueError(f"max_retries must be at least 0, not {retries}")
-    return workers, prefetch

@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import itertools
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 
@@ -62,19 +62,30 @@ class Sampling:
     state kept in the loader's.
     """
 
-    size: int
+    dataset: Any  # its len() is read at each epoch, as torch's samplers read it
     batch_size: int | None
     shuffle: bool
     sampler: Iterable[Any] | None
     batch_sampler: Iterable[list[Any]] | None
     drop_last: bool
 
+    @property
+    def size(self) -> int:
+        return len(self.dataset)
+
     def __len__(self) -> int:
         if self.batch_sampler is not None:
             return len(self.batch_sampler)  # type: ignore[arg-type]
         n = self.size if self.sampler is None else len(self.sampler)  # type: ignore[arg-type]
-        assert self.batch_size is not None
-        return batch_count(n, self.batch_size, self.drop_last)
+        return batch_count(n, self.batch_size or 1, self.drop_last)
+
+    def order(self, seed: int, epoch: int) -> list[int] | range:
+        """The built-in sampler's indices for ``epoch``: in order, or shuffled."""
+        if not self.shuffle:
+            return range(self.size)
+        order = list(range(self.size))
+        random.Random(derive(seed, epoch)).shuffle(order)
+        return order
 
     def user_sampler(self) -> object:
         return self.batch_sampler if self.batch_sampler is not None else self.sampler
@@ -86,22 +97,12 @@ class Sampling:
             user.set_epoch(epoch)
         if self.batch_sampler is not None:
             return itertools.islice(iter(self.batch_sampler), skip, None)
-        indices: Iterable[Any]
-        if self.sampler is not None:
-            indices = self.sampler
-        elif self.shuffle:
-            order = list(range(self.size))
-            random.Random(derive(seed, epoch)).shuffle(order)
-            indices = order
-        else:
-            indices = range(self.size)
-        assert self.batch_size is not None
-        if self.sampler is None and not isinstance(indices, range | list):
-            indices = list(indices)
+        indices: Iterable[Any] = self.order(seed, epoch) if self.sampler is None else self.sampler
+        size = self.batch_size or 1  # None (no batching): each sample alone
         if isinstance(indices, range | list):  # skip without visiting the skipped indices
-            indices = indices[skip * self.batch_size :]
-            return _chunks(iter(indices), self.batch_size, self.drop_last)
-        return itertools.islice(_chunks(iter(indices), self.batch_size, self.drop_last), skip, None)
+            indices = indices[skip * size :]
+            return _chunks(iter(indices), size, self.drop_last)
+        return itertools.islice(_chunks(iter(indices), size, self.drop_last), skip, None)
 
 
 def _chunks(indices: Iterator[Any], size: int, drop_last: bool) -> Iterator[list[Any]]:
@@ -109,3 +110,32 @@ def _chunks(indices: Iterator[Any], size: int, drop_last: bool) -> Iterator[list
         if len(batch) < size and drop_last:
             return
         yield batch
+
+
+class BuiltinSampler:
+    """``loader.sampler`` where none was given: the indices of the loader's next epoch
+    (in order, or shuffled from its seed), with ``__len__``, as torch's samplers."""
+
+    def __init__(self, sampling: Sampling, where: Callable[[], tuple[int, int]]) -> None:
+        self._sampling = sampling
+        self._where = where  # () -> (seed, next epoch)
+
+    def __len__(self) -> int:
+        return self._sampling.size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._sampling.order(*self._where()))
+
+
+class BuiltinBatchSampler:
+    """``loader.batch_sampler`` where none was given: ``sampler`` in lists of
+    ``batch_size`` (torch's ``BatchSampler`` names)."""
+
+    def __init__(self, sampler: Iterable[Any], batch_size: int, drop_last: bool) -> None:
+        self.sampler, self.batch_size, self.drop_last = sampler, batch_size, drop_last
+
+    def __len__(self) -> int:
+        return batch_count(len(self.sampler), self.batch_size, self.drop_last)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return _chunks(iter(self.sampler), self.batch_size, self.drop_last)

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from .._errors import BrokenWorkerError, QueueClosed
+from .._loop import is_cancellation
 from .._queue.queue import Queue
 from . import worker as _worker
-from .epoch import broken
+from .epoch import broken, receive
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -59,7 +60,8 @@ class StreamEpoch:
     async def _run(self, shard: int) -> None:
         loader = self.loader
         loader.in_flight += 1
-        args = (self.epoch, shard, loader.seed, loader.batch_size, loader.drop_last, self.queue)
+        size = loader.batch_size or 1  # None (no batching): each sample alone
+        args = (self.epoch, shard, loader.seed, size, loader.drop_last, self.queue)
         try:
             with self.scopes[shard]:
                 for tries in range(loader.max_retries + 1):
@@ -69,7 +71,9 @@ class StreamEpoch:
                     except BrokenWorkerError as exc:
                         if tries == loader.max_retries:
                             self.failures[shard] = broken(exc, self.handed_count, None, tries)
-        except Exception as exc:  # noqa: BLE001 - the shard's outcome, raised by __anext__
+        except BaseException as exc:
+            if is_cancellation(exc):
+                raise
             exc.add_note(f"aiomp.DataLoader: in worker {shard}'s share of the iterable dataset")
             self.failures[shard] = exc
         finally:
@@ -90,12 +94,12 @@ class StreamEpoch:
                 self.close()
                 self.loader.finished(self)
                 raise StopAsyncIteration
-            await self._receive()
+            await receive(self._receive)
         self.handed_count += 1
         ok, value = got
         if not ok:
             raise value
-        return value
+        return self.loader.pinned(value)
 
     async def _receive(self) -> None:
         timeout = self.loader.timeout

@@ -20,15 +20,43 @@ from typing import Any
 
 from .._child import info as _info
 from .._child.seeds import reseed
-from .collate import default_collate
+from .collate import default_collate, default_convert
+from .sampling import is_map_style
+
+
+class Builder:
+    """What builds a batch from sample indices: the dataset and the collate function.
+    ``auto``: batches of samples (``collate_fn(list of samples)``); False (torch's
+    ``batch_size=None``): each "batch" is one sample, ``collate_fn(sample)``."""
+
+    def __init__(
+        self, dataset: Any, collate_fn: Callable[[Any], Any] | None, auto: bool = True
+    ) -> None:
+        self.dataset = dataset
+        self.auto = auto
+        self.collate = collate_fn or (default_collate if auto else default_convert)
+
+    def build(self, indices: list[Any]) -> Any:
+        """The batch of ``indices`` (one index where not ``auto``), collated."""
+        dataset = self.dataset
+        if not self.auto:
+            return self.collate(dataset[indices[0]])
+        getitems = getattr(dataset, "__getitems__", None)
+        samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
+        return self.collate(samples)
+
+    def chunk(self, samples: list[Any]) -> Any:
+        """An iterable dataset's batch: ``samples`` collated (one sample where not auto)."""
+        return self.collate(samples) if self.auto else self.collate(samples[0])
 
 
 class _State:
     """This worker's loader: set once by :func:`init`."""
 
-    dataset: Any = None
-    collate: Callable[[Any], Any] = staticmethod(default_collate)
+    builder: Builder = Builder(None, None)
     info: _info.WorkerInfo | None = None
+    pristine: Any = None  # an iterable dataset as it came, for the shards of other slots
+    copies: dict[int, Any] = {}  # noqa: RUF012 - one per worker process
 
 
 _state = _State()
@@ -48,6 +76,7 @@ def init(
     seed: int,
     collate_fn: Callable[[Any], Any] | None,
     worker_init_fn: Callable[[int], object] | None,
+    auto: bool = True,
 ) -> None:
     """The Pool's initializer: record who this worker is (``aiomp.get_worker_info()`` and,
     where torch is loaded, ``torch.utils.data.get_worker_info()``), then run
@@ -55,12 +84,17 @@ def init(
     from .sampling import derive
 
     slot = _slot()
-    _state.dataset = dataset
-    if collate_fn is not None:
-        _state.collate = collate_fn
+    _state.builder = Builder(dataset, collate_fn, auto)
+    if not is_map_style(dataset):
+        _state.pristine = _copy(dataset)
     _state.info = _info.set_worker_info(slot, num_workers, derive(seed, slot), dataset)
+    # Loaded before the first batch, so that its first draw is seeded too (a dataset may
+    # import numpy only in __getitem__; numpy is a dependency of aiomp and of the default
+    # collate). torch, too heavy to load for nothing, is seeded by build() instead.
+    import numpy.random  # noqa: F401
+
     if "torch" in sys.modules:
-        import torch.utils.data  # noqa: F401  (loaded by the dataset already: cheap)
+        import torch.utils.data  # noqa: F401
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
         worker_init_fn(slot)
@@ -85,8 +119,6 @@ def _seed(seed: int) -> None:
     info = _state.info
     assert info is not None
     info.seed = seed
-    if "numpy" in sys.modules:  # numpy loads numpy.random on first use: a sample's draw
-        import numpy.random  # noqa: F401 - must find it seeded
     reseed(seed)
     # torch's get_worker_info() returns this module global: ours has the same names.
     twi = sys.modules.get("torch.utils.data._utils.worker")
@@ -99,12 +131,17 @@ def ready() -> None:
 
 
 def build(indices: list[Any], seed: int) -> Any:
-    """One batch of a map-style dataset: its samples, collated."""
+    """One batch of a map-style dataset: its samples, collated, with the RNGs seeded from
+    ``seed``. A dataset that imports torch while building it (in ``__getitem__``) drew
+    from torch's RNG unseeded: the batch is built again, torch seeded (once per worker)."""
+    had_torch = "torch" in sys.modules
     _seed(seed)
-    dataset = _state.dataset
-    getitems = getattr(dataset, "__getitems__", None)
-    samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
-    return _state.collate(samples)
+    batch = _state.builder.build(indices)
+    if not had_torch and "torch" in sys.modules:
+        del batch
+        _seed(seed)
+        batch = _state.builder.build(indices)
+    return batch
 
 
 def stream(
@@ -125,22 +162,46 @@ def stream(
     info = _state.info
     assert info is not None
     own, info.id = info.id, shard
+    info.dataset = dataset = _shard_dataset(shard, own)
     try:
         _seed(derive(seed, epoch, shard, 0))
-        samples = iter(_state.dataset)
+        samples = iter(dataset)
         for j in itertools.count():
             _seed(derive(seed, epoch, shard, j))
             batch = list(itertools.islice(samples, batch_size))
             if not batch or (len(batch) < batch_size and drop_last):
                 break
             if j >= skip:
-                queue.sync.put((shard, j, _state.collate(batch)))
+                queue.sync.put((shard, j, _state.builder.chunk(batch)))
             del batch
         queue.sync.put((shard, -1, None))
     except QueueClosed:
         pass
     finally:
-        info.id = own
+        info.id, info.dataset = own, _state.builder.dataset
+
+
+def _shard_dataset(shard: int, own: int) -> Any:
+    """The dataset object that shard ``shard`` iterates in this worker: the worker's own
+    for its own slot, else a copy made once per shard from the dataset as it came. So, as
+    in torch (each worker iterates its own copy), a dataset that keeps state in itself
+    never sees another shard's iteration (issue 39 bug 6)."""
+    if shard == own or _state.pristine is None:
+        return _state.builder.dataset
+    dataset = _state.copies.get(shard)
+    if dataset is None:
+        dataset = _state.copies[shard] = _copy(_state.pristine)
+    return dataset
+
+
+def _copy(dataset: Any) -> Any:
+    """A deep copy of ``dataset``, or None where it cannot be copied (then shards share)."""
+    import copy
+
+    try:
+        return copy.deepcopy(dataset)
+    except Exception:  # noqa: BLE001 - a dataset holding a lock or a file: shared, as before
+        return None
 
 
 def feed(requests: Any, results: Any, slot: int) -> None:
@@ -164,7 +225,7 @@ def feed(requests: Any, results: Any, slot: int) -> None:
             return
         try:
             item = (slot, k, True, build(indices, seed))
-        except Exception as exc:  # noqa: BLE001 - the batch's outcome, raised by the consumer
+        except BaseException as exc:  # noqa: BLE001 - the batch's outcome (SystemExit too), raised by the consumer
             item = (slot, k, False, (ErrorPayload.of(exc), os.getpid()))
         try:
             put(item)

@@ -107,7 +107,7 @@ async def test_same_batches_whatever_num_workers() -> None:
 
 def test_options_checked_as_torch() -> None:
     with pytest.raises(ValueError, match="num_workers"):
-        aiomp.DataLoader([1], num_workers=0)
+        aiomp.DataLoader([1], num_workers=-1)
     with pytest.raises(TypeError, match="num_workers must be an int"):
         aiomp.DataLoader([1], num_workers=2.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="prefetch_factor must be an int"):
