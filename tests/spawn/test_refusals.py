@@ -1,10 +1,7 @@
 """Spawning: bad input refused clearly before any process starts: start methods, nprocs,
 unpicklable or interactive functions, an unguarded main module, args.
 
-README "Spawning" and R7-R10 (docs/architecture.md), R12-R14, through the public API only, on
-asyncio, uvloop and trio. Children never get slept on: each one that must be waited for
-meets the test at a :class:`Gate` (a unix socket), and every await on a child is bounded
-by ``anyio.fail_after``.
+How children are met and bounded: see ``tests/spawn/test_results.py``.
 """
 
 from __future__ import annotations
