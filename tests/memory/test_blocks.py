@@ -19,6 +19,8 @@ from aiomp._memory import blocks as _blocks
 from aiomp._memory import janitor as _janitor
 from aiomp._memory import registry as _registry
 from tests.children import common as funcs
+from tests.children import memory as funcs_shm
+from tests.children import queue as qfuncs
 from tests.memory._shm import (
     BOTH_STRATEGIES,
     GRACE,
@@ -164,7 +166,7 @@ def test_exhaustion_at_put(strategy: str, tmp_path: Path) -> None:
 
 
 def describe(arr: np.ndarray[Any, Any], shared: bool) -> tuple[object, ...]:
-    """What ``funcs.shm_inspect`` reports for an array received as ``arr`` was sent."""
+    """What ``funcs_shm.shm_inspect`` reports for an array received as ``arr`` was sent."""
     return ("array", shared, True, arr.dtype.str, arr.shape, arr.strides, arr.tobytes())
 
 
@@ -189,7 +191,7 @@ async def test_arrays_in_spawn_args() -> None:
         big("datetime64[ms]"),
     )
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_inspect, 1, args=args, grace_period=GRACE) as ctx:
+        async with aiomp.spawn(funcs_shm.shm_inspect, 1, args=args, grace_period=GRACE) as ctx:
             pass
     got = ctx.results[0]
     assert got[0] == describe(base, True)
@@ -236,7 +238,7 @@ async def _results_read_after_exit(
 @BOTH_STRATEGIES
 async def test_arrays_in_return_values(strategy: str) -> None:
     n = 100_000
-    results = await _results_read_after_exit(funcs.shm_return_arrays, 2, (n, strategy))
+    results = await _results_read_after_exit(funcs_shm.shm_return_arrays, 2, (n, strategy))
     assert isinstance(results, list), results
     for rank, result in enumerate(results):
         plain, shared, small = result["plain"], result["shared"], result["small"]  # type: ignore[index]
@@ -257,7 +259,7 @@ async def test_hogwild_writes_are_seen_by_every_process() -> None:
     q, go = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.shm_stripe, nprocs, args=(nprocs, w, flag, q, go), grace_period=GRACE
+            funcs_shm.shm_stripe, nprocs, args=(nprocs, w, flag, q, go), grace_period=GRACE
         ) as ctx:
             for _ in range(nprocs):
                 await q.put(w)
@@ -273,8 +275,8 @@ async def test_forwarded_array_is_still_the_same_memory(strategy: str) -> None:
     a = aiomp.share_memory(np.zeros(50_000))
     q1, q2, reply = aiomp.Queue(), aiomp.Queue(), aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_write_marks, 1, args=(q2, reply), grace_period=GRACE):
-            async with aiomp.spawn(funcs.q_forward, 1, args=(q1, q2), grace_period=GRACE):
+        async with aiomp.spawn(funcs_shm.shm_write_marks, 1, args=(q2, reply), grace_period=GRACE):
+            async with aiomp.spawn(qfuncs.q_forward, 1, args=(q1, q2), grace_period=GRACE):
                 await q1.put((a, "first"))
                 assert await reply.get() == "first"
                 assert a[0] == 1.0, "written by the second child, through the first one"
@@ -292,7 +294,7 @@ async def test_a_received_array_sent_back_is_the_same_memory(strategy: str) -> N
     qin, qout = aiomp.Queue(), aiomp.Queue()
     plain = big()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_forward, 1, args=(qin, qout), grace_period=GRACE):
+        async with aiomp.spawn(qfuncs.q_forward, 1, args=(qin, qout), grace_period=GRACE):
             await qin.put(plain)
             first = await qout.get()  # a shared copy, made by this process's put
             assert aiomp.is_shared(first) and np.array_equal(first, plain)
@@ -314,7 +316,7 @@ async def test_same_segment_is_mapped_once_and_views_stay_views() -> None:
     x = np.arange(1000 * 100, dtype=np.float64).reshape(1000, 100)  # not shared: copied
     q, reply = aiomp.Queue(), aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_views, 1, args=(q, reply), grace_period=GRACE):
+        async with aiomp.spawn(funcs_shm.shm_views, 1, args=(q, reply), grace_period=GRACE):
             await q.put((a, a[10:], b, x[:600], x[400:]))
             await q.put(a)
             info = await reply.get()

@@ -14,7 +14,7 @@ import pytest
 import aiomp
 from aiomp._memory import janitor as _janitor
 from tests._run import run_python
-from tests.children import common as funcs
+from tests.children import memory as funcs_shm
 from tests.memory._shm import GRACE, INLINE, ONE_LOOP, TIMEOUT, fd_count, segment_count, shm_names
 
 
@@ -26,7 +26,7 @@ async def test_sender_exits_before_the_receiver_reads() -> None:
     q = aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.shm_send_then_exit, 1, args=(q, n, "file_descriptor"), grace_period=GRACE
+            funcs_shm.shm_send_then_exit, 1, args=(q, n, "file_descriptor"), grace_period=GRACE
         ):
             pass  # leaving the block joins: the child has exited
         plain = await q.get()
@@ -49,7 +49,7 @@ async def test_file_system_sender_exits_before_the_receiver_reads() -> None:
     n = 50_000
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.shm_send_then_exit, 1, args=(q, n, "file_system"), grace_period=GRACE
+            funcs_shm.shm_send_then_exit, 1, args=(q, n, "file_system"), grace_period=GRACE
         ) as ctx:
             pass
         first, second, (third, tail) = await q.get(), await q.get(), await q.get()
@@ -81,7 +81,7 @@ async def test_fds_stay_flat_over_thousands_of_arrays() -> None:
 
     with anyio.fail_after(TIMEOUT):
         async with (
-            aiomp.spawn(funcs.shm_echo_many, 1, args=(qin, qout), grace_period=GRACE) as ctx,
+            aiomp.spawn(funcs_shm.shm_echo_many, 1, args=(qin, qout), grace_period=GRACE) as ctx,
             anyio.create_task_group() as tg,
         ):
             tg.start_soon(produce)
@@ -108,7 +108,7 @@ async def test_thousands_of_arrays_in_flight(strategy: str) -> None:
     assert q.qsize() == count
     assert fd_count() - fds <= 16, "arrays in flight hold no fds of the sender's"
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_echo_many, 1, args=(q, back), grace_period=GRACE):
+        async with aiomp.spawn(funcs_shm.shm_echo_many, 1, args=(q, back), grace_period=GRACE):
             q.close()
             for i in range(count):
                 got = await back.get()

@@ -22,8 +22,8 @@ from aiomp._memory import janitor as _janitor
 from aiomp._memory import lease as _lease
 from aiomp._memory import registry as _registry
 from tests._run import run_python
-from tests.children import common as funcs
 from tests.children import memory as funcs_shm
+from tests.children import queue as qfuncs
 from tests.memory._shm import (
     BOTH_STRATEGIES,
     GRACE,
@@ -44,7 +44,7 @@ async def test_janitor_removes_names_of_a_sigkilled_child() -> None:
     n = 3 << 20  # a slab and a large segment
     with anyio.fail_after(TIMEOUT):
         ctx = await aiomp.spawn(
-            funcs.shm_hold_named_then_block, 1, args=(ready, n), grace_period=GRACE
+            funcs_shm.shm_hold_named_then_block, 1, args=(ready, n), grace_period=GRACE
         )
         names = await ready.get()
         assert len(names) == 2 and set(names) <= shm_names()
@@ -116,7 +116,7 @@ async def test_child_names_are_removed_when_it_exits(start_method: str) -> None:
 async def _names_left_by_a_child(start_method: str) -> tuple[int, set[str]]:
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.shm_make_named, 1, start_method=start_method, grace_period=GRACE
+            funcs_shm.shm_make_named, 1, start_method=start_method, grace_period=GRACE
         ) as ctx:
             pass
     return ctx.results[0], _left_by(ctx.pids()[0])  # type: ignore[return-value]
@@ -133,7 +133,7 @@ async def _names_left_after_receiving_from_a_child() -> tuple[set[str], set[str]
     q, received = aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.shm_send_and_wait, 1, args=(q, received, 100_000), grace_period=GRACE
+            funcs_shm.shm_send_and_wait, 1, args=(q, received, 100_000), grace_period=GRACE
         ) as ctx:
             arr = await q.get()
             received.set()
@@ -159,7 +159,7 @@ async def _forwarded_block_survives_reuse(strategy: str) -> tuple[bool, bool]:
     a = aiomp.share_memory(np.full(n, 1.0))
     address = a.ctypes.data
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_forward, 1, args=(q1, q2), grace_period=GRACE):
+        async with aiomp.spawn(qfuncs.q_forward, 1, args=(q1, q2), grace_period=GRACE):
             await q1.put(a)
             q1.close()
         del a  # the only handle left is in the message on q2
@@ -189,7 +189,7 @@ async def _segments_after_double_receive() -> int:
     x = np.arange(1000 * 100, dtype=np.float64).reshape(1000, 100)
     before = segment_count()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.shm_views, 1, args=(q, reply), grace_period=GRACE):
+        async with aiomp.spawn(funcs_shm.shm_views, 1, args=(q, reply), grace_period=GRACE):
             await q.put((a, a[10:], b, x[:600], x[400:]))  # a named twice in one message
             await q.put(a)  # and again while the child holds it
             await reply.get()

@@ -120,13 +120,13 @@ _TREE_OF_A_CHILD = textwrap.dedent("""
     import os, signal
     import anyio
     import aiomp
-    from tests.children import common as funcs
+    from tests.children import memory as _funcs_shm
 
     async def main():
         aiomp.set_sharing_strategy("file_system")
         ready = aiomp.Queue()  # no array made here: this process makes no segment itself
         with anyio.fail_after(20):
-            ctx = await aiomp.spawn(funcs.shm_hold_named_then_block, 1, args=(ready, 1000))
+            ctx = await aiomp.spawn(_funcs_shm.shm_hold_named_then_block, 1, args=(ready, 1000))
             names = await ready.get()
             from aiomp._memory.segment import H_TREE
             for name in names:

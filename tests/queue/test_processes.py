@@ -12,7 +12,6 @@ import anyio.lowlevel
 import pytest
 
 import aiomp
-from tests.children import common as funcs
 from tests.children import queue as qfuncs
 from tests.queue._queues import GRACE, QUICK, SHORT, TIMEOUT, drain, fill_vault
 
@@ -20,7 +19,7 @@ from tests.queue._queues import GRACE, QUICK, SHORT, TIMEOUT, drain, fill_vault
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("child", [funcs.q_mpmc, funcs.q_mpmc_async], ids=["sync", "async"])
+@pytest.mark.parametrize("child", [qfuncs.q_mpmc, qfuncs.q_mpmc_async], ids=["sync", "async"])
 async def test_many_producers_and_consumers_across_processes(child: Callable[..., Any]) -> None:
     count = 300
     q, done = aiomp.Queue(maxsize=16), aiomp.Queue()
@@ -43,7 +42,7 @@ async def test_many_producers_and_consumers_across_processes(child: Callable[...
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("child", [funcs.q_forward, funcs.q_forward_async], ids=["sync", "async"])
+@pytest.mark.parametrize("child", [qfuncs.q_forward, qfuncs.q_forward_async], ids=["sync", "async"])
 async def test_items_through_a_child_and_back(child: Callable[..., Any]) -> None:
     qin, qout = aiomp.Queue(maxsize=4), aiomp.Queue(maxsize=4)
     items: list[object] = [0, "s", b"b" * 200_000, {"k": [1, 2]}, None, 3.5]
@@ -68,7 +67,7 @@ async def test_items_through_a_child_and_back(child: Callable[..., Any]) -> None
 async def test_queues_and_events_in_args_and_messages() -> None:
     q, reply, inner, event = aiomp.Queue(), aiomp.Queue(), aiomp.Queue(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.q_identities, 1, args=(q, reply), grace_period=GRACE):
+        async with aiomp.spawn(qfuncs.q_identities, 1, args=(q, reply), grace_period=GRACE):
             await q.put((q, inner, inner))
             await q.put(inner)
             await q.put(event)
@@ -88,7 +87,7 @@ async def test_close_from_a_child_ends_the_parents_iteration() -> None:
     q = aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.q_close_from_child, 1, args=(q, list(range(50))), grace_period=GRACE
+            qfuncs.q_close_from_child, 1, args=(q, list(range(50))), grace_period=GRACE
         ):
             got = [item async for item in q]
     assert got == list(range(50))
@@ -102,7 +101,7 @@ async def test_close_wakes_waiters_in_other_processes() -> None:
     await full.put("kept")
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.q_close_waiters_async, 2, args=(full, empty, ready), grace_period=GRACE
+            qfuncs.q_close_waiters_async, 2, args=(full, empty, ready), grace_period=GRACE
         ) as ctx:
             assert sorted([await ready.get(), await ready.get()]) == [0, 1]
             # Both children are about to wait (or already are): either way close() must
@@ -119,7 +118,7 @@ async def test_sync_timeouts_in_a_child() -> None:
     await q.put("first")
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.q_sync_timeouts, 1, args=(q, SHORT), grace_period=GRACE
+            qfuncs.q_sync_timeouts, 1, args=(q, SHORT), grace_period=GRACE
         ) as ctx:
             pass
     assert ctx.results == [("Full", "Empty")]
@@ -130,7 +129,7 @@ async def test_event_across_processes() -> None:
     go, ready, done = aiomp.Event(), aiomp.Event(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
         async with aiomp.spawn(
-            funcs.ev_ping, 1, args=(go, ready, done, SHORT), grace_period=GRACE
+            qfuncs.ev_ping, 1, args=(go, ready, done, SHORT), grace_period=GRACE
         ) as ctx:
             await ready.wait()  # the child's first wait has timed out
             assert not go.is_set()
@@ -145,7 +144,7 @@ async def test_event_across_processes() -> None:
 async def test_event_async_wait_in_a_child() -> None:
     go, done = aiomp.Event(), aiomp.Event()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(funcs.ev_ping_async, 2, args=(go, done), grace_period=GRACE) as ctx:
+        async with aiomp.spawn(qfuncs.ev_ping_async, 2, args=(go, done), grace_period=GRACE) as ctx:
             go.set()
             await done.wait()
     assert ctx.results == [True, True]
