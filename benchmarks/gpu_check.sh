@@ -6,7 +6,7 @@
 # Installs what is missing (cupy, torch's CUDA build, the project's test extras; on a
 # machine with no registry, wheels carried in .whl/ are used), prints nvidia-smi, then runs
 # each step with its own timeout and keeps its output in LOGDIR (default .gpu-check/):
-#   1. the GPU tests (tests/cuda/test_cuda.py and the torch CUDA tensor test, -m gpu);
+#   1. the GPU tests (tests/cuda/test_gpu.py and the torch CUDA tensor test, -m gpu);
 #   2. examples/cuda_inference.py;
 #   3. the CUDA benchmark (python -m benchmarks.run cuda: rewrites its RESULTS.md section);
 #   4. the SIGKILL faults with device memory before and after (benchmarks/gpu_faults.py);
@@ -56,7 +56,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 # (hypothesis, on a GPU image, warns at the session's end about trio's PRNG: not ours)
-step 1-gpu-tests 200 "$PY" -m pytest -m gpu tests/cuda/test_cuda.py tests/arrays/test_torch.py -q -rs \
+step 1-gpu-tests 200 "$PY" -m pytest -m gpu tests/cuda/test_gpu.py tests/arrays/test_torch.py -q -rs \
     -p no:cacheprovider -p no:hypothesispytest -o timeout=200
 step 2-example 90 "$PY" examples/cuda_inference.py
 step 3-benchmark 150 "$PY" -m benchmarks.run cuda

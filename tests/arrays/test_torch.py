@@ -262,12 +262,12 @@ async def test_the_sender_exits_before_the_receiver_reads() -> None:
 @ONE_LOOP
 async def test_a_tensor_forwarded_by_a_child_comes_back_as_the_same_storage() -> None:
     # Pipelines forward buffers: the child sends on the storage it received, by its fd.
-    from tests.children import common as _funcs
+    from tests.children import queue as qfuncs
 
     x = torch.arange(INLINE, dtype=torch.float32)  # moved into shared memory by the put
     qin, qout = aiomp.Queue(), aiomp.Queue()
     with anyio.fail_after(TIMEOUT):
-        async with aiomp.spawn(_funcs.q_forward, 1, args=(qin, qout), grace_period=GRACE):
+        async with aiomp.spawn(qfuncs.q_forward, 1, args=(qin, qout), grace_period=GRACE):
             await qin.put((x, x[5:]))
             back, tail = await qout.get()
             qin.close()

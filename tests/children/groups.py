@@ -1,5 +1,6 @@
-"""Functions that the children of ``tests/spawn/test_descendants.py`` run: they start processes of
-own (a ``sleep 1000`` and an ``os.fork`` child) and say which.
+"""Functions that the children of ``tests/spawn/test_descendants.py`` and
+``tests/spawn/test_keeper.py`` run: they start processes of own (a ``sleep 1000`` and an
+``os.fork`` child) and say which.
 
 Light, like ``common``: the standard library only, and ``subprocess`` imported where used.
 """

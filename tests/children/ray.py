@@ -1,4 +1,4 @@
-"""Functions that aiomp.ray.Pool actors run in tests/ray/test_ray.py (importable by actors).
+"""Functions that aiomp.ray.Pool actors run in tests/ray/pool/ (importable by actors).
 
 Actors meet the test at a :class:`tests._gate.Gate` (an abstract unix socket: the actors
 of a local Ray run on this machine), so no test sleeps on an actor.

@@ -69,10 +69,10 @@ async def test_pool_call_cancelled_by_asyncio_timeout() -> None:
 
 @pytest.mark.asyncio
 async def test_queue_carries_an_array_through_a_child() -> None:
-    from tests.children import common as funcs
+    from tests.children import memory as funcs_shm
 
     q, back = aiomp.Queue(4), aiomp.Queue(4)
-    async with aiomp.spawn(funcs.shm_echo_many, 1, args=(q, back), grace_period=0.3) as ctx:
+    async with aiomp.spawn(funcs_shm.shm_echo_many, 1, args=(q, back), grace_period=0.3) as ctx:
         a = np.arange(100_000, dtype=np.float64)
         await q.put(a)
         b = await back.get()

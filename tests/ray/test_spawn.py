@@ -6,7 +6,7 @@ the next such job can start only once the last one's placement group is gone). T
 node-loss test adds a third node and removes it mid-job. Ranks meet the test at a
 :class:`Gate`; every await is bounded by ``anyio.fail_after``. Ray's long-lived processes
 are registered with conftest's leak check as persistent, and the driver's gRPC sockets
-are exempt from its fd check (``ray_fds_ok``), as in ``test_ray.py``.
+are exempt from its fd check (``ray_fds_ok``), as in ``tests/ray/pool/``.
 """
 
 from __future__ import annotations
