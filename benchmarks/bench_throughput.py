@@ -1,5 +1,5 @@
 """Per-call throughput: 32 concurrent one-call tasks on two workers, idle and beside noisy
-neighbours (DESIGN.md section 4; issue 41).
+neighbours (docs/design.md section 4; issue 41).
 
 Run as ``python -m benchmarks.bench_throughput``. One *burst* is 32 tasks started at once,
 each a call of :func:`~benchmarks._targets_throughput.burn` (0.1, 1 or 5 ms of CPU time),

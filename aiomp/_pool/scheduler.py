@@ -62,6 +62,7 @@ from .workers import (
     cancel_ahead,
     not_started,
     pick_busy,
+    record_took,
     take_back,
 )
 
@@ -71,8 +72,6 @@ MAX_START_FAILURES = 3
 #: (a transient shortage: pids, memory, fds); one more failure after the last breaks the
 #: pool. About 6 s in all, so that a shortage of a few seconds does not.
 START_RETRY_DELAYS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
-#: Functions whose last run's time the scheduler keeps (``took``) before it forgets all.
-MAX_TOOK = 1024
 
 
 _OPEN, _CLOSING, _CLOSED = range(3)
@@ -274,10 +273,7 @@ class Scheduler:
     def _ran(self, w: WorkerSlot, task: Task) -> None:
         """``task``, the first ``w`` held, is done in a busy pool: how long it ran
         (``workers.ends_soon``), and the one queued ahead behind it has started."""
-        if task.fn_id:
-            if len(self.took) > MAX_TOOK:
-                self.took.clear()
-            self.took[task.fn_id] = monotonic() - w.since
+        record_took(self.took, task.fn_id, w.since)
         if w.running:
             self._next_started(w)
 
@@ -358,11 +354,9 @@ class Scheduler:
         """The pool could not start a process for ``slot`` (``error``: EAGAIN, ENOMEM...).
         The seconds to wait before :meth:`respawn`, or None: the pool is broken (not an
         OSError, or the :data:`START_RETRY_DELAYS` are spent)."""
-        failures = self.start_errors.get(slot, 0) + 1
-        self.start_errors[slot] = failures
-        delays = START_RETRY_DELAYS
-        if isinstance(error, OSError) and failures <= len(delays):
-            return delays[failures - 1]
+        failures = self.start_errors[slot] = self.start_errors.get(slot, 0) + 1
+        if isinstance(error, OSError) and failures <= len(START_RETRY_DELAYS):
+            return START_RETRY_DELAYS[failures - 1]
         more = f" ({failures} times in a row)" if failures > 1 else ""
         err = BrokenPoolError(f"the pool could not start a worker for slot {slot}{more}: {error}")
         self.break_pool(err, cause=error)
@@ -422,9 +416,7 @@ class Scheduler:
             self.workers.values(), task, self.concurrency, self.may_look_ahead(), self.took
         )
 
-    def may_look_ahead(self) -> bool:
-        """Whether a task may be queued ahead in a busy worker now: not while a worker is
-        starting (it takes the task once ready: idle workers first)."""
+    def may_look_ahead(self) -> bool:  # not while a worker starts: it takes it once ready
         return not self.starting
 
     def _dispatch(self) -> None:

@@ -95,6 +95,19 @@ def never_ahead(fid: int) -> None:
     NEVER_AHEAD.add(fid)
 
 
+#: Functions whose last run's time the scheduler keeps (``took``) before it forgets all.
+MAX_TOOK = 1024
+
+
+def record_took(took: dict[int, float], fn_id: int, since: float) -> None:
+    """A task of function ``fn_id`` (0: none to record) that started at ``since`` is done:
+    keep how long it ran, for :func:`ends_soon`."""
+    if fn_id:
+        if len(took) > MAX_TOOK:
+            took.clear()
+        took[fn_id] = monotonic() - since
+
+
 def ends_soon(w: WorkerSlot, took: dict[int, float], now: float) -> bool:
     """Whether ``w``'s running task is one a task may be queued ahead behind (see
     :data:`AHEAD_WITHIN`)."""
