@@ -49,6 +49,24 @@ DIED = 1
 CONFIRM = 10.0
 
 
+def watch(ref: Any, loop: Any, done: Callable[[Any], None]) -> None:
+    """Call ``done(outcome)`` on ``loop`` (an asyncio loop) once ``ref`` has settled: its
+    value, or the exception that getting it raises (no actor method of aiomp's returns an
+    exception)."""
+    held: Any = ref
+
+    def settled(outcome: Any) -> None:  # on Ray's thread
+        nonlocal held
+        held = None  # kept until now: Ray crashes resolving a ref that nobody holds
+        try:
+            loop.call_soon_threadsafe(done, outcome)
+        except RuntimeError:  # the loop has closed: nobody is waiting any more
+            pass
+
+    # What ``ref.future()`` and ``await ref`` use, without a concurrent Future between.
+    ref._on_completed(settled)
+
+
 class ActorHandle(Handle):
     """See the module docstring."""
 
@@ -104,22 +122,7 @@ class ActorHandle(Handle):
 
     # -- refs -------------------------------------------------------------------------
     def _watch(self, ref: Any, done: Callable[[Any], None]) -> None:
-        """Call ``done(outcome)`` on the loop once ``ref`` has settled: its value, or the
-        exception that getting it raises (no method of the actor returns an exception)."""
-        loop = self._loop
-
-        held: Any = ref
-
-        def settled(outcome: Any) -> None:  # on Ray's thread
-            nonlocal held
-            held = None  # kept until now: Ray crashes resolving a ref that nobody holds
-            try:
-                loop.call_soon_threadsafe(done, outcome)
-            except RuntimeError:  # the loop has closed: nobody is waiting any more
-                pass
-
-        # What ``ref.future()`` and ``await ref`` use, without a concurrent Future between.
-        ref._on_completed(settled)
+        watch(ref, self._loop, done)
 
     def init(self, blob: bytes, who: tuple[int, int]) -> None:
         """Have the actor record ``who`` (its slot, the pool's size: its

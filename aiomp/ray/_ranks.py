@@ -33,7 +33,7 @@ from .._output.lines import ChildLines, Output
 from .._pool.protocol import ErrorPayload
 from .._spawn.context import ProcessContext
 from . import _session
-from ._handle import CONFIRM, DIED, KILLED, death_reason
+from ._handle import CONFIRM, DIED, KILLED, death_reason, watch
 from ._kind import SESSION_CHECK
 
 
@@ -72,22 +72,6 @@ class RankInfo:
     node_id: str | None
     node_address: str | None
     pid: int | None
-
-
-def watch(ref: Any, loop: asyncio.AbstractEventLoop, done: Callable[[Any], None]) -> None:
-    """Call ``done(outcome)`` on ``loop`` once ``ref`` has settled: its value, or the
-    exception getting it raises (see ``aiomp.ray._handle``)."""
-    held: Any = ref
-
-    def settled(outcome: Any) -> None:  # on Ray's thread
-        nonlocal held
-        held = None  # kept until now: Ray crashes resolving a ref that nobody holds
-        try:
-            loop.call_soon_threadsafe(done, outcome)
-        except RuntimeError:  # the loop has closed: nobody is waiting any more
-            pass
-
-    ref._on_completed(settled)
 
 
 def _ignore(_: object) -> None:

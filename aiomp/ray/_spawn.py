@@ -40,8 +40,9 @@ from .._process import placement as _placement
 from .._process.checks import count
 from .._spawn.api import SpawnHandle
 from . import _session
+from ._handle import watch
 from ._kind import capacity, fmt_resources
-from ._ranks import Rank, RayProcessContext, watch
+from ._ranks import Rank, RayProcessContext
 
 #: Ray's placement strategies: ``PACK`` (the default) fills as few nodes as it can,
 #: ``SPREAD`` spreads the ranks, the ``STRICT_`` ones insist (one node / one rank a node).
