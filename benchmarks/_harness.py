@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from collections.abc import Iterator
 
 from benchmarks import _common as c
 from benchmarks._targets import PAYLOAD, echo_socket, echo_socket_async
@@ -79,10 +80,9 @@ class Variant:
         return c.median(p for p, _ in cpu), c.median(ch for _, ch in cpu)
 
 
-def children_cpu(pids: list[int]) -> float:
-    """CPU seconds the processes ``pids`` have run so far, every thread (a thread that
-    ended is no longer counted: the variants' children keep theirs)."""
-    total = 0
+def thread_files(pids: list[int], name: str) -> Iterator[str]:
+    """The text of ``/proc/PID/task/TID/<name>`` for every live thread of ``pids`` (a
+    process or thread that has ended is skipped)."""
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -90,11 +90,16 @@ def children_cpu(pids: list[int]) -> float:
             continue
         for tid in tids:
             try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
+                with open(f"/proc/{pid}/task/{tid}/{name}") as f:
+                    yield f.read()
             except (FileNotFoundError, ProcessLookupError):
                 pass
-    return total / 1e9
+
+
+def children_cpu(pids: list[int]) -> float:
+    """CPU seconds the processes ``pids`` have run so far, every thread (a thread that
+    ended is no longer counted: the variants' children keep theirs)."""
+    return sum(int(text.split()[0]) for text in thread_files(pids, "schedstat")) / 1e9
 
 
 async def interleave(

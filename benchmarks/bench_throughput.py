@@ -140,21 +140,12 @@ class AnyioToProcess(Burst):
 
 def switches(pids: list[int]) -> int:
     """Voluntary context switches of the processes ``pids`` so far, every thread."""
-    total = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/status") as f:
-                    for line in f:
-                        if line.startswith("voluntary_ctxt_switches"):
-                            total += int(line.split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return total
+    return sum(
+        int(line.split()[1])
+        for text in h.thread_files(pids, "status")
+        for line in text.splitlines()
+        if line.startswith("voluntary_ctxt_switches")
+    )
 
 
 def children(pid: int) -> list[int]:

@@ -285,7 +285,7 @@ import anyio.lowlevel
 import aiomp
 
 def hang():
-    time.sleep(600)
+    time.sleep(600)  # handshake-free: the call that is still running when the loop ends
 
 async def turns(n):
     for _ in range(n):
