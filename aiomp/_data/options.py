@@ -169,12 +169,7 @@ def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int, 
 
 
 def retries(max_retries: object) -> int:
-    if isinstance(max_retries, bool) or not isinstance(max_retries, SupportsIndex):
-        raise TypeError(f"max_retries must be an int, not {type(max_retries).__name__}")
-    n = operator.index(max_retries)
-    if n < 0:
-        raise ValueError(f"max_retries must be at least 0, not {n}")
-    return n
+    return count("max_retries", max_retries, least=0)
 
 
 def pin_batch(batch: Any) -> Any:

@@ -18,13 +18,13 @@ may be called from loop callbacks: they never await).
 
 from __future__ import annotations
 
-import operator
-from typing import TYPE_CHECKING, SupportsIndex
+from typing import TYPE_CHECKING
 
 import anyio.lowlevel
 
 from .._errors import BrokenPoolError, BrokenWorkerError, PoolOverloadedError
 from .._loop.wakeup import Wakeup
+from .._process.checks import count
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -34,12 +34,7 @@ if TYPE_CHECKING:
 def check_max_pending(value: object) -> int:
     """``Pool(max_pending=)`` as an int >= 0 (0: a call that no worker can start at once
     is refused): ``TypeError`` for another type, ``ValueError`` below 0."""
-    if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise TypeError(f"max_pending must be an int >= 0, not {type(value).__name__} ({value!r})")
-    n = operator.index(value)
-    if n < 0:
-        raise ValueError(f"max_pending must be an int >= 0, not {value!r}")
-    return n
+    return count("max_pending", value, least=0)
 
 
 def has_room(sched: Scheduler, weight: int) -> bool:

@@ -21,14 +21,15 @@ from .._wire import pickling as _reduction
 START_METHODS = ("spawn", "forkserver", "fork")
 
 
-def count(name: str, value: object) -> int:
-    """``value`` as an int >= 1 (anything with ``__index__``, a numpy integer too, but not a
-    bool): ``TypeError`` for another type, as Python's pools raise, ``ValueError`` below 1."""
+def count(name: str, value: object, least: int = 1) -> int:
+    """``value`` as an int >= ``least`` (anything with ``__index__``, a numpy integer too,
+    but not a bool): ``TypeError`` for another type, as Python's pools raise,
+    ``ValueError`` below ``least``."""
     if isinstance(value, bool) or not isinstance(value, SupportsIndex):
-        raise TypeError(f"{name} must be an int >= 1, not {type(value).__name__} ({value!r})")
+        raise TypeError(f"{name} must be an int >= {least}, not {type(value).__name__} ({value!r})")
     n = operator.index(value)
-    if n < 1:
-        raise ValueError(f"{name} must be an int >= 1, not {value!r}")
+    if n < least:
+        raise ValueError(f"{name} must be an int >= {least}, not {value!r}")
     return n
 
 
