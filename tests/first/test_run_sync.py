@@ -24,6 +24,7 @@ from aiomp._pool.pool import first_worker_alone
 from aiomp._pool.process_kind import Launched, ProcessKind
 from aiomp._process import cpus
 from tests._gate import Gate
+from tests._procs import dead
 from tests._run import REPO, run_python
 from tests.children import pool as funcs
 
@@ -156,13 +157,7 @@ def test_each_loop_gets_its_own_pool_closed_with_it(runner: str) -> None:
 _PROGRAM = """
 import os, sys
 import aiomp
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+from tests._procs import dead
 
 async def main():
     await aiomp.run_sync(os.getpid)
@@ -188,7 +183,7 @@ seen = []
 for _ in range(2):
     pool_id, pids = run(main)
     assert pids, "no worker was ready"
-    left = [p for p in pids if alive(p)]
+    left = [p for p in pids if not dead(p)]
     assert not left, f"workers left after the loop closed: {left}"
     seen.append((pool_id, pids))
 for pool_id, pids in seen:
@@ -212,15 +207,7 @@ def test_a_loop_closed_without_asyncio_run_is_cleaned_at_exit() -> None:
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) >= 2
     # Killed and reaped by the interpreter's exit, before it ended.
-    assert not [p for p in pids[1:] if _alive(p)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    assert not [p for p in pids[1:] if not dead(p)]
 
 
 _QUIET_END = """

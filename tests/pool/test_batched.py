@@ -20,16 +20,11 @@ import aiomp
 from tests._gate import Gate
 from tests.children import common
 from tests.children import serve as funcs
+from tests.pool._pools import FAST, settled
 
 TIMEOUT = 30
-FAST = "forkserver"
 
 pytestmark = pytest.mark.anyio
-
-
-async def settled() -> None:
-    await anyio.wait_all_tasks_blocked()
-    await anyio.lowlevel.checkpoint()
 
 
 async def gather(call: Callable[[Any], Awaitable[Any]], xs: list[Any]) -> list[Any]:

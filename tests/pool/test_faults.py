@@ -22,17 +22,11 @@ from aiomp._pool import scheduler as _scheduler
 from aiomp._process import launch as _process
 from aiomp._wire import datagram as _transport
 from tests.children import pool as funcs
+from tests.pool._pools import pool
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 30
-GRACE = 0.3
-
-
-def pool(processes: int = 1, **kwargs: Any) -> aiomp.Pool:
-    kwargs.setdefault("start_method", "forkserver")
-    kwargs.setdefault("grace_period", GRACE)
-    return aiomp.Pool(processes, **kwargs)
 
 
 # -- item 9: SystemExit and other BaseExceptions reach their caller alone -----------------

@@ -8,6 +8,7 @@ asyncio only (their subject is the worker, not the loop). Workers meet the test 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -24,20 +25,17 @@ import pytest
 
 import aiomp
 from tests._gate import Gate
+from tests._procs import dead
 from tests.children import common as funcs
 from tests.children import health as h
-from tests.pool.test_pool import asyncio_only, gone
+from tests.pool import _pools as pools
+from tests.pool._pools import asyncio_only
 
 TIMEOUT = 30
-GRACE = 0.5
+GRACE = 0.5  # a hung worker's stack is read and printed within it
+pool = functools.partial(pools.pool, grace_period=GRACE)
 
 pytestmark = pytest.mark.anyio
-
-
-def pool(processes: int = 1, **kwargs: Any) -> aiomp.Pool:
-    kwargs.setdefault("start_method", "forkserver")
-    kwargs.setdefault("grace_period", GRACE)
-    return aiomp.Pool(processes, **kwargs)
 
 
 async def warm(p: aiomp.Pool) -> None:
@@ -66,7 +64,7 @@ async def test_timeout_notes_the_stack_of_the_hung_function(
             with pytest.raises(TimeoutError) as info:
                 await p.apply(h.hang_in_named_function, (0, gate.address), timeout=1.0)
             pid = (await gate.ready(1))[0]
-            assert gone(pid)
+            assert dead(pid)
             assert await p.apply(funcs.pool_square, (3,)) == 9
     text = notes(info.value)
     assert "most recent call first" in text, text
@@ -90,7 +88,7 @@ async def test_cancellation_logs_the_stack_at_info(
                 tg.start_soon(p.apply, h.hang_in_named_function, (0, gate.address))
                 pid = (await gate.ready(1))[0]
                 tg.cancel_scope.cancel()
-            assert gone(pid)
+            assert dead(pid)
     ours = [r for r in caplog.records if r.name == "aiomp" and str(pid) in r.getMessage()]
     assert [r.levelno for r in ours] == [logging.INFO], [r.getMessage() for r in ours]
     message = ours[0].getMessage()
@@ -109,7 +107,7 @@ async def test_a_worker_hung_in_c_shows_its_stack_and_dies(gate: Gate, fn: Any) 
             with pytest.raises(TimeoutError) as info:
                 await p.apply(fn, (0, gate.address), timeout=1.0)
             took = time.monotonic() - start
-            assert gone((await gate.ready(1))[0])
+            assert dead((await gate.ready(1))[0])
     assert f"in {fn.__name__}" in notes(info.value)
     assert took < 1.0 + GRACE + 2.0, took
 
@@ -126,7 +124,7 @@ async def test_a_worker_that_cannot_print_still_dies_within_the_grace_period(
             with pytest.raises(TimeoutError) as info:
                 await p.apply(h.hang_unable_to_print, (0, gate.address), timeout=1.0)
             took = time.monotonic() - start
-            assert gone((await gate.ready(1))[0])
+            assert dead((await gate.ready(1))[0])
             assert await p.apply(funcs.pool_square, (2,)) == 4
     assert "could not be read" in notes(info.value), notes(info.value)
     assert took < 1.0 + GRACE + 3.0, took

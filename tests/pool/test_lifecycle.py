@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -26,27 +25,13 @@ import pytest
 
 import aiomp
 from tests._gate import Gate
+from tests._procs import dead
 from tests.children import pool as funcs
+from tests.pool._pools import pool
 
 pytestmark = pytest.mark.anyio
 
 TIMEOUT = 30
-GRACE = 0.3
-
-
-def pool(processes: int = 1, **kwargs: Any) -> aiomp.Pool:
-    kwargs.setdefault("start_method", "forkserver")
-    kwargs.setdefault("grace_period", GRACE)
-    return aiomp.Pool(processes, **kwargs)
-
-
-def dead(pid: int) -> bool:
-    """Whether ``pid`` has died (a zombie, or gone), as the kernel sees it now."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:  # gone: ENOENT, or ESRCH while it was being reaped
-        return True
 
 
 async def square_or_broken(

@@ -13,11 +13,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-import aiomp
 from tests.children import common as funcs
+from tests.pool._pools import pool
 
 TIMEOUT = 20
-GRACE = 0.3
 
 pytestmark = pytest.mark.anyio
 
@@ -26,10 +25,6 @@ asyncio_loops = pytest.mark.parametrize(
     [("asyncio", {}), ("asyncio", {"use_uvloop": True})],
     ids=["asyncio", "uvloop"],
 )
-
-
-def pool(processes: int = 1) -> aiomp.Pool:
-    return aiomp.Pool(processes, start_method="forkserver", grace_period=GRACE)
 
 
 @asyncio_loops

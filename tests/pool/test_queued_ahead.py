@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -25,6 +24,7 @@ from aiomp._pool import workers as _workers
 from tests._gate import Gate
 from tests.children import common
 from tests.children import pool as funcs
+from tests.pool._pools import pool, settled
 
 pytestmark = pytest.mark.anyio
 
@@ -37,19 +37,6 @@ def every_task_ends_soon(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 TIMEOUT = 30
-GRACE = 0.3
-
-
-def pool(processes: int = 1, **kwargs: Any) -> aiomp.Pool:
-    kwargs.setdefault("start_method", "forkserver")
-    kwargs.setdefault("grace_period", GRACE)
-    return aiomp.Pool(processes, **kwargs)
-
-
-async def settled() -> None:
-    """Every task is blocked, and the calls made so far have reached the pool."""
-    await anyio.wait_all_tasks_blocked()
-    await anyio.lowlevel.checkpoint()
 
 
 async def test_a_task_queued_ahead_whose_timeout_passes_never_starts(

@@ -8,6 +8,7 @@ On asyncio, uvloop and trio. No sleeps: a worker the test must hold meets it at 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -20,18 +21,14 @@ import aiomp
 from tests._gate import Gate
 from tests.children import common
 from tests.children import serve as funcs
-from tests.pool.test_batched import gather, settled
+from tests.pool import _pools as pools
+from tests.pool._pools import settled
+from tests.pool.test_batched import gather
 
 TIMEOUT = 30
-FAST = "forkserver"
+pool = functools.partial(pools.pool, grace_period=0.5)
 
 pytestmark = pytest.mark.anyio
-
-
-def pool(processes: int = 1, **kwargs: Any) -> aiomp.Pool:
-    kwargs.setdefault("start_method", FAST)
-    kwargs.setdefault("grace_period", 0.5)
-    return aiomp.Pool(processes, **kwargs)
 
 
 # -- 1. a bad row fails alone ----------------------------------------------------------

@@ -17,9 +17,10 @@ import pytest
 
 import aiomp
 from tests._gate import Gate
+from tests._procs import gone
 from tests.children import common as funcs
 from tests.children import spawn as funcs_context
-from tests.spawn._spawns import GRACE, METHODS, TIMEOUT, exitcodes, gone
+from tests.spawn._spawns import GRACE, METHODS, TIMEOUT, exitcodes
 
 # trio keeps idle worker threads for a while (forkserver starts off the loop, in one), so
 # a later fork test may see a thread and warn (R14); test_fork_with_threads_running_warns

@@ -15,8 +15,9 @@ import pytest
 
 import aiomp
 from tests._gate import Gate
+from tests._procs import gone
 from tests.children import common as funcs
-from tests.spawn._spawns import FAILED, GRACE, METHODS, TIMEOUT, exitcodes, gone
+from tests.spawn._spawns import FAILED, GRACE, METHODS, TIMEOUT, exitcodes
 
 # trio keeps idle worker threads for a while (forkserver starts off the loop, in one), so
 # a later fork test may see a thread and warn (R14); test_fork_with_threads_running_warns

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import aiomp
 from aiomp._pool.holding import HoldingScheduler
-from tests.unit.test_scheduler import Rig
+from tests.pool._scheduler import Rig
 
 
 class HoldingRig(Rig):

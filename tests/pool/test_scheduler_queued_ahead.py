@@ -11,7 +11,7 @@ import pytest
 from aiomp._pool import workers as _workers
 from aiomp._pool.scheduler import DONE, DROPPED, QUEUED, RUNNING
 from aiomp._pool.tasks import Task
-from tests.unit.test_scheduler import Rig
+from tests.pool._scheduler import Rig
 
 
 @pytest.fixture
