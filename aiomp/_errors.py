@@ -57,7 +57,18 @@ def _rebuilt(exc: BaseException) -> tuple[object, ...]:
 _NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # not in typeshed
 
 
-class ProcessException(Exception):
+class _Carried(Exception):
+    """An exception with attributes: its message as ``msg``, and every attribute a subclass
+    sets carried in its pickle (:func:`_rebuilt`)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg)
+        self.msg = msg
+
+    __reduce__ = _rebuilt
+
+
+class ProcessException(_Carried):
     """A child process of a :class:`aiomp.ProcessContext` failed.
 
     Raised by ``join()`` and by leaving ``async with aiomp.spawn(...)``; ``error_index``
@@ -67,11 +78,8 @@ class ProcessException(Exception):
 
     def __init__(self, msg: str, error_index: int, pid: int | None) -> None:
         super().__init__(msg)
-        self.msg = msg
         self.error_index = error_index
         self.pid = pid
-
-    __reduce__ = _rebuilt
 
     @property
     def error_pid(self) -> int | None:
@@ -124,7 +132,7 @@ class BrokenWorkerError(ProcessExitedException):
     """
 
 
-class BrokenPoolError(RuntimeError):
+class BrokenPoolError(_Carried, RuntimeError):
     """A :class:`aiomp.Pool` can run no more tasks: its initializer raised, or its workers
     kept dying during start-up (``__cause__`` says which).
 
@@ -136,13 +144,10 @@ class BrokenPoolError(RuntimeError):
 
     def __init__(self, msg: str, not_run: int = 0) -> None:
         super().__init__(msg)
-        self.msg = msg
         self.not_run = not_run
 
-    __reduce__ = _rebuilt
 
-
-class PoolOverloadedError(RuntimeError):
+class PoolOverloadedError(_Carried, RuntimeError):
     """A call on a :class:`aiomp.Pool` made with ``max_pending=N`` was refused at once: it
     would have been the (N+1)-th task not started yet (load shedding).
 
@@ -154,10 +159,7 @@ class PoolOverloadedError(RuntimeError):
 
     def __init__(self, msg: str, max_pending: int = 0) -> None:
         super().__init__(msg)
-        self.msg = msg
         self.max_pending = max_pending
-
-    __reduce__ = _rebuilt
 
 
 class QueueClosedError(Exception):

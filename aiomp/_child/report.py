@@ -97,7 +97,22 @@ class ErrorPayload:
                 slot,
                 pid,
             )
-        exc.__cause__ = RemoteTraceback(f'\n"""\n{name}:\n{self.text}"""')
+        exc.__cause__ = self.traceback(name)
+        return exc
+
+    def traceback(self, name: str) -> RemoteTraceback:
+        """The child's traceback, headed ``name``: the cause of what it raised, here."""
+        return RemoteTraceback(f'\n"""\n{name}:\n{self.text}"""')
+
+    def cause(self, name: str) -> BaseException:
+        """The ``__cause__`` of spawn's :class:`ProcessRaisedException` for child ``name``:
+        the child's exception rebuilt here, with its :meth:`traceback` as its own cause,
+        as the Pool raises it; only that traceback when it cannot be rebuilt."""
+        remote = self.traceback(name)
+        exc, _ = self.rebuild()
+        if exc is None:
+            return remote
+        exc.__cause__ = remote
         return exc
 
     def rebuild(self) -> tuple[BaseException | None, str]:

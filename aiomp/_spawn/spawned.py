@@ -16,7 +16,6 @@ import select
 import socket
 from typing import Any
 
-from .._child.report import ErrorPayload, RemoteTraceback
 from .._errors import (
     ProcessException,
     ProcessExitedException,
@@ -106,17 +105,7 @@ class Spawned(Child):
         if msg[0] == "ok":
             self.outcome = ("ok", msg[1])
         else:
-            self._fail(f"raised:\n\n{msg[1].text.rstrip()}", self._cause(msg[1]))
-
-    def _cause(self, payload: ErrorPayload) -> BaseException:
-        """The child's exception rebuilt here, with its traceback there as its own
-        ``__cause__`` (as the Pool raises it); only that traceback if it cannot be."""
-        remote = RemoteTraceback(f'\n"""\nprocess {self.rank}:\n{payload.text}"""')
-        exc, _ = payload.rebuild()
-        if exc is None:
-            return remote
-        exc.__cause__ = remote
-        return exc
+            self._fail(f"raised:\n\n{msg[1].text.rstrip()}", msg[1].cause(f"process {self.rank}"))
 
     def _fail(self, what: str, cause: BaseException | None = None) -> None:
         exc = ProcessRaisedException(

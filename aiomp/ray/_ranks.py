@@ -26,7 +26,6 @@ from typing import Any
 
 import anyio
 
-from .._child.report import RemoteTraceback
 from .._errors import ProcessException, ProcessExitedException, ProcessRaisedException
 from .._output.forwarder import LINGER
 from .._output.lines import ChildLines, Output
@@ -49,14 +48,16 @@ class ActorExitedException(ProcessExitedException):
         msg: str,
         error_index: int,
         error_pid: int | None,
-        exit_code: int,
-        signal_name: str | None = None,
         *,
+        killed: bool = False,
         node_id: str | None = None,
         node_address: str | None = None,
         actor_id: str = "",
     ) -> None:
-        super().__init__(msg, error_index, error_pid, exit_code, signal_name)
+        """``killed``: by its job, as the job ended (``exit_code`` -9), rather than on its
+        own (1)."""
+        code, name = (KILLED, "SIGKILL") if killed else (DIED, None)
+        super().__init__(msg, error_index, error_pid, code, name)
         self.node_id = node_id
         self.node_address = node_address
         self.actor_id = actor_id
@@ -151,17 +152,11 @@ class Rank:
             self.outcome = ("ok", answer[1])
         else:
             payload: ErrorPayload = answer[1]
-            self._fail(f"raised:\n\n{payload.text.rstrip()}", self._cause(payload))
+            self._fail(
+                f"raised:\n\n{payload.text.rstrip()}",
+                payload.cause(f"process {self.rank} ({self.where})"),
+            )
         self._changed(self)
-
-    def _cause(self, payload: ErrorPayload) -> BaseException:
-        """The rank's exception rebuilt here, with its traceback there as its own cause."""
-        remote = RemoteTraceback(f'\n"""\nprocess {self.rank} ({self.where}):\n{payload.text}"""')
-        exc, _ = payload.rebuild()
-        if exc is None:
-            return remote
-        exc.__cause__ = remote
-        return exc
 
     @property
     def where(self) -> str:
@@ -183,24 +178,24 @@ class Rank:
     def _died(self, exc: BaseException | None) -> None:
         if self.outcome is None:
             if self.killed:
-                what, code, name = "was killed as its job ended", KILLED, "SIGKILL"
+                self._exited("was killed as its job ended", killed=True)
             else:
                 why = death_reason(exc) if exc is not None else "its actor is gone"
-                what, code, name = f"died ({why})", DIED, None
-            self.outcome = (
-                "err",
-                ActorExitedException(
-                    f"process {self.rank} ({self.where}, Ray actor {self.actor_id[:8]}) {what}",
-                    self.rank,
-                    self.pid,
-                    code,
-                    name,
-                    node_id=self.node_id,
-                    node_address=self.address,
-                    actor_id=self.actor_id,
-                ),
-            )
+                self._exited(f"died ({why})")
         self._changed(self)
+
+    def _exited(self, what: str, killed: bool = False) -> None:
+        """This rank ends with :class:`ActorExitedException`: ``what`` befell its actor."""
+        exc = ActorExitedException(
+            f"process {self.rank} ({self.where}, Ray actor {self.actor_id[:8]}) {what}",
+            self.rank,
+            self.pid,
+            killed=killed,
+            node_id=self.node_id,
+            node_address=self.address,
+            actor_id=self.actor_id,
+        )
+        self.outcome = ("err", exc)
 
     # -- output ------------------------------------------------------------------------
     def _poll_output(self) -> None:
@@ -235,19 +230,7 @@ class Rank:
         """Ray's session has ended: the actor is gone with it, and no callback will come."""
         self.gone = True
         if self.outcome is None:
-            self.outcome = (
-                "err",
-                ActorExitedException(
-                    f"process {self.rank} ({self.where}, Ray actor {self.actor_id[:8]}) is "
-                    f"lost: {why}",
-                    self.rank,
-                    self.pid,
-                    DIED,
-                    node_id=self.node_id,
-                    node_address=self.address,
-                    actor_id=self.actor_id,
-                ),
-            )
+            self._exited(f"is lost: {why}")
         self.end_output()
 
     def kill(self, ray: Any) -> None:

@@ -353,3 +353,18 @@ def test_example_runs(cluster: Any) -> None:
     assert out.stdout.strip().endswith("ok"), out.stdout
     assert "2 ranks on 2 node(s)" in out.stdout and "equal on every rank: True" in out.stdout
     assert "[rank 0] node " in out.stdout and "[rank 1] node " in out.stdout
+
+
+def test_an_actor_exited_exception_says_how_its_rank_ended() -> None:
+    """A rank its job killed exited by SIGKILL; one that died on its own, with 1 (Ray does
+    not say how); every attribute travels in a pickle, under the public name."""
+    import pickle
+
+    where = {"node_id": "n1", "node_address": "10.0.0.2", "actor_id": "a1"}
+    killed = aiomp.ray.ActorExitedException("was killed", 0, 11, killed=True, **where)
+    died = aiomp.ray.ActorExitedException("died", 1, None, **where)
+    assert (killed.exit_code, killed.signal_name) == (-9, "SIGKILL")
+    assert (died.exit_code, died.signal_name) == (1, None)
+    for exc in (killed, died):
+        copy = pickle.loads(pickle.dumps(exc))
+        assert type(copy) is aiomp.ray.ActorExitedException and vars(copy) == vars(exc)

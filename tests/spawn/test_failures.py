@@ -259,6 +259,8 @@ def test_errors_pickle() -> None:
             "process 2 terminated with signal SIGSEGV", 2, 13, -11, "SIGSEGV"
         ),
         aiomp.ProcessExitedException("process 3 terminated with exit code 7", 3, None, 7),
+        aiomp.BrokenPoolError("the pool is broken", not_run=3),
+        aiomp.PoolOverloadedError("2 tasks wait", max_pending=2),
     ]
     for exc in errors:
         data = pickle.dumps(exc)
@@ -272,6 +274,12 @@ def test_errors_pickle() -> None:
         -11,
         "SIGSEGV",
     )
+    broken, overloaded = (pickle.loads(pickle.dumps(exc)) for exc in errors[4:])
+    assert isinstance(broken, RuntimeError) and (broken.msg, broken.not_run) == (
+        "the pool is broken",
+        3,
+    )
+    assert isinstance(overloaded, RuntimeError) and overloaded.max_pending == 2
 
 
 @pytest.mark.anyio
