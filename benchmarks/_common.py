@@ -90,6 +90,14 @@ def allow_bytecode() -> None:
     sys.dont_write_bytecode = False
 
 
+def run_main(main: Callable[[], Any]) -> None:
+    """A comparison's entry point: :func:`allow_bytecode`, then ``main`` on anyio's loop."""
+    import anyio
+
+    allow_bytecode()
+    anyio.run(main)
+
+
 # -- timing -----------------------------------------------------------------------------
 
 now = time.perf_counter

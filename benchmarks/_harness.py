@@ -19,11 +19,13 @@ import time
 from collections.abc import Iterator
 
 from benchmarks import _common as c
-from benchmarks._targets import PAYLOAD, echo_socket, echo_socket_async
+from benchmarks._targets import PAYLOAD, echo_socket, echo_socket_async, trivial
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable
+    from typing import Any
 
 
 class Variant:
@@ -78,6 +80,57 @@ class Variant:
         if not cpu:
             return None
         return c.median(p for p, _ in cpu), c.median(ch for _, ch in cpu)
+
+
+class PoolCalls(Variant):
+    """A pool, entered once: each call is ``apply(trivial)``, or ``map(trivial,
+    range(n_map))`` when ``n_map`` is set. ``make`` builds the pool (its library is
+    imported there, not here); ``workers``: wait until that many are up before timing
+    (a map before then runs on fewer); ``cpu``: count its workers' CPU time."""
+
+    def __init__(
+        self,
+        name: str,
+        make: Callable[[], Any],
+        n_map: int = 0,
+        workers: int = 0,
+        cpu: bool = False,
+        budget: float | None = 5.0,
+    ) -> None:
+        self.name, self.make, self.n_map, self.workers = name, make, n_map, workers
+        self.count_cpu, self.budget = cpu, budget
+
+    async def start(self) -> None:
+        import anyio
+
+        self.pool = self.make()
+        await self.pool.__aenter__()
+        with anyio.fail_after(120):
+            while len(self.pool.pids()) < self.workers:  # noqa: ASYNC110 - no event for it
+                await anyio.sleep(0.05)
+
+    def pids(self) -> list[int]:
+        return list(self.pool.pids()) if self.count_cpu else []
+
+    async def once(self) -> None:
+        if self.n_map:
+            assert len(await self.pool.map(trivial, range(self.n_map))) == self.n_map
+        else:
+            await self.pool.apply(trivial)
+
+    async def stop(self) -> None:
+        await self.pool.__aexit__(None, None, None)
+
+
+def aiomp_pool(processes: int = 1, **kwargs: Any) -> Callable[[], Any]:
+    """``make`` for :class:`PoolCalls`: an ``aiomp.Pool(processes, **kwargs)``."""
+
+    def make() -> Any:
+        import aiomp
+
+        return aiomp.Pool(processes, grace_period=1.0, **kwargs)
+
+    return make
 
 
 def thread_files(pids: list[int], name: str) -> Iterator[str]:

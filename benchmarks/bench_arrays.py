@@ -136,6 +136,36 @@ class Memcpy(h.Variant):
         self.mm.close()
 
 
+def shared_rows(med: dict[str, float], what: str, note: str) -> list[dict[str, object]]:
+    """The rows of already shared ``what`` (array, tensor): the largest against the
+    smallest, and each size against torch's queue carrying a shared tensor."""
+    small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
+    aiomp = {n: med.get(f"aiomp shared {size_name(n)}") for n in SHARED_SIZES}
+    rows = [
+        c.row(
+            f"shared {big} {what} put -> child ack",
+            aiomp[SHARED_SIZES[-1]],
+            aiomp[SHARED_SIZES[0]],
+            f"aiomp, shared {small} {what}",
+            c.at_most(2),
+            note,
+        )
+    ]
+    for nbytes in SHARED_SIZES:
+        name = size_name(nbytes)
+        rows.append(
+            c.row(
+                f"shared {name} {what} put -> child ack",
+                aiomp[nbytes],
+                med.get(f"torch shared {name}"),
+                f"torch.mp.Queue, shared {name} tensor",
+                c.faster(3) if nbytes == SHARED_SIZES[-1] else None,
+                note,
+            )
+        )
+    return rows
+
+
 async def main() -> None:
     rows: list[dict[str, object]] = []
     notes: list[str] = []
@@ -167,39 +197,12 @@ async def main() -> None:
         for ln in reversed(links):
             await ln.stop()
     med = {k: c.median(v) for k, v in s.items()}
-
-    def a(key: str) -> float | None:
-        return med.get(f"aiomp {key}")
-
-    small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
-    rows.append(
-        c.row(
-            f"shared {big} array put -> child ack",
-            a(f"shared {big}"),
-            a(f"shared {small}"),
-            f"aiomp, shared {small} array",
-            c.at_most(2),
-            missing or "",
-        )
-    )
-    for nbytes in SHARED_SIZES:
-        name = size_name(nbytes)
-        target = c.faster(3) if nbytes == SHARED_SIZES[-1] else None
-        rows.append(
-            c.row(
-                f"shared {name} array put -> child ack",
-                a(f"shared {name}"),
-                med.get(f"torch shared {name}"),
-                f"torch.mp.Queue, shared {name} tensor",
-                target,
-                missing or ("" if has_torch else "torch not installed"),
-            )
-        )
+    rows += shared_rows(med, "array", missing or ("" if has_torch else "torch not installed"))
     fname = size_name(FRESH_SIZE)
     rows.append(
         c.row(
             f"fresh {fname} array put -> child ack",
-            a(f"fresh {fname}"),
+            med.get(f"aiomp fresh {fname}"),
             med[f"memcpy {fname}"],
             f"one np.copyto of {fname} into mapped memory",
             c.at_most(2),
@@ -221,7 +224,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

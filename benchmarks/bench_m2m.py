@@ -399,120 +399,93 @@ async def main() -> None:
         )
 
     rows: list[dict[str, Any]] = []
+
+    def add(
+        what: str, key: str, base: str, base_name: str, target: Any = None, why: str = ""
+    ) -> None:
+        """A row of ``what``: the median run's ``key`` against its ``base``."""
+        got, ref, note = median_run(key, base)
+        rows.append(c.row(f"{shape}, {what}", got, ref, base_name, target, why + note))
+
     mp, tq = "multiprocessing.Queue", "torch.multiprocessing.Queue"
     shape = f"{PRODUCERS} producers x {CONSUMERS} consumers"
-    for v in ("async children", "sync children (q.sync)"):
-        a = f"aiomp.Queue, {v}"
+    copy = "one np.copyto of 100 KiB into mapped memory"
+    children = ("async children", "sync children (q.sync)")
+    for v in children:
         for base, target in ((mp, c.faster(2)), (tq, None)):
-            got, ref, note = median_run(f"{a}|small", f"{base}|small")
-            rows.append(
-                c.row(
-                    f"{shape}, 64 B items, time per item, {v}",
-                    got,
-                    ref,
-                    f"{base}, sync children",
-                    target,
-                    note,
-                )
+            add(
+                f"64 B items, time per item, {v}",
+                f"aiomp.Queue, {v}|small",
+                f"{base}|small",
+                f"{base}, sync children",
+                target,
             )
     dg = DatagramFloor.name
-    got, ref, note = median_run(f"{dg}|small", f"{mp}|small")
-    rows.append(
-        c.row(
-            f"{shape}, 64 B items, time per item, datagram floor (raw SOCK_SEQPACKET "
-            "send/recv, no pickling)",
-            got,
-            ref,
-            f"{mp}, sync children",
-            None,
-            f"bounds the 2x target: one datagram per item; {note}",
-        )
+    add(
+        "64 B items, time per item, datagram floor (raw SOCK_SEQPACKET send/recv, no pickling)",
+        f"{dg}|small",
+        f"{mp}|small",
+        f"{mp}, sync children",
+        why="bounds the 2x target: one datagram per item; ",
     )
-    got, ref, note = median_run(f"{dg}|small|cpu", f"{mp}|small|cpu")
-    rows.append(
-        c.row(
-            f"{shape}, CPU time per 64 B item, all six children, datagram floor",
-            got,
-            ref,
-            f"{mp}, sync children",
-            None,
-            note,
-        )
+    add(
+        "CPU time per 64 B item, all six children, datagram floor",
+        f"{dg}|small|cpu",
+        f"{mp}|small|cpu",
+        f"{mp}, sync children",
     )
-    for v in ("async children", "sync children (q.sync)"):
+    for v in children:
         for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
-            got, ref, note = median_run(f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
-            rows.append(
-                c.row(
-                    f"{shape}, CPU time per {what}, all six children, {v}",
-                    got,
-                    ref,
-                    f"{mp}, sync children",
-                    None,
-                    note,
-                )
+            add(
+                f"CPU time per {what}, all six children, {v}",
+                f"aiomp.Queue, {v}|{kind}|cpu",
+                f"{mp}|{kind}|cpu",
+                f"{mp}, sync children",
             )
-    for v in ("async children", "sync children (q.sync)"):
+    for v in children:
         a = f"aiomp.Queue, {v}"
         for kind, how in (("array", "numpy arrays copied at put"), ("empty", "aiomp.empty")):
-            got, ref, note = median_run(f"{a}|{kind}", "memcpy")
-            rows.append(
-                c.row(
-                    f"{shape}, 100 KiB {how}, time per array, {v}",
-                    got,
-                    ref,
-                    "one np.copyto of 100 KiB into mapped memory",
-                    c.at_most(1.0),
-                    note,
-                )
+            add(
+                f"100 KiB {how}, time per array, {v}", f"{a}|{kind}", "memcpy", copy, c.at_most(1.0)
             )
         for base in (mp, tq):
-            got, ref, note = median_run(f"{a}|array", f"{base}|array")
-            rows.append(
-                c.row(
-                    f"{shape}, 100 KiB numpy arrays, time per array, {v}",
-                    got,
-                    ref,
-                    f"{base}, sync children" + (", torch.from_numpy tensors" if base == tq else ""),
-                    None,
-                    note,
-                )
+            torch_note = ", torch.from_numpy tensors" if base == tq else ""
+            add(
+                f"100 KiB numpy arrays, time per array, {v}",
+                f"{a}|array",
+                f"{base}|array",
+                f"{base}, sync children{torch_note}",
             )
-    got, ref, note = median_run("fd passing", "memcpy")
-    rows.append(
-        c.row(
-            "fd-passing floor per message: memfd_create, write 100 KiB, SCM_RIGHTS "
-            "sendmsg/recvmsg, mmap, munmap, close (one process)",
-            got,
-            ref,
-            "one np.copyto of 100 KiB into mapped memory",
-            None,
-            f"bounds 'arrays at memory bandwidth' for a fresh fd per message; {note}",
-        )
-    )
-    got, ref, note = median_run("fd passing, kept memfd", "memcpy")
-    rows.append(
-        c.row(
-            "fd-passing floor per message, one memfd kept (a recycled block): write 100 KiB, "
-            "SCM_RIGHTS sendmsg/recvmsg, mmap, munmap, close (one process)",
-            got,
-            ref,
-            "one np.copyto of 100 KiB into mapped memory",
-            None,
-            f"the same without a fresh memfd and its new pages; {note}",
-        )
-    )
-    for v in ("async children", "sync children (q.sync)"):
-        got, ref, note = median_run(f"aiomp.Queue, {v}|array", "fd passing")
+    for key, what, why in (
+        (
+            "fd passing",
+            ": memfd_create, write 100 KiB",
+            "bounds 'arrays at memory bandwidth' for a fresh fd per message; ",
+        ),
+        (
+            "fd passing, kept memfd",
+            ", one memfd kept (a recycled block): write 100 KiB",
+            "the same without a fresh memfd and its new pages; ",
+        ),
+    ):
+        got, ref, note = median_run(key, "memcpy")
         rows.append(
             c.row(
-                f"{shape}, 100 KiB numpy arrays, time per array, {v}",
+                f"fd-passing floor per message{what}, SCM_RIGHTS sendmsg/recvmsg, "
+                "mmap, munmap, close (one process)",
                 got,
                 ref,
-                "the fd-passing floor per message (one process)",
+                copy,
                 None,
-                note,
+                why + note,
             )
+        )
+    for v in children:
+        add(
+            f"100 KiB numpy arrays, time per array, {v}",
+            f"aiomp.Queue, {v}|array",
+            "fd passing",
+            "the fd-passing floor per message (one process)",
         )
     if not c.have("torch"):
         rows = [r for r in rows if tq not in r["baseline_name"]]
@@ -551,7 +524,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

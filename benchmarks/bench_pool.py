@@ -29,38 +29,8 @@ from benchmarks import _harness as h
 from benchmarks._targets import compute_floor, trivial, trivial_coro
 
 N_MAP = 10_000
-
-
-class AiompApply(h.Variant):
-    name = "aiomp Pool.apply"
-
-    async def start(self) -> None:
-        import aiomp
-
-        self.pool = aiomp.Pool(1, grace_period=1.0)
-        await self.pool.__aenter__()
-
-    def pids(self) -> list[int]:
-        return self.pool.pids()
-
-    async def once(self) -> None:
-        await self.pool.apply(trivial)
-
-    async def stop(self) -> None:
-        await self.pool.__aexit__(None, None, None)
-
-
-class AiompApplyMaxMemory(AiompApply):
-    """``apply`` on a pool whose workers check their memory between tasks (a limit never
-    reached: the check is what is timed)."""
-
-    name = "aiomp Pool.apply, max_memory set"
-
-    async def start(self) -> None:
-        import aiomp
-
-        self.pool = aiomp.Pool(1, grace_period=1.0, max_memory=1 << 40)
-        await self.pool.__aenter__()
+APPLY, APPLY_MAX_MEMORY = "aiomp Pool.apply", "aiomp Pool.apply, max_memory set"
+MAP = "aiomp Pool.map"
 
 
 class AnyioToProcess(h.Variant):
@@ -91,23 +61,6 @@ class Executor(h.Variant):
 
 
 # -- map ------------------------------------------------------------------------------
-
-
-class AiompMap(h.Variant):
-    name = "aiomp Pool.map"
-
-    async def start(self) -> None:
-        import aiomp
-
-        self.pool = aiomp.Pool(1, grace_period=1.0)
-        await self.pool.__aenter__()
-
-    async def once(self) -> None:
-        out = await self.pool.map(trivial, range(N_MAP))
-        assert len(out) == N_MAP
-
-    async def stop(self) -> None:
-        await self.pool.__aexit__(None, None, None)
 
 
 class AiomultiprocessMap(h.Variant):
@@ -177,13 +130,14 @@ async def main() -> None:
     # Many short batches: the machine's speed drifts within seconds, and alternating often
     # spreads a drift over every variant alike.
     batches, n = c.reps(20, 2), c.reps(120, 100)
-    floor, apply_ = h.SocketFloor(), AiompApply()
+    floor, apply_ = h.SocketFloor(), h.PoolCalls(APPLY, h.aiomp_pool(), cpu=True)
     variants: list[h.Variant] = [floor, AnyioToProcess(), Executor()]
     if missing is None:
-        variants[:0] = [apply_, AiompApplyMaxMemory()]
+        # max_memory: the workers check their memory between tasks (a limit never reached)
+        variants[:0] = [apply_, h.PoolCalls(APPLY_MAX_MEMORY, h.aiomp_pool(max_memory=1 << 40))]
     s = await h.interleave(variants, batches, n)
     med = {k: c.median(v) for k, v in s.items()}
-    a = med.get(AiompApply.name)
+    a = med.get(APPLY)
     what = "Pool.apply(trivial) round trip"
     rows.append(
         c.row(
@@ -197,9 +151,9 @@ async def main() -> None:
     rows.append(
         c.row(
             "Pool.apply(trivial) round trip, max_memory set",
-            med.get(AiompApplyMaxMemory.name),
+            med.get(APPLY_MAX_MEMORY),
             a,
-            AiompApply.name,
+            APPLY,
             c.at_most(1.1),
             missing or "",
         )
@@ -227,7 +181,7 @@ async def main() -> None:
     mb = c.reps(61, 3)
     maps: list[h.Variant] = [MpPoolMap(), ComputeFloor()]
     if missing is None:
-        maps.insert(0, AiompMap())
+        maps.insert(0, h.PoolCalls(MAP, h.aiomp_pool(), n_map=N_MAP))
     s = await h.interleave(maps, mb, 1, warmup=1)
     # aiomultiprocess alone: its loop polls every 5 ms and would slow the others.
     have_amp = c.have("aiomultiprocess")
@@ -236,7 +190,7 @@ async def main() -> None:
     else:
         notes.append("aiomultiprocess not installed: its row is skipped")
     med = {k: c.median(v) for k, v in s.items()}
-    a = med.get(AiompMap.name)
+    a = med.get(MAP)
     what = f"Pool.map(trivial, range({N_MAP:_}))"
     if have_amp:
         rows.append(
@@ -285,7 +239,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

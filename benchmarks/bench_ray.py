@@ -23,17 +23,12 @@ from benchmarks import _common as c
 from benchmarks import _harness as h
 from benchmarks._targets import trivial
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 N_MAP = 10_000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-async def ready(pool: object, n: int) -> None:
-    """Wait until ``n`` actors are ready: a map before then runs on fewer."""
-    import anyio
-
-    with anyio.fail_after(120):
-        while len(pool.pids()) < n:  # type: ignore[attr-defined]  # noqa: ASYNC110 - no event for it
-            await anyio.sleep(0.05)
 
 
 class _Floor:
@@ -41,22 +36,6 @@ class _Floor:
 
     async def trivial(self, x: object = None) -> object:
         return x
-
-
-class RayPoolApply(h.Variant):
-    name = "aiomp.ray.Pool.apply"
-
-    async def start(self) -> None:
-        import aiomp.ray
-
-        self.pool = aiomp.ray.Pool(1, grace_period=1.0)
-        await self.pool.__aenter__()
-
-    async def once(self) -> None:
-        await self.pool.apply(trivial)
-
-    async def stop(self) -> None:
-        await self.pool.__aexit__(None, None, None)
 
 
 class BareActor(h.Variant):
@@ -73,25 +52,6 @@ class BareActor(h.Variant):
 
     async def stop(self) -> None:
         self.ray.kill(self.actor)
-
-
-class RayPoolMap(h.Variant):
-    name = "aiomp.ray.Pool.map"
-    budget = None
-
-    async def start(self) -> None:
-        import aiomp.ray
-
-        self.pool = aiomp.ray.Pool(2, grace_period=1.0)
-        await self.pool.__aenter__()
-        await ready(self.pool, 2)
-
-    async def once(self) -> None:
-        out = await self.pool.map(trivial, range(N_MAP))
-        assert len(out) == N_MAP
-
-    async def stop(self) -> None:
-        await self.pool.__aexit__(None, None, None)
 
 
 class RayMpPoolMap(h.Variant):
@@ -112,22 +72,14 @@ class RayMpPoolMap(h.Variant):
         self.pool.terminate()
 
 
-class LocalPoolMap(h.Variant):
-    name = "aiomp.Pool.map (local processes)"
-    budget = None
+def ray_pool(processes: int) -> Any:
+    import aiomp.ray
 
-    async def start(self) -> None:
-        import aiomp
+    return aiomp.ray.Pool(processes, grace_period=1.0)
 
-        self.pool = aiomp.Pool(2, grace_period=1.0)
-        await self.pool.__aenter__()
 
-    async def once(self) -> None:
-        out = await self.pool.map(trivial, range(N_MAP))
-        assert len(out) == N_MAP
-
-    async def stop(self) -> None:
-        await self.pool.__aexit__(None, None, None)
+RAY_APPLY, RAY_MAP = "aiomp.ray.Pool.apply", "aiomp.ray.Pool.map"
+LOCAL_MAP = "aiomp.Pool.map (local processes)"
 
 
 async def main() -> None:
@@ -169,9 +121,14 @@ async def main() -> None:
     try:
         # -- map --------------------------------------------------------------------------
         mb = c.reps(7, 2)
-        s = await h.interleave([RayPoolMap(), RayMpPoolMap(), LocalPoolMap()], mb, 1, warmup=1)
+        maps = [
+            h.PoolCalls(RAY_MAP, lambda: ray_pool(2), N_MAP, workers=2, budget=None),
+            RayMpPoolMap(),
+            h.PoolCalls(LOCAL_MAP, h.aiomp_pool(2), N_MAP, budget=None),
+        ]
+        s = await h.interleave(maps, mb, 1, warmup=1)
         med = {k: c.median(v) for k, v in s.items()}
-        a = med[RayPoolMap.name]
+        a = med[RAY_MAP]
         what = f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))"
         rows.append(
             c.row(
@@ -182,16 +139,17 @@ async def main() -> None:
                 c.faster(5),
             )
         )
-        rows.append(c.row(what, a, med[LocalPoolMap.name], LocalPoolMap.name))
+        rows.append(c.row(what, a, med[LOCAL_MAP], LOCAL_MAP))
 
         # -- apply round trip -------------------------------------------------------------
         batches, n = c.reps(20, 2), c.reps(100, 50)
-        s = await h.interleave([RayPoolApply(), BareActor()], batches, n)
+        applies = [h.PoolCalls(RAY_APPLY, lambda: ray_pool(1)), BareActor()]
+        s = await h.interleave(applies, batches, n)
         med = {k: c.median(v) for k, v in s.items()}
         rows.append(
             c.row(
                 "aiomp.ray.Pool.apply(trivial) round trip",
-                med[RayPoolApply.name],
+                med[RAY_APPLY],
                 med[BareActor.name],
                 BareActor.name,
                 c.at_most(1.3),
@@ -214,7 +172,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

@@ -152,7 +152,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

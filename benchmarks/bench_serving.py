@@ -38,7 +38,6 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool is the parallelism
 
-import anyio.lowlevel
 
 from benchmarks import _common as c
 
@@ -246,7 +245,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

@@ -19,11 +19,17 @@ from __future__ import annotations
 
 from benchmarks import _common as c
 from benchmarks import _harness as h
-from benchmarks.bench_arrays import AiompLink, Memcpy, TorchLink, TorchSend, size_name
+from benchmarks.bench_arrays import (
+    SHARED_SIZES,
+    AiompLink,
+    Memcpy,
+    TorchLink,
+    TorchSend,
+    shared_rows,
+    size_name,
+)
 
-KiB, MiB = 1 << 10, 1 << 20
-SHARED_SIZES = (4 * KiB, 1 * MiB, 256 * MiB)
-FRESH_SIZE = 256 * MiB
+FRESH_SIZE = 256 << 20
 
 
 class Fresh(h.Variant):
@@ -117,39 +123,12 @@ async def main() -> None:
         for ln in reversed(links):
             await ln.stop()
     med = {k: c.median(v) for k, v in s.items()}
-
-    def a(key: str) -> float | None:
-        return med.get(f"aiomp {key}")
-
-    small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
-    rows.append(
-        c.row(
-            f"shared {big} tensor put -> child ack",
-            a(f"shared {big}"),
-            a(f"shared {small}"),
-            f"aiomp, shared {small} tensor",
-            c.at_most(2),
-            missing or "",
-        )
-    )
-    for nbytes in SHARED_SIZES:
-        name = size_name(nbytes)
-        target = c.faster(3) if nbytes == SHARED_SIZES[-1] else None
-        rows.append(
-            c.row(
-                f"shared {name} tensor put -> child ack",
-                a(f"shared {name}"),
-                med.get(f"torch shared {name}"),
-                f"torch.mp.Queue, shared {name} tensor",
-                target,
-                missing or "",
-            )
-        )
+    rows += shared_rows(med, "tensor", missing or "")
     fname = size_name(FRESH_SIZE)
     rows.append(
         c.row(
             f"fresh {fname} tensor put -> child ack",
-            a(f"fresh {fname}"),
+            med.get(f"aiomp fresh {fname}"),
             med[f"memcpy {fname}"],
             f"one np.copyto of {fname} into mapped memory",
             None,
@@ -159,7 +138,7 @@ async def main() -> None:
     rows.append(
         c.row(
             f"fresh {fname} tensor put -> child ack",
-            a(f"fresh {fname}"),
+            med.get(f"aiomp fresh {fname}"),
             med.get(f"torch fresh {fname}"),
             f"torch.mp.Queue, fresh {fname} tensor",
             c.at_most(1.2),
@@ -178,7 +157,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    import anyio
-
-    c.allow_bytecode()
-    anyio.run(main)
+    c.run_main(main)

@@ -29,21 +29,6 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
-NAMES = (
-    "spawn",
-    "queue",
-    "m2m",
-    "arrays",
-    "torch",
-    "pool",
-    "throughput",
-    "run_sync",
-    "loader",
-    "serving",
-    "cuda",
-    "ray",
-    "ray_spawn",
-)
 TITLES = {
     "spawn": "Spawn and failure propagation",
     "queue": "Small-message round trip",
@@ -59,6 +44,7 @@ TITLES = {
     "ray": "aiomp.ray.Pool on a local Ray instance (needs Ray)",
     "ray_spawn": "aiomp.ray.spawn on a two-node local Ray cluster (needs Ray and torch)",
 }
+NAMES = tuple(TITLES)  # in the order they run and RESULTS.md lists them
 RESULTS = os.path.join(HERE, "RESULTS.md")
 #: A comparison that runs longer than this is stopped and reported as an error.
 TIMEOUT = 300
