@@ -15,11 +15,6 @@ REPO = TESTS.parent
 #: As for aiomp/ (``tests/meta/test_layout.py``).
 MAX_TEST_MODULE_LINES = 500
 
-#: Modules still over the cap, each with its length when the cap came (issue 42, item 4).
-#: Their folders were being changed by other work at the time: split each, then remove its
-#: entry (test_over_the_cap_is_current fails while an entry is no longer over).
-OVER_THE_CAP: dict[str, int] = {}
-
 
 def lengths() -> dict[str, int]:
     """Lines of every Python module under tests/, by its path from the repository root."""
@@ -30,16 +25,5 @@ def lengths() -> dict[str, int]:
 
 
 def test_no_test_module_over_the_cap() -> None:
-    over = {
-        name: n
-        for name, n in lengths().items()
-        if n > MAX_TEST_MODULE_LINES and name not in OVER_THE_CAP
-    }
+    over = {name: n for name, n in lengths().items() if n > MAX_TEST_MODULE_LINES}
     assert over == {}, f"over {MAX_TEST_MODULE_LINES} lines: split by theme (see the docstring)"
-
-
-def test_over_the_cap_is_current() -> None:
-    """An entry whose module was split (or is gone) must go, so the list only shrinks."""
-    found = lengths()
-    current = {name for name in OVER_THE_CAP if found.get(name, 0) > MAX_TEST_MODULE_LINES}
-    assert set(OVER_THE_CAP) - current == set()
