@@ -29,22 +29,14 @@ class Owner(Host, Protocol):
     loader that made it: its settings, its task host (:class:`~.feeds.Host`), and what to
     call with a batch handed out (``pinned``) and at the epoch's end (``finished``)."""
 
-    @property
-    def num_workers(self) -> int: ...
-    @property
-    def prefetch_factor(self) -> int: ...
-    @property
-    def timeout(self) -> float | None: ...
-    @property
-    def max_retries(self) -> int: ...
-    @property
-    def in_order(self) -> bool: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def batch_size(self) -> int | None: ...
-    @property
-    def drop_last(self) -> bool: ...
+    num_workers: int
+    prefetch_factor: int
+    timeout: float | None
+    max_retries: int
+    in_order: bool
+    seed: int
+    batch_size: int | None
+    drop_last: bool
 
     def pinned(self, batch: Any) -> Any: ...
 

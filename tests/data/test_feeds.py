@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,6 +17,7 @@ from aiomp._data.epoch import Handed
 from aiomp._data.feeds import FeedMark, Feeds
 from aiomp._data.handoff import Kind
 from aiomp._data.worker import ShardMark
+from tests.children.data import HangAt, slow_start
 
 
 def test_the_marks_are_no_batch_index_and_survive_pickling() -> None:
@@ -114,3 +116,25 @@ async def test_a_batch_past_its_deadline_times_out_and_its_feed_is_replaced() ->
     assert scope.cancel_called  # the Pool terminates the hung worker
     assert host.started[-1] == (1, 3) and [k for k, _ in feeds.owed[1]] == [3]
     assert feeds.since[1] is None  # no deadline until the new feed task has a worker
+
+
+@pytest.mark.anyio
+async def test_a_worker_s_start_does_not_count_against_the_timeout(tmp_path: Path) -> None:
+    """``timeout=`` counts from the moment a worker has the batch: workers whose start
+    (``worker_init_fn``) takes twice the timeout time nothing out, the first epoch's and
+    the replacement of a hung one's alike."""
+    with anyio.fail_after(120):
+        async with aiomp.DataLoader(
+            HangAt(6, bad=2, marks=str(tmp_path)),
+            2,
+            num_workers=1,
+            timeout=3,
+            worker_init_fn=slow_start,
+            start_method="forkserver",
+        ) as loader:
+            it = loader.__aiter__()
+            got = [list(await it.__anext__())]
+            with pytest.raises(TimeoutError, match="batch 1 was not built within 3"):
+                await it.__anext__()
+            got += [list(b) async for b in it]  # batch 2 waits for the replacement's start
+    assert got == [[0, 1], [4, 5]]
