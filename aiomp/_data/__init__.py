@@ -2,9 +2,8 @@
 
 - ``loader``: the DataLoader itself (torch's arguments, ``async with``, epochs, resume);
 - ``options``: torch's arguments checked as torch checks them, and the resume state's;
-- ``syncface``: ``with loader:`` and ``for batch in loader`` with no event loop, and the
-  exit hook that leaves a sync loader still open;
-- ``handoff``: the sync face's channel from the private loop's thread;
+- ``syncface``: ``with loader:`` and ``for batch in loader`` with no event loop;
+- ``handoff``: the sync face's channel from the private loop's thread, and its exit hook;
 - ``epoch``: one map-style epoch's batches in flight (prefetch bound, order, resume), and
   what every epoch reads of its loader (``Owner``, so that no module imports the loader's);
 - ``feeds``: the transport of a map-style epoch (one feed task per worker slot), its one

@@ -13,10 +13,12 @@ is the one waiting. See docs/decisions/0047-loader-feeds.md.
 
 from __future__ import annotations
 
+import atexit
 import enum
 import threading
+import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .epoch import Handed, MapEpoch
 
@@ -181,3 +183,41 @@ class Batches:
 
     def __del__(self) -> None:
         self.close()
+
+
+#: The loaders entered by ``with`` (or a first ``for``) and not yet left.
+OPEN: weakref.WeakSet[Leavable] = weakref.WeakSet()
+
+
+class Leavable(Protocol):
+    """A sync loader, as the exit hook sees it (:class:`~.syncface.SyncFace`)."""
+
+    def __exit__(self, *exc_info: Any) -> None: ...
+
+
+def opened(loader: Leavable) -> None:
+    """Record ``loader`` as entered by ``with``. The first time: register
+    :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
+    and multiprocessing's, are registered): ``atexit`` runs it before them."""
+    global _HOOKED
+    if not _HOOKED:
+        # weakref.finalize registers its own exit hook (which closes an epoch's queues)
+        # with its first use: make sure it is registered before ours, so ours runs first.
+        weakref.finalize(_close_at_exit, int).atexit = False
+        atexit.register(_close_at_exit)
+        _HOOKED = True
+    OPEN.add(loader)
+
+
+_HOOKED = False
+
+
+def _close_at_exit() -> None:
+    """Leave each sync loader still open, as ``with`` would, before the interpreter tears
+    down the modules its batches and threads need, and before aiomp's exit hook kills
+    their workers."""
+    for loader in list(OPEN):
+        try:
+            loader.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - nothing to tell at exit; the workers die anyway
+            pass

@@ -5,20 +5,19 @@ The loader's async side runs on a private event loop in a thread (anyio's blocki
 portal); an epoch's batches reach the consumer's thread through a
 :class:`~.handoff.Handoff`. A ``for`` with no ``with`` starts the workers, as torch's
 loader does; they persist until :meth:`SyncFace.close` or the program's exit
-(:func:`opened` closes it then, before aiomp's own exit hook), or its
+(:func:`~.handoff.opened` closes it then, before aiomp's own exit hook), or its
 collection: its epochs hold it weakly, its iterator strongly (it lives while a ``for``
 runs), so dropped, it is collected at once and stops its workers.
 """
 
 from __future__ import annotations
 
-import atexit
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
 from .._loop import running_asyncio_loop, trio_running
-from .handoff import Batches, Handoff
+from .handoff import OPEN, Batches, Handoff, opened
 from .local import LocalEpoch
 
 if TYPE_CHECKING:
@@ -145,35 +144,3 @@ def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], MapEpoch | StreamEpoch]:
         return loader._workers_epoch()
 
     return open_epoch
-
-
-#: The loaders entered by ``with`` (or a first ``for``) and not yet left.
-OPEN: weakref.WeakSet[SyncFace] = weakref.WeakSet()
-
-
-def opened(loader: SyncFace) -> None:
-    """Record ``loader`` as entered by ``with``. The first time: register
-    :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
-    and multiprocessing's, are registered): ``atexit`` runs it before them."""
-    global _HOOKED
-    if not _HOOKED:
-        # weakref.finalize registers its own exit hook (which closes an epoch's queues)
-        # with its first use: make sure it is registered before ours, so ours runs first.
-        weakref.finalize(_close_at_exit, int).atexit = False
-        atexit.register(_close_at_exit)
-        _HOOKED = True
-    OPEN.add(loader)
-
-
-_HOOKED = False
-
-
-def _close_at_exit() -> None:
-    """Leave each sync loader still open, as ``with`` would, before the interpreter tears
-    down the modules its batches and threads need, and before aiomp's exit hook kills
-    their workers."""
-    for loader in list(OPEN):
-        try:
-            loader.__exit__(None, None, None)
-        except Exception:  # noqa: BLE001 - nothing to tell at exit; the workers die anyway
-            pass
