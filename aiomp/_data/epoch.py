@@ -1,39 +1,55 @@
 """One epoch of a map-style dataset in a :class:`aiomp.DataLoader`: its batches in flight,
-in order, with retries (iterable-style datasets: :mod:`aiomp._data.streams`).
+in order, with the resume count (iterable-style datasets: :mod:`aiomp._data.streams`;
+``num_workers=0``: :mod:`aiomp._data.local`).
 
 The consumer's ``__anext__`` tops the requests up to the prefetch bound (batches requested
 and not yet handed out), then waits for the batch it hands out next (``in_order``) or any
-ready one. Each request is a task of the loader's task host that calls
-``pool.apply`` and sends the outcome, success or exception, on a memory stream: a batch's
-failure is raised by the ``__anext__`` that hands it out, never in the host. An epoch left
-early (``break``) closes its stream: its requests still running finish in the workers and
-their batches are dropped.
+ready one. The batches travel by the epoch's :class:`~.feeds.Feeds` (its retries and
+``timeout=`` deadlines are there); a batch's failure is raised by the ``__anext__`` that
+hands it out, never in the loader's tasks. An epoch left early (``break``) closes its
+feeds: the batches still being built are dropped.
+
+What an epoch uses of the loader that made it is :class:`Owner`, given when it is made:
+no epoch module imports the loader's.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
-import anyio.abc
 
-from .._errors import BrokenWorkerError, QueueClosed
-from .._loop import is_cancellation
-from . import worker as _worker
-from .sampling import derive
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
+from .._errors import QueueClosed
+from .feeds import Feeds, Host
 
 
-class Epoch:
-    """The async iterator of one epoch (what ``async for batch in loader`` iterates)."""
+class Owner(Host, Protocol):
+    """What an epoch (map-style, iterable-style, or ``num_workers=0``) reads of the
+    loader that made it: its settings, its task host (:class:`~.feeds.Host`), and what to
+    call with a batch handed out (``pinned``) and at the epoch's end (``finished``)."""
+
+    num_workers: int
+    prefetch_factor: int
+    timeout: float | None
+    max_retries: int
+    in_order: bool
+    seed: int
+    batch_size: int | None
+    drop_last: bool
+
+    def pinned(self, batch: Any) -> Any: ...
+
+    def finished(self, epoch: object) -> None: ...
+
+
+class MapEpoch:
+    """The async iterator of one map-style epoch (what ``async for batch in loader``
+    iterates)."""
 
     def __init__(
         self,
-        loader: DataLoader,
+        loader: Owner,
         epoch: int,
         skip: int,
         batches: Iterator[list[Any]],
@@ -49,19 +65,18 @@ class Epoch:
         #: not only a prefix. ``later``: those handed out past ``skip`` before a resume.
         self.handed_out = Handed(skip, later)
         self.resumed = frozenset(later)  # not requested again
-        self.last_k = -1  # the batch __anext__ handed out last
+        self.last_k: int | None = None  # the batch __anext__ handed out last
         self.ready: dict[int, tuple[bool, Any]] = {}
         self.requested = 0  # requested and not yet handed out
         self.running = 0  # requested and not yet back
+        self.limit = loader.prefetch_factor * loader.num_workers
         self.done = False  # no more batches to request
-        self.closed = False  # left (or ended): its streams are closed
-        self.send, self.receive = anyio.create_memory_object_stream[tuple[int, bool, Any]](math.inf)
-        limit = loader.timeout is not None
-        # With timeout=, a batch is sent only when a worker can take it at once, so that its
-        # timeout counts from the moment a worker takes it (not its time in the queue).
-        self.gate = anyio.Semaphore(loader.num_workers) if limit else None
+        self.closed = False  # left (or ended): its feeds are closed
+        self.feeds = Feeds(
+            loader, loader.num_workers, epoch, loader.seed, loader.max_retries, loader.timeout
+        )
 
-    def __aiter__(self) -> Epoch:
+    def __aiter__(self) -> MapEpoch:
         return self
 
     async def __anext__(self) -> Any:
@@ -78,6 +93,7 @@ class Epoch:
             await receive(self._receive)
         ok, value = got
         self.handed_count += 1
+        assert self.last_k is not None
         self.handed_out.add(self.last_k)
         self._request()
         if not ok:
@@ -85,10 +101,12 @@ class Epoch:
         return self.loader.pinned(value)
 
     async def _receive(self) -> None:
-        """Wait for one request's outcome and file it in ``ready``."""
-        k, ok, value = await self.receive.receive()
-        self.running -= 1
-        self.ready[k] = (ok, value)
+        """Wait for the feeds' next outcome and file it in ``ready``."""
+        outcome = await self.feeds.receive()
+        if outcome is not None:
+            k, ok, value = outcome
+            self.running -= 1
+            self.ready[k] = (ok, value)
 
     def _take(self) -> tuple[bool, Any] | None:
         """The batch to hand out now, if it is here."""
@@ -111,9 +129,7 @@ class Epoch:
 
     def _request(self) -> None:
         """Request batches up to the prefetch bound."""
-        loader = self.loader
-        limit = loader.prefetch_factor * loader.num_workers
-        while not self.done and self.requested < limit:
+        while not self.done and self.requested < self.limit:
             indices = next(self.batches, None)
             if indices is None:
                 self.done = True
@@ -121,59 +137,14 @@ class Epoch:
             k, self.next_k = self.next_k, self.next_k + 1
             if k in self.resumed:
                 continue  # handed out before the resume
-            self._dispatch(k, indices)
+            self.feeds.send(k, indices)
             self.requested += 1
             self.running += 1
 
-    def _dispatch(self, k: int, indices: list[Any]) -> None:
-        """Have batch ``k`` built: a Pool task of its own."""
-        self.loader.host_tg().start_soon(self._fetch, k, indices)
-
-    async def _fetch(self, k: int, indices: list[Any]) -> None:
-        self.loader.in_flight += 1
-        outcome: tuple[int, bool, Any]
-        try:
-            outcome = (k, True, await self._fetch_map(k, indices))
-        except BaseException as exc:
-            if is_cancellation(exc):
-                raise
-            outcome = (k, False, exc)
-        finally:
-            self.loader.fetched()
-        try:
-            self.send.send_nowait(outcome)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            pass  # the epoch was left: the batch is dropped
-
-    async def _apply(self, fn: Any, args: tuple[Any, ...]) -> Any:
-        pool = self.loader.pool
-        if self.gate is None:
-            return await pool.apply(fn, args)
-        async with self.gate:
-            if not pool.statistics().idle:
-                # No worker ready for it (starting, or a replacement starting): wait for
-                # one first, so that the timeout does not count a worker's start.
-                await pool.apply(_worker.ready)
-            return await pool.apply(fn, args, timeout=self.loader.timeout)
-
-    async def _fetch_map(self, k: int, indices: list[Any]) -> Any:
-        seed = derive(self.loader.seed, self.epoch, k)
-        for _ in range(self.loader.max_retries + 1):
-            try:
-                return await self._apply(_worker.build, (indices, seed))
-            except BrokenWorkerError as exc:
-                last = exc  # the pool has replaced the worker: the batch again
-            except BaseException as exc:
-                if not is_cancellation(exc):
-                    note_batch(exc, k, indices)
-                raise
-        raise broken(last, k, indices, self.loader.max_retries)
-
     def close(self) -> None:
-        """Stop taking this epoch's batches (requests still running are dropped)."""
+        """Stop taking this epoch's batches (those still being built are dropped)."""
         self.done = self.closed = True
-        self.receive.close()
-        self.send.close()
+        self.feeds.close()
         self.ready.clear()
 
 
@@ -208,30 +179,3 @@ async def receive(step: Callable[[], Awaitable[None]]) -> None:
 
 class EpochClosed(RuntimeError):
     """Raised by an epoch's iterator once the epoch was closed under it."""
-
-
-def note_batch(exc: BaseException, k: int, indices: list[Any]) -> BaseException:
-    """``exc``, raised while batch ``k`` was built, with a note naming the batch."""
-    exc.add_note(f"aiomp.DataLoader: building batch {k} (samples {indices})")
-    return exc
-
-
-def broken(
-    last: BrokenWorkerError, k: int, indices: list[Any] | None, retries: int
-) -> BrokenWorkerError:
-    """The error of a batch whose worker died on each of its ``1 + retries`` tries."""
-    samples = "" if indices is None else f" (samples {indices})"
-    tries = f"on each of its {retries + 1} tries" if retries else "while building it"
-    err = BrokenWorkerError(
-        f"aiomp.DataLoader: batch {k}{samples}: the worker died {tries}; last: {last.msg}",
-        last.error_index,
-        last.pid,
-        last.exit_code,
-        last.signal_name,
-    )
-    for name, value in last.__dict__.items():  # oom_killed, peak_rss, where known
-        err.__dict__.setdefault(name, value)
-    err.batch_index = k  # type: ignore[attr-defined]
-    err.indices = indices  # type: ignore[attr-defined]
-    err.__cause__ = last
-    return err

@@ -14,24 +14,29 @@ is the one waiting. See docs/decisions/0047-loader-feeds.md.
 from __future__ import annotations
 
 import atexit
+import enum
 import threading
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .epoch import Handed
+from .epoch import Handed, MapEpoch
 
 if TYPE_CHECKING:
     import asyncio
     import concurrent.futures
     from collections.abc import Callable
 
-    from .epoch import Epoch
     from .streams import StreamEpoch
-    from .syncface import SyncFace
 
-#: What the pump appends: a batch, the epoch's end, or the error to raise.
-BATCH, END, ERROR = 0, 1, 2
+
+class Kind(enum.Enum):
+    """What the pump appends: a batch, the epoch's end, or the error to raise."""
+
+    BATCH = "batch"
+    END = "end"
+    ERROR = "error"
+
 
 #: How long the consumer waits on the condition before it looks whether the pump died.
 POLL_SECONDS = 0.5
@@ -47,15 +52,15 @@ class Handoff:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.epoch: Epoch | StreamEpoch | None = None  # set by the pump as it starts
+        self.epoch: MapEpoch | StreamEpoch | None = None  # set by the pump as it starts
         self.handed = Handed(0)  # the epoch's batches handed to the consumer
         self.ended = False  # the consumer has seen the epoch's end
-        self.items: deque[tuple[int, Any, int]] = deque()
+        self.items: deque[tuple[Kind, Any, int | None]] = deque()
         self.cond = threading.Condition(threading.Lock())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.room: asyncio.Future[None] | None = None  # the pump's wait for room
 
-    async def pump(self, open_epoch: Callable[[], Epoch | StreamEpoch]) -> None:
+    async def pump(self, open_epoch: Callable[[], MapEpoch | StreamEpoch]) -> None:
         """On the loop: open the epoch (``loader.__aiter__``: one hop from the consumer's
         thread starts the epoch and its pump) and move its batches here until its end. A
         batch's error (a ``BaseException`` from the dataset too) is moved as an item and
@@ -64,42 +69,43 @@ class Handoff:
         import asyncio
 
         from .._loop import is_cancellation
-        from .epoch import Epoch, EpochClosed
+        from .epoch import EpochClosed
 
         self.loop = asyncio.get_running_loop()
         try:
             epoch = open_epoch()
         except Exception as exc:  # noqa: BLE001 - raised in the consumer's thread
-            self._append(ERROR, exc)
+            self._append(Kind.ERROR, exc)
             return
         self.handed = (
-            epoch.handed_out.copy() if isinstance(epoch, Epoch) else Handed(epoch.handed_count)
+            epoch.handed_out.copy() if isinstance(epoch, MapEpoch) else Handed(epoch.handed_count)
         )
         self.epoch = epoch
+        keyed = epoch if isinstance(epoch, MapEpoch) else None  # its items name their batch
         while True:
             try:
                 batch = await epoch.__anext__()
             except StopAsyncIteration:
-                self._append(END, None)
+                self._append(Kind.END, None)
                 return
             except BaseException as exc:
                 if is_cancellation(exc):
                     raise
                 closed = isinstance(exc, EpochClosed)
-                room = self._append(ERROR, exc, getattr(epoch, "last_k", -1))
+                room = self._append(Kind.ERROR, exc, None if keyed is None else keyed.last_k)
                 del exc
                 if closed:
                     return
                 if room is not None:
                     await room
                 continue
-            room = self._append(BATCH, batch, getattr(epoch, "last_k", -1))
+            room = self._append(Kind.BATCH, batch, None if keyed is None else keyed.last_k)
             del batch
             if room is not None:
                 await room
 
-    def _append(self, kind: int, value: Any, k: int = -1) -> asyncio.Future[None] | None:
-        """Append an item (``k``: its batch index, -1 where the epoch hands out in order);
+    def _append(self, kind: Kind, value: Any, k: int | None = None) -> asyncio.Future[None] | None:
+        """Append an item (``k``: its batch index, None where the epoch hands out in order);
         return the future to wait on when the deque is now full."""
         with self.cond:
             self.items.append((kind, value, k))
@@ -110,7 +116,7 @@ class Handoff:
             self.room = self.loop.create_future()
             return self.room
 
-    def get(self, pump: concurrent.futures.Future[None]) -> tuple[int, Any]:
+    def get(self, pump: concurrent.futures.Future[None]) -> tuple[Kind, Any]:
         """In the consumer's thread: the next item, waiting while there is none.
         Raises what stopped the pump if it stopped without saying (the loop ended)."""
         with self.cond:
@@ -128,8 +134,8 @@ class Handoff:
         if room is not None:
             assert self.loop is not None
             self.loop.call_soon_threadsafe(_wake, room)
-        if kind != END:  # a batch's error counts as handed out, as in async code
-            self.handed.add(k if k >= 0 else self.handed.prefix)
+        if kind is not Kind.END:  # a batch's error counts as handed out, as in async code
+            self.handed.add(self.handed.prefix if k is None else k)
         else:
             self.ended = True
         return kind, value
@@ -161,10 +167,10 @@ class Batches:
         if self.pump is None:
             raise StopIteration
         kind, value = self.handoff.get(self.pump)
-        if kind == END:
+        if kind is Kind.END:
             self.close()
             raise StopIteration
-        if kind == ERROR:
+        if kind is Kind.ERROR:
             raise value
         return value
 
@@ -180,10 +186,16 @@ class Batches:
 
 
 #: The loaders entered by ``with`` (or a first ``for``) and not yet left.
-OPEN: weakref.WeakSet[SyncFace] = weakref.WeakSet()
+OPEN: weakref.WeakSet[Leavable] = weakref.WeakSet()
 
 
-def opened(loader: SyncFace) -> None:
+class Leavable(Protocol):
+    """A sync loader, as the exit hook sees it (:class:`~.syncface.SyncFace`)."""
+
+    def __exit__(self, *exc_info: Any) -> None: ...
+
+
+def opened(loader: Leavable) -> None:
     """Record ``loader`` as entered by ``with``. The first time: register
     :func:`_close_at_exit`, now that the workers have started (and aiomp's own exit hooks,
     and multiprocessing's, are registered): ``atexit`` runs it before them."""

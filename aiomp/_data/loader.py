@@ -16,8 +16,7 @@ from .._loop.taskhost import TaskHost
 from .._pool.pool import Pool
 from .._process.placement import slot_envs
 from . import options as _options
-from .epoch import Epoch, Handed
-from .feeds import FeedEpoch
+from .epoch import Handed, MapEpoch
 from .handoff import Batches, Handoff
 from .local import LocalEpoch
 from .sampling import (
@@ -174,7 +173,7 @@ class DataLoader(SyncFace):
         self._next_epoch = 0  # the epoch the next ``async for`` iterates
         self._skip = 0  # batches of it already handed out (resumed)
         self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
-        self._current: Epoch | StreamEpoch | LocalEpoch | None = None
+        self._current: MapEpoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
@@ -280,13 +279,13 @@ class DataLoader(SyncFace):
             state["sampler"] = user.state_dict()
         return state
 
-    def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, Handed]:
+    def _position(self) -> tuple[MapEpoch | StreamEpoch | LocalEpoch | None, Handed]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
         sync code, handed to the consumer's thread (not those waiting in the handoff)."""
         handoff, current = self._handoff, self._current
         if handoff is not None and handoff.epoch is not None:
             return (None, Handed(0)) if handoff.ended else (handoff.epoch, handoff.handed)
-        if isinstance(current, Epoch):
+        if isinstance(current, MapEpoch):
             return current, current.handed_out
         return current, Handed(0 if current is None else current.handed_count)
 
@@ -364,13 +363,13 @@ class DataLoader(SyncFace):
             pool, self._pool = self.pool, None
             await pool.__aexit__(type(exc) if exc else None, exc, tb)
 
-    def __aiter__(self) -> Epoch | StreamEpoch | LocalEpoch:
+    def __aiter__(self) -> MapEpoch | StreamEpoch | LocalEpoch:
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
         if self._host is None and self.num_workers:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
         return self._open_epoch()
 
-    def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch:
+    def _open_epoch(self) -> MapEpoch | StreamEpoch | LocalEpoch:
         self._abandon()
         epoch, skip, later = self._next_epoch, self._skip, self._later
         self._next_epoch, self._skip, self._later = epoch + 1, 0, ()
@@ -378,7 +377,7 @@ class DataLoader(SyncFace):
         if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
-        current: Epoch | StreamEpoch | LocalEpoch
+        current: MapEpoch | StreamEpoch | LocalEpoch
         if batches is None:
             skip = 0  # an iterable dataset's epoch is replayed from its start
         # The epoch (and its tasks) hold the loader weakly: a loader dropped by its user
@@ -390,9 +389,7 @@ class DataLoader(SyncFace):
         elif batches is None:
             current = StreamEpoch(owner, epoch)
         else:
-            # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
-            kind = Epoch if self.timeout is not None else FeedEpoch
-            current = kind(owner, epoch, skip, batches, later)
+            current = MapEpoch(owner, epoch, skip, batches, later)
         self._current = current
         return current
 
@@ -412,7 +409,7 @@ class DataLoader(SyncFace):
         if not self.in_flight and self._drained is not None:
             self._drained.set()
 
-    def finished(self, epoch: Epoch | StreamEpoch | LocalEpoch) -> None:
+    def finished(self, epoch: object) -> None:
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None

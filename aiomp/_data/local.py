@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 
+from .epoch import Owner
 from .worker import Builder
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
 
 
 class LocalEpoch:
@@ -27,7 +25,7 @@ class LocalEpoch:
 
     def __init__(
         self,
-        loader: DataLoader,
+        loader: Owner,
         epoch: int,
         skip: int,
         builder: Builder,

@@ -20,7 +20,7 @@ raised.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -28,16 +28,15 @@ from .._errors import BrokenWorkerError, QueueClosed
 from .._loop import is_cancellation
 from .._queue.queue import Queue
 from . import worker as _worker
-from .epoch import broken, receive
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
+from .epoch import Owner, receive
+from .feeds import broken
+from .worker import ShardMark
 
 
 class StreamEpoch:
     """The async iterator of one epoch of an iterable-style dataset."""
 
-    def __init__(self, loader: DataLoader, epoch: int) -> None:
+    def __init__(self, loader: Owner, epoch: int) -> None:
         self.loader = loader
         self.epoch = epoch
         n = loader.num_workers
@@ -80,7 +79,7 @@ class StreamEpoch:
             loader.fetched()
         if shard in self.failures:
             try:  # behind the shard's batches already queued (FIFO), so it comes after them
-                await self.queue.put((shard, -2, None))
+                await self.queue.put((shard, ShardMark.FAILED, None))
             except QueueClosed:
                 pass
 
@@ -112,9 +111,9 @@ class StreamEpoch:
             raise
         if shard in self.ends:
             return  # a replayed shard's second end
-        if j == -1:
+        if j is ShardMark.END:
             self.ends[shard] = self.received[shard]
-        elif j == -2:
+        elif j is ShardMark.FAILED:
             self.ready[shard, self.received[shard]] = (False, self.failures.pop(shard))
             self.ends[shard] = self.received[shard] + 1
         elif j == self.received[shard]:

@@ -23,7 +23,7 @@ from .local import LocalEpoch
 if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
-    from .epoch import Epoch
+    from .epoch import MapEpoch
     from .streams import StreamEpoch
 
 
@@ -39,7 +39,7 @@ class SyncFace:
 
     if TYPE_CHECKING:  # the loader's, used here
 
-        def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch: ...
+        def _open_epoch(self) -> MapEpoch | StreamEpoch | LocalEpoch: ...
         def _abandon(self) -> None: ...
         async def __aenter__(self) -> Self: ...
         async def __aexit__(self, *exc_info: Any) -> None: ...
@@ -114,7 +114,7 @@ class SyncFace:
         if batches is not None:
             batches.close()
 
-    def _workers_epoch(self) -> Epoch | StreamEpoch:
+    def _workers_epoch(self) -> MapEpoch | StreamEpoch:
         epoch = self._open_epoch()
         assert not isinstance(epoch, LocalEpoch)
         return epoch
@@ -133,11 +133,11 @@ class SyncFace:
                 pass
 
 
-def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], Epoch | StreamEpoch]:
+def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], MapEpoch | StreamEpoch]:
     """What the pump calls to open its epoch, holding the loader weakly (so that no
     reference from the private loop's thread keeps a dropped loader alive)."""
 
-    def open_epoch() -> Epoch | StreamEpoch:
+    def open_epoch() -> MapEpoch | StreamEpoch:
         loader = ref()
         if loader is None:
             raise RuntimeError("aiomp.DataLoader: the loader was collected")

@@ -12,6 +12,7 @@ them already.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import os
 import sys
@@ -48,6 +49,13 @@ class Builder:
     def chunk(self, samples: list[Any]) -> Any:
         """An iterable dataset's batch: ``samples`` collated (one sample where not auto)."""
         return self.collate(samples) if self.auto else self.collate(samples[0])
+
+
+class ShardMark(enum.Enum):
+    """What a shard's queue carries besides batches (never taken for a batch index)."""
+
+    END = "end"  # (shard, END, None): put by :func:`stream` after the shard's batches
+    FAILED = "failed"  # (shard, FAILED, None): the shard's task failed (put by the loader)
 
 
 class _State:
@@ -148,8 +156,9 @@ def stream(
     epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any, skip: int = 0
 ) -> None:
     """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
-    as ``(shard, j, batch)``, then ``(shard, -1, None)``; the first ``skip`` batches are
-    drawn from the iterator but neither collated nor put (a replay after a dead worker).
+    as ``(shard, j, batch)``, then ``(shard, ShardMark.END, None)``; the first ``skip``
+    batches are drawn from the iterator but neither collated nor put (a replay after a
+    dead worker).
 
     While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
     the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
@@ -174,7 +183,7 @@ def stream(
             if j >= skip:
                 queue.sync.put((shard, j, _state.builder.chunk(batch)))
             del batch
-        queue.sync.put((shard, -1, None))
+        queue.sync.put((shard, ShardMark.END, None))
     except QueueClosed:
         pass
     finally:

@@ -174,3 +174,8 @@ class StreamDieAt:
                 Path(self.marks, "0").touch()
                 os.kill(os.getpid(), signal.SIGKILL)
             yield i
+
+
+def slow_start(worker_id: int) -> None:
+    """A ``worker_init_fn`` that takes 6 s: a worker's start longer than a 3 s timeout."""
+    time.sleep(6)  # handshake-free: the slow start under test, nothing to wait for

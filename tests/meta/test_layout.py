@@ -185,12 +185,12 @@ def type_only(tree: ast.Module) -> set[int]:
 
 
 @cache
-def edges() -> dict[str, set[str]]:
+def edges(typed: bool = False) -> dict[str, set[str]]:
     """Who imports whom, among aiomp's modules: every import that runs, lazy ones
-    included, ``if TYPE_CHECKING:`` blocks not."""
+    included, ``if TYPE_CHECKING:`` blocks too where ``typed``."""
     graph: dict[str, set[str]] = {}
     for name, tree in modules().items():
-        skip = type_only(tree)
+        skip = set() if typed else type_only(tree)
         graph[name] = {
             target
             for node, _, target in imports(name, tree)
@@ -216,10 +216,10 @@ def child_side() -> set[str]:
     return names
 
 
-@cache
-def cycles() -> list[list[str]]:
-    """The import graph's strongly connected components of more than one module."""
-    graph = edges()
+def cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one module of ``graph`` (by
+    default the import graph, :func:`edges`)."""
+    graph = edges() if graph is None else graph
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -477,3 +477,6 @@ def test_the_checks_see_what_they_look_for() -> None:
         "_cancel_called",
     }
     assert layer("aiomp._pool.pool") > layer("aiomp._queue.queue") > layer("aiomp._loop")
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    typed = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import os\n")
+    assert len(type_only(typed)) > 0
