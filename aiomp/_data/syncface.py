@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
 from .._loop import running_asyncio_loop, trio_running
+from .._process.checks import waiting_for_start
 from .handoff import OPEN, Batches, Handoff, opened
 from .local import LocalEpoch
 
@@ -58,7 +59,8 @@ class SyncFace:
         cm = start_blocking_portal()
         portal = cm.__enter__()
         try:
-            portal.call(self.__aenter__)
+            with waiting_for_start():  # this thread waits: a fork has nothing to fear of it
+                portal.call(self.__aenter__)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise

@@ -84,6 +84,23 @@ async def prepare_forkserver() -> None:
             await anyio.to_thread.run_sync(forkserver.ensure_running)
 
 
+def preload_in_forkserver(modules: list[str]) -> None:
+    """Have the fork server import ``modules`` too as it starts, so that the children it
+    forks start with them loaded; nothing where the server runs already (its imports
+    are done), nor for a module that is not imported here from a file (``__main__``, a
+    module of ``python -c``: the server could not import it)."""
+    if mp_private.forkserver_pid() is not None:
+        return
+    from multiprocessing import forkserver
+
+    preload = list(mp_private.forkserver_preload() or ["__main__"])
+    for name in modules:
+        module = sys.modules.get(name)
+        if name not in preload and getattr(module, "__spec__", None) is not None:
+            preload.append(name)
+    forkserver.set_forkserver_preload(preload)
+
+
 def _defer_helpers(start_method: str) -> None:
     """See :func:`launch`'s ``defer_helpers``: the keeper's socket is made now (what is
     registered waits in it), and under ``spawn`` the resource tracker's pipe likewise."""
