@@ -18,7 +18,6 @@ from .._process.checks import START_METHODS, check_start_method, count, fork_haz
 from .._process.launch import preload_in_forkserver
 
 
-
 def workers(num_workers: object) -> int:
     """``num_workers`` as an int >= 0 (0: loading in the calling process, as torch's)."""
     if isinstance(num_workers, bool) or not isinstance(num_workers, SupportsIndex):

@@ -93,9 +93,8 @@ def init(
     # collate). torch, too heavy to load for nothing, is seeded by build() instead.
     import numpy.random  # noqa: F401
 
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        import torch.utils.data  # noqa: F401
+    if "torch" in sys.modules:
+        import torch.utils.data
 
         # One intra-op thread, as torch's workers run (the workers are the parallelism).
         # A forked worker must not use the OpenMP pool its parent had started: it has
