@@ -8,6 +8,7 @@ worker starts.
 
 from __future__ import annotations
 
+import logging
 import operator
 import secrets
 import sys
@@ -98,8 +99,10 @@ def safe_start_method(dataset: object) -> str:
     thread running, CUDA initialised); else ``forkserver``, its server importing the
     dataset's module and torch (where this program uses it) once for every worker.
     See docs/decisions/0080-loader-start-method.md."""
-    if fork_hazard() is None:
+    why = fork_hazard()
+    if why is None:
         return "fork"
+    logging.getLogger("aiomp").debug("aiomp.DataLoader: forkserver, not fork: %s", why)
     modules = [type(dataset).__module__]
     if torch_in_use():
         modules.append("torch")
