@@ -176,7 +176,7 @@ def fresh_first(lib: str, method: str) -> None:
     from benchmarks.bench_throughput import children
     from examples.data_loader import SyntheticImages
 
-    dataset = SyntheticImages(4 * WORKERS * BATCH)
+    dataset: Any = SyntheticImages(4 * WORKERS * BATCH)
     opt: dict[str, Any] = {} if method == "default" else {"multiprocessing_context": method}
     gc.collect()
     t0 = time.perf_counter()

@@ -17,6 +17,8 @@ from tests._run import run_python
 PROLOGUE = """
 import threading, warnings
 warnings.simplefilter("error")
+# (Python >= 3.12 on any fork beside a second thread: the sync caller, waiting; decision 0080)
+warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
 import aiomp
 from tests.children import data_start
 data_start.MARK = 1
