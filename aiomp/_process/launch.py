@@ -68,11 +68,16 @@ def unreadable_main_hidden() -> Iterator[None]:
 async def prepare_forkserver() -> None:
     """Start the fork server off the event loop (its first start waits for an interpreter).
 
-    Its preloads gain :data:`_FORKSERVER_PRELOAD`; the user's stay. Cancellation leaves
-    the server starting in its thread (anyio waits for the thread).
+    The start checks run first. Its preloads gain :data:`_FORKSERVER_PRELOAD`; the
+    user's stay. Cancellation leaves the server starting in its thread (anyio waits for
+    the thread).
     """
     from multiprocessing import forkserver
 
+    # First, as before any start: a process that is importing its parent's main module
+    # (a spawn child, or the fork server preloading it) refuses to start a server of its
+    # own, which would import that module again, and so on.
+    _lifecycle.run_start_checks()
     if mp_private.forkserver_pid() is not None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:

@@ -10,9 +10,12 @@ may have threads of its own: pytest-xdist's), and a worker tells whether it was 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
-from tests._run import run_python
+from tests._run import REPO, run_python
 
 PROLOGUE = """
 import threading, warnings
@@ -100,3 +103,30 @@ def test_a_convolution_after_fork() -> None:
         "        print(loader.pool is not None)\n"
     )
     assert out.split("\n")[:4] == ["[(2, 1, 1, 23999, 1), (2, 1, 1, 23999, 1)]", "True"] * 2
+
+
+def test_an_unguarded_script_with_a_thread_gets_the_guard_error(tmp_path: Path) -> None:
+    """The default's fallback is the fork server; a script without the ``__main__``
+    guard that runs a thread (torch scripts often have no guard: fork is torch's
+    default) must get aiomp's guard error, as under spawn. Before the start checks ran
+    ahead of the server's start, a process re-running the script (a worker, or the
+    server preloading it) tried to start a server of its own: the workers died with
+    multiprocessing's bootstrapping error, not a word of the guard (once, it hung)."""
+    script = tmp_path / "train.py"
+    body = (
+        "stop = threading.Event()\n"
+        "threading.Thread(target=stop.wait, name='Sleeper').start()\n"
+        "try:\n"
+        "    print(forked(aiomp.DataLoader(data_start.Marked(4), 2)))\n"
+        "except Exception as exc:\n"
+        "    if __name__ != '__main__':\n"
+        "        raise  # as a script that does not catch it\n"
+        "    print(type(exc).__name__, exc)\n"
+        "finally:\n"
+        "    if __name__ == '__main__':\n"
+        "        stop.set()\n"
+    )
+    script.write_text(PROLOGUE + body)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = run_python(str(script), timeout=120, env=env)
+    assert "protect the entry point" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
