@@ -16,7 +16,10 @@ loop); torch with its ``for``. Time per batch is the median epoch after the firs
 machine's other users lands on all alike. The first batch: from creating the loader (and
 entering it) to the first batch, with ``spawn`` and with ``fork`` on both sides. Resume:
 aiomp's time to the first batch after ``load_state_dict`` at the middle of an epoch,
-against starting at batch 0. Unpinned; every ratio is taken within one run.
+against starting at batch 0. A user's script: a fresh interpreter per loader
+(:func:`fresh_first`), aiomp with its default start method against torch's fork, the
+first batch and the PSS of the process tree after an epoch, quiet and beside the noisy
+neighbour of bench_throughput. Unpinned; every ratio is taken within one run.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ class DataLoader(SyncFace):
     or exit). ``dataset`` is map-style or iterable-style (each worker shards
     its own copy by ``get_worker_info()``); ``num_workers=0`` builds the batches in this
     process (in a thread, in ``async for``); ``batch_size=None`` gives the samples
-    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method;
+    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method
+    (default: fork where no thread runs and CUDA is not initialised, else forkserver);
     ``pin_memory`` pins where CUDA is there; ``timeout=0`` is none; the default collate is
     torch's ``default_collate`` where a sample holds a tensor, else
     :func:`default_collate` (straight into shared memory). Differences from torch, each
