@@ -16,7 +16,10 @@ loop); torch with its ``for``. Time per batch is the median epoch after the firs
 machine's other users lands on all alike. The first batch: from creating the loader (and
 entering it) to the first batch, with ``spawn`` and with ``fork`` on both sides. Resume:
 aiomp's time to the first batch after ``load_state_dict`` at the middle of an epoch,
-against starting at batch 0. Unpinned; every ratio is taken within one run.
+against starting at batch 0. A user's script: a fresh interpreter per loader
+(:func:`fresh_first`), aiomp with its default start method against torch's fork, the
+first batch and the PSS of the process tree after an epoch, quiet and beside the noisy
+neighbour of bench_throughput. Unpinned; every ratio is taken within one run.
 """
 
 from __future__ import annotations
@@ -162,6 +165,84 @@ def aiomp_first(dataset: Any, method: str, state: dict[str, Any] | None = None) 
     return first
 
 
+def fresh_first(lib: str, method: str) -> None:
+    """Run as a user's script (``--fresh LIB METHOD``, in a new interpreter that imports
+    torch and the loader class first): print the seconds from making the loader to its
+    first batch, then the PSS of the process tree (KiB) once the epoch is read, the
+    loader still open. A full collection first, on both sides: else whichever side
+    allocates the collection due after torch's import pays it (0.2 s) in its timing."""
+    import gc
+
+    from torch.utils.data import DataLoader as TorchLoader
+
+    from aiomp import DataLoader
+    from benchmarks.bench_throughput import children
+    from examples.data_loader import SyntheticImages
+
+    dataset: Any = SyntheticImages(4 * WORKERS * BATCH)
+    opt: dict[str, Any] = {} if method == "default" else {"multiprocessing_context": method}
+    gc.collect()
+    t0 = time.perf_counter()
+    if lib == "torch":
+        loader: Any = TorchLoader(
+            dataset, BATCH, num_workers=WORKERS, persistent_workers=True, **opt
+        )
+    else:
+        loader = DataLoader(dataset, BATCH, num_workers=WORKERS, **opt)
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - t0
+    for _ in it:
+        pass
+    pids, kib = [os.getpid()], 0
+    while pids:
+        pid = pids.pop()
+        pids += children(pid)
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            kib += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    print(first, kib)
+
+
+def fresh(side: str, method: str) -> tuple[float, float]:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "benchmarks.bench_loader", "--fresh", side, method]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300)
+    first, kib = out.stdout.split()[-2:]
+    return float(first), float(kib)
+
+
+def user_scripts(has_torch: bool) -> list[dict[str, object]]:
+    """First batch and PSS of a fresh script: aiomp's default start method against
+    torch's fork (its default on Linux), quiet and beside the noisy neighbour."""
+    from benchmarks.bench_throughput import Neighbour
+
+    if not has_torch:
+        return []
+    rows = []
+    for cond, neighbour in (("quiet", None), ("beside the noisy neighbour", (1, 2))):
+        noisy = None if neighbour is None else Neighbour(*neighbour)
+        got: dict[str, list[tuple[float, float]]] = {"aiomp": [], "torch": []}
+        try:
+            for i in range(c.reps(5, 1)):
+                for side in ("aiomp", "torch")[:: 1 if i % 2 == 0 else -1]:
+                    got[side].append(fresh(side, "default" if side == "aiomp" else "fork"))
+        finally:
+            if noisy is not None:
+                noisy.stop()
+        (a_t, a_m), (t_t, t_m) = (
+            (c.median(x for x, _ in got[s]), c.median(m for _, m in got[s]) / 1024)
+            for s in ("aiomp", "torch")
+        )
+        base = "torch DataLoader, fork (a fresh script importing torch)"
+        rows.append(c.row(f"first batch, default start method, {cond}", a_t, t_t, base,
+                          c.at_most(1.0)))  # fmt: skip
+        rows.append(c.row(f"PSS of the process tree after an epoch, {cond}", a_m, t_m, base,
+                          c.at_most(1.1), unit="MiB"))  # fmt: skip
+    return rows
+
+
 RUNNERS = {"aiomp async": aiomp_async_run, "aiomp sync": aiomp_sync_run, "torch": torch_run}
 
 
@@ -229,6 +310,7 @@ def main() -> None:
                 target,
             )
         )
+    rows += user_scripts(has_torch)
     atk, at0 = resume(datasets["heavy"], n)
     rows.append(
         c.row(
@@ -239,5 +321,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
     c.allow_bytecode()
-    main()
+    if "--fresh" in sys.argv:
+        fresh_first(*sys.argv[sys.argv.index("--fresh") + 1 :][:2])
+    else:
+        main()

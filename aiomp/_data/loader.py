@@ -54,7 +54,8 @@ class DataLoader(SyncFace):
     or exit). ``dataset`` is map-style or iterable-style (each worker shards
     its own copy by ``get_worker_info()``); ``num_workers=0`` builds the batches in this
     process (in a thread, in ``async for``); ``batch_size=None`` gives the samples
-    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method;
+    unbatched; ``multiprocessing_context`` (or ``start_method``) names the start method
+    (default: fork where no thread runs and CUDA is not initialised, else forkserver);
     ``pin_memory`` pins where CUDA is there; ``timeout=0`` is none; the default collate is
     torch's ``default_collate`` where a sample holds a tensor, else
     :func:`default_collate` (straight into shared memory). Differences from torch, each
@@ -147,6 +148,7 @@ class DataLoader(SyncFace):
         self.worker_init_fn = worker_init_fn
         method = _options.start_method_of(multiprocessing_context, start_method, num_workers)
         self.multiprocessing_context = multiprocessing_context
+        self._start_method = method  # None: chosen at each start
         #: The seed every batch's RNGs and the shuffling derive from.
         self.seed = _options.seed_of(seed, generator)
         auto = batch_size is not None or batch_sampler is not None
@@ -165,7 +167,6 @@ class DataLoader(SyncFace):
             num_workers,
             initializer=_init_worker,
             initargs=(dataset, num_workers, self.seed, collate_fn, worker_init_fn, auto),
-            start_method=method,
             **options,
         )
         self._pool: Pool | None = None
@@ -315,7 +316,8 @@ class DataLoader(SyncFace):
         cancellation nothing is left running. ``num_workers=0``: nothing to start."""
         if self.num_workers == 0:
             return self
-        self._pool = pool = self._new_pool()
+        method = self._start_method or _options.safe_start_method(self.dataset)
+        self._pool = pool = self._new_pool(start_method=method)
         try:
             await pool.__aenter__()
         except RuntimeError as exc:

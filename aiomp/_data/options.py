@@ -8,16 +8,15 @@ worker starts.
 
 from __future__ import annotations
 
+import logging
 import operator
 import secrets
 import sys
 from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
-from .._process.checks import START_METHODS, check_start_method, count
-
-#: aiomp's start method when neither ``multiprocessing_context`` nor ``start_method`` says.
-DEFAULT_START_METHOD = "spawn"
+from .._process.checks import START_METHODS, check_start_method, count, fork_hazard
+from .._process.launch import preload_in_forkserver
 
 
 def workers(num_workers: object) -> int:
@@ -57,10 +56,11 @@ def timeout_of(timeout: float | None) -> float | None:
     return float(timeout) or None
 
 
-def start_method_of(context: object, start_method: str | None, num_workers: int) -> str:
+def start_method_of(context: object, start_method: str | None, num_workers: int) -> str | None:
     """The workers' start method, from torch's ``multiprocessing_context`` (a start
     method's name, or a context from ``multiprocessing.get_context``) or aiomp's
-    ``start_method``; both given must agree."""
+    ``start_method``; both given must agree. None where neither says: each start
+    chooses (:func:`safe_start_method`)."""
     from_context: str | None = None
     if context is not None:
         if num_workers == 0:
@@ -89,7 +89,25 @@ def start_method_of(context: object, start_method: str | None, num_workers: int)
                 f"multiprocessing_context={from_context!r} and start_method={start_method!r} "
                 "disagree: give one"
             )
-    return start_method or from_context or DEFAULT_START_METHOD
+    return start_method or from_context
+
+
+def safe_start_method(dataset: object) -> str:
+    """The start method of a loader that names none, chosen as its workers start (on the
+    thread that will start them): ``fork``, torch's default on Linux and the fastest,
+    where nothing makes it unsafe (:func:`~aiomp._process.checks.fork_hazard`: another
+    thread running, CUDA initialised); else ``forkserver``, its server importing the
+    dataset's module and torch (where this program uses it) once for every worker.
+    See docs/decisions/0080-loader-start-method.md."""
+    why = fork_hazard()
+    if why is None:
+        return "fork"
+    logging.getLogger("aiomp").debug("aiomp.DataLoader: forkserver, not fork: %s", why)
+    modules = [type(dataset).__module__]
+    if torch_in_use():
+        modules.append("torch")
+    preload_in_forkserver(modules)
+    return "forkserver"
 
 
 def seed_of(seed: int | None, generator: Any) -> int:

@@ -16,7 +16,12 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
+# With the loader (as torch's DataLoader imports its machinery), not on the first batch's
+# path (20 ms; issue 39, "Speed from the first batch").
+from anyio.from_thread import start_blocking_portal
+
 from .._loop import running_asyncio_loop, trio_running
+from .._process.checks import waiting_for_start
 from .handoff import OPEN, Batches, Handoff, opened
 from .local import LocalEpoch
 
@@ -53,12 +58,11 @@ class SyncFace:
             raise RuntimeError(
                 "`with loader:` blocks its thread: in async code use `async with loader:`"
             )
-        from anyio.from_thread import start_blocking_portal
-
         cm = start_blocking_portal()
         portal = cm.__enter__()
         try:
-            portal.call(self.__aenter__)
+            with waiting_for_start():  # this thread waits: a fork has nothing to fear of it
+                portal.call(self.__aenter__)
         except BaseException as exc:
             cm.__exit__(type(exc), exc, exc.__traceback__)
             raise

@@ -102,7 +102,13 @@ def init(
     import numpy.random  # noqa: F401
 
     if "torch" in sys.modules:
-        import torch.utils.data  # noqa: F401
+        import torch.utils.data
+
+        # One intra-op thread, as torch's workers run (the workers are the parallelism).
+        # A forked worker must not use the OpenMP pool its parent had started: it has
+        # none of the pool's threads, and its first parallel op waits for them forever
+        # (issue 39 bug 3; torch's TestConvAfterFork). ``worker_init_fn`` may set more.
+        torch.set_num_threads(1)
     _seed(_state.info.seed or 0)
     if worker_init_fn is not None:
         worker_init_fn(slot)

@@ -7,11 +7,14 @@ with CUDA initialised) surfaces in the parent, in the caller's frame.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import pickle
+import sys
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import SupportsIndex
 
 from .. import _lifecycle
@@ -76,13 +79,56 @@ def check_picklable(fn: object, what: str = "fn") -> None:
         ) from exc
 
 
+#: Threads blocked until a start they asked for is done (:func:`waiting_for_start`).
+_waiting: set[int] = set()
+
+
+@contextlib.contextmanager
+def waiting_for_start() -> Iterator[None]:
+    """Say that this thread waits, blocked, while another thread (a private event loop's)
+    starts children for it: the sync ``DataLoader``'s caller. A fork then is no hazard
+    from this thread: blocked in a wait, it holds no lock the child could need (the one
+    it waits on is its own, and the child never touches it)."""
+    ident = threading.get_ident()
+    _waiting.add(ident)
+    try:
+        yield
+    finally:
+        _waiting.discard(ident)
+
+
+def running_threads() -> list[str]:
+    """The names of the threads a fork from this thread could catch holding a lock: every
+    other thread but those :func:`waiting_for_start`."""
+    me = threading.current_thread()
+    return [t.name for t in threading.enumerate() if t is not me and t.ident not in _waiting]
+
+
+def fork_hazard() -> str | None:
+    """Why a fork from this thread now would be unsafe, or None: CUDA initialised (a
+    fork check refuses it, or torch has initialised CUDA), or another thread running."""
+    _reduction.init_reductions()  # the aiomp module of each library imported: its hooks
+    try:
+        for check in _lifecycle.fork_checks():
+            check()
+    except RuntimeError as exc:
+        return str(exc)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "torch has initialised CUDA"
+    others = running_threads()
+    if others:
+        return f"{len(others)} other thread(s) running ({', '.join(others[:3])})"
+    return None
+
+
 def check_fork_safe() -> None:
     """Refuse fork when a hook says so (``_cuda``: CUDA initialised); warn when other
     threads are running (a lock one of them holds stays locked in the child)."""
     _reduction.init_reductions()  # the aiomp module of each library imported: its hooks
     for check in _lifecycle.fork_checks():
         check()
-    others = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+    others = running_threads()
     if others:
         warnings.warn(
             f"start_method='fork' with {len(others)} other thread(s) running "

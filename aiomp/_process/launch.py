@@ -68,11 +68,16 @@ def unreadable_main_hidden() -> Iterator[None]:
 async def prepare_forkserver() -> None:
     """Start the fork server off the event loop (its first start waits for an interpreter).
 
-    Its preloads gain :data:`_FORKSERVER_PRELOAD`; the user's stay. Cancellation leaves
-    the server starting in its thread (anyio waits for the thread).
+    The start checks run first. Its preloads gain :data:`_FORKSERVER_PRELOAD`; the
+    user's stay. Cancellation leaves the server starting in its thread (anyio waits for
+    the thread).
     """
     from multiprocessing import forkserver
 
+    # First, as before any start: a process that is importing its parent's main module
+    # (a spawn child, or the fork server preloading it) refuses to start a server of its
+    # own, which would import that module again, and so on.
+    _lifecycle.run_start_checks()
     if mp_private.forkserver_pid() is not None:
         forkserver.ensure_running()  # already up: a non-blocking liveness check
     else:
@@ -82,6 +87,23 @@ async def prepare_forkserver() -> None:
             forkserver.set_forkserver_preload([*preload, *ours])
         with unreadable_main_hidden():
             await anyio.to_thread.run_sync(forkserver.ensure_running)
+
+
+def preload_in_forkserver(modules: list[str]) -> None:
+    """Have the fork server import ``modules`` too as it starts, so that the children it
+    forks start with them loaded; nothing where the server runs already (its imports
+    are done), nor for a module that is not imported here from a file (``__main__``, a
+    module of ``python -c``: the server could not import it)."""
+    if mp_private.forkserver_pid() is not None:
+        return
+    from multiprocessing import forkserver
+
+    preload = list(mp_private.forkserver_preload() or ["__main__"])
+    for name in modules:
+        module = sys.modules.get(name)
+        if name not in preload and getattr(module, "__spec__", None) is not None:
+            preload.append(name)
+    forkserver.set_forkserver_preload(preload)
 
 
 def _defer_helpers(start_method: str) -> None:
