@@ -69,13 +69,13 @@ async def prepare_forkserver() -> None:
     """Start the fork server off the event loop (its first start waits for an interpreter).
 
     Its preloads gain :data:`_FORKSERVER_PRELOAD`; the user's stay. Cancellation leaves
-    the server starting in its thread (anyio waits for the thread).
+    the server starting in its thread (anyio waits for the thread). Once started, nothing
+    here: each start checks that the server lives (``ensure_running``, which restarts a
+    dead one), as it does for ``multiprocessing``'s own processes.
     """
     from multiprocessing import forkserver
 
-    if mp_private.forkserver_pid() is not None:
-        forkserver.ensure_running()  # already up: a non-blocking liveness check
-    else:
+    if mp_private.forkserver_pid() is None:
         preload = list(mp_private.forkserver_preload() or ["__main__"])
         ours = [m for m in _FORKSERVER_PRELOAD if m not in preload]
         if ours:
