@@ -20,7 +20,7 @@ A group is signalled through its leader's pidfd (:func:`signal_group`). In a ter
 keeper stands in the parent's (foreground) group and passes the terminal's signals on to
 the children's groups, which a Ctrl-C would not reach any more (:data:`PASSED_ON`).
 
-Run as a script (``python -I -S _groups.py``) this module is the keeper (:func:`keep`):
+The keeper is this module run by ``python -I -S`` (:data:`_KEEPER_MAIN`, :func:`keep`):
 it imports only the standard library, and no ``site``.
 """
 
@@ -57,11 +57,9 @@ PASSED_ON = (
 
 #: The keeper's end of its socket, in the keeper.
 KEEPER_FD = 3
-#: Milliseconds between the keeper's reads of its socket while messages come (about a
-#: socket's room, some 280 messages, fits in one: the rest wait in the parent's queue);
-#: the wait doubles up to IDLE_MS while none come.
-DRAIN_MS = 50
-IDLE_MS = 2000
+#: Milliseconds between the keeper's reads of its socket while messages come (a socket
+#: holds some 280; the parent queues the rest), doubling up to IDLE_MS while none come.
+DRAIN_MS, IDLE_MS = 50, 2000
 
 
 def signal_group(pidfd: int, leader: int, sig: int, by_number: bool) -> bool:
@@ -290,8 +288,17 @@ def _log(text: str, once: bool = False) -> None:
         logging.getLogger("aiomp").warning("aiomp: %s", text)
 
 
+#: The keeper's interpreter imports this file (as ``groups``: its bytecode is cached, where
+#: a script's is compiled at every start) and runs :func:`keep`; argv: this file's path, and
+#: ``stand-in`` or ``session``.
+_KEEPER_MAIN = (
+    "import os, sys; sys.path.append(os.path.dirname(sys.argv[1])); import groups; "
+    "groups.keep(sys.argv[2] == 'stand-in')"
+)
+
+
 def _spawn(end: socket.socket, stand_in: bool) -> None:
-    """posix_spawn ``sh -c '"$@" &' ... python -I -S <this file>`` with ``end`` on
+    """posix_spawn ``sh -c '"$@" &' ... python -I -S -c <_KEEPER_MAIN>`` with ``end`` on
     :data:`KEEPER_FD` and /dev/null on 0-2 (it must not hold the parent's output open:
     whoever reads it waits for its end), in a session of its own unless ``stand_in``.
     The shell is not waited for: it holds ``end`` from its start, and a keeper it fails
@@ -306,7 +313,8 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ]
-        argv = ["sh", "-c", '"$@" &', "aiomp-keeper", sys.executable, "-I", "-S", __file__]
+        argv = ["sh", "-c", '"$@" &', "aiomp-keeper", sys.executable, "-I", "-S"]
+        argv += ["-c", _KEEPER_MAIN, __file__]
         shell = os.posix_spawn(
             "/bin/sh",
             [*argv, "stand-in" if stand_in else "session"],
@@ -319,38 +327,30 @@ def _spawn(end: socket.socket, stand_in: bool) -> None:
         if src != fd:
             os.close(src)
     _reap_shells()
-    try:
-        pidfd = os.pidfd_open(shell)
-    except ProcessLookupError:  # reaped by a SIGCHLD handler that reaps every child
-        return
     # It forks and exits at once, but a shell under a pids limit may retry its fork with
     # sleeps (bash: 1, 2, 4, 8 s): never waited for on the loop's thread.
-    _shells.append(pidfd)
+    try:
+        _shells.append(os.pidfd_open(shell))
+    except ProcessLookupError:  # reaped by a SIGCHLD handler that reaps every child
+        pass
 
 
 #: pidfds of the shells that started keepers: reaped at a later message once exited.
 _shells: list[int] = []
 
 
-def _reap(pidfd: int) -> int:
-    """Reap the exited shell behind ``pidfd`` (closed here): its exit status, 0 if gone."""
-    try:
-        result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
-    except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
-        return 0
-    finally:
-        os.close(pidfd)
-    return result.si_status if result is not None else 0
-
-
 def _reap_shells() -> None:
-    """Reap the slow shells that have exited since (a failed one shows as a keeper gone)."""
+    """Reap the shells that have exited since (a failed one shows as a keeper gone)."""
     ready = select.poll()
     for fd in _shells:
         ready.register(fd, select.POLLIN)
     done = {fd for fd, _ in ready.poll(0)}
     for fd in done:
-        _reap(fd)
+        try:
+            os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
+            pass
+        os.close(fd)
     _shells[:] = [fd for fd in _shells if fd not in done]
 
 
@@ -459,9 +459,7 @@ def keep(stand_in: bool) -> None:
         comm.write("aiomp-keeper")
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     # Not woken by each message (a wake-up per child start and exit, on the parent's
-    # path: decision 0090): the socket wakes it only at its hang-up, and it reads what
-    # waits there every DRAIN_MS while messages come (IDLE_MS at most when none do), and
-    # all of it before it kills, when the parent has gone.
+    # path: decision 0090): it reads them every DRAIN_MS to IDLE_MS, and all before it kills.
     poller = select.poll()
     poller.register(sock, 0)  # (POLLHUP and POLLERR only: the parent's end closed)
     alive = read()  # (the parent's pidfd was sent before the keeper started)
@@ -500,7 +498,3 @@ def _ignore_the_rest() -> None:
             signal.signal(sig, signal.SIG_IGN)
         except (OSError, ValueError):  # pragma: no cover - one the C library reserves
             pass
-
-
-if __name__ == "__main__":
-    keep(sys.argv[1] == "stand-in")
