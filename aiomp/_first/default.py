@@ -55,9 +55,9 @@ class DefaultPool:
 async def _make_default() -> DefaultPool:
     """The default pool of this loop, its first worker launched first of all.
 
-    The first call waits for one worker's start: the other workers start once its first
-    result is in, aiomp's keeper and multiprocessing's resource tracker once it is ready
-    (decision 0046). It is launched before the rest of the pool is even imported, so that
+    The first call waits for one worker's start: another starts only when a call finds
+    no worker for it (decision 0091), aiomp's keeper and multiprocessing's resource
+    tracker once the first is ready (decision 0046). It is launched before the rest of the pool is even imported, so that
     its interpreter boots while this process imports and builds the pool (decision 0048).
     A failure closes what was started.
     """
@@ -66,9 +66,9 @@ async def _make_default() -> DefaultPool:
     kind.launch_ahead(0, processes)
     try:
         # Imported here, after the launch, on purpose (see above).
-        from .._pool.pool import first_worker_alone
+        from .._pool.pool import on_demand
 
-        return DefaultPool(*first_worker_alone(kind, processes))
+        return DefaultPool(*on_demand(kind, processes))
     except BaseException:
         await kind.close(False)  # shielded
         raise

@@ -27,7 +27,6 @@ from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
 from .admission import Room
 from .deaths import died_on_its_own, log_death
-from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
@@ -87,10 +86,11 @@ class Engine:
         concurrency: int,
         maxtasksperchild: int | None,
         grace: float,
-        first_alone: bool = False,
+        on_demand: bool = False,
     ) -> None:
-        """``first_alone``: start the first worker alone and the others once it is ready
-        (:mod:`aiomp._pool.holding`; ``run_sync``'s default pool)."""
+        """``on_demand``: start a worker when a task finds none for it, up to
+        ``processes``, rather than all as the pool opens (``run_sync``'s default pool;
+        :class:`~aiomp._pool.scheduler.Scheduler`)."""
         self.kind = kind
         #: ``kind.wire``: where tasks are process-wire frames, ``apply`` builds ``fn()``'s.
         self.wire = kind.wire
@@ -98,8 +98,7 @@ class Engine:
         self.concurrency = concurrency
         self.grace = grace
         self.state = NEW
-        scheduler = HoldingScheduler if first_alone else Scheduler
-        self.sched = scheduler(concurrency, maxtasksperchild, self._spawn_soon)
+        self.sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon, None, on_demand)
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
         #: ``Pool(max_pending=)`` and who waits for a worker to have room: ``admission``.
@@ -145,7 +144,7 @@ class Engine:
         self._wake = Wakeup(self.loop)
         self.state = OPEN
         try:
-            for slot in self.sched.initial_slots(self.processes):
+            for slot in self.sched.open(self.processes):
                 if slot:
                     # A spawn start forks and execs (a few ms): let the loop breathe
                     # between starts rather than block it for all of them at once.

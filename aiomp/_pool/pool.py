@@ -434,12 +434,11 @@ class Pool:
         return Batched(self._engine, fn, max_batch_size, max_delay, stack, split_on_error)
 
 
-def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
-    """A Pool of ``processes`` workers of ``kind`` that starts its first worker alone,
-    and the others once that one is ready (``run_sync``'s default pool, decision 0046);
-    and its engine."""
+def on_demand(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
+    """A Pool of up to ``processes`` workers of ``kind``, each started when a task finds
+    no worker for it (``run_sync``'s default pool, decision 0091); and its engine."""
     pool = Pool.__new__(Pool)
-    engine = Engine(kind, processes, 1, None, 5.0, first_alone=True)
+    engine = Engine(kind, processes, 1, None, 5.0, on_demand=True)
     attach(pool, engine)
     pool._site = None  # aiomp's own pool: its loop may end before it is entered
     return pool, engine

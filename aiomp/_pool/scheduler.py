@@ -86,8 +86,13 @@ class Scheduler:
         maxtasks: int | None,
         on_spawn: Callable[[], None] = lambda: None,
         on_drained: Callable[[], None] | None = None,
+        on_demand: bool = False,
     ) -> None:
         self.concurrency = concurrency
+        #: A worker starts when a task finds none for it, up to the pool's size, not all
+        #: as the pool opens (``run_sync``'s default pool: decision 0091).
+        self.on_demand = on_demand
+        self.spare: list[int] = []  # the slots still to start on demand, last first
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew
         # No task is queued or running any more (None: nobody is waiting for that).
@@ -115,8 +120,12 @@ class Scheduler:
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
-    def initial_slots(self, processes: int) -> range:
-        return range(processes)  # the slots whose workers start as the pool opens: all
+    def open(self, processes: int) -> range:
+        """The slots whose workers start as the pool opens: all, or none on demand."""
+        if self.on_demand:
+            self.spare = list(range(processes - 1, -1, -1))
+            return range(0)
+        return range(processes)
 
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
@@ -210,6 +219,9 @@ class Scheduler:
                 w = self._pick(task)  # that one had gone: the next
         self.queue.append(task)
         self.queued += 1
+        if self.spare and self.queued > self.starting and self._state == _OPEN:
+            self.to_spawn.append(self.spare.pop())  # no worker for it: one more
+            self.on_spawn()
 
     def untake(self, w: WorkerSlot) -> None:
         self.idle[w] = None  # taken with take_idle, it was sent nothing
@@ -416,8 +428,8 @@ class Scheduler:
             self.workers.values(), task, self.concurrency, self.may_look_ahead(), self.took
         )
 
-    def may_look_ahead(self) -> bool:  # not while a worker starts: it takes it once ready
-        return not self.starting
+    def may_look_ahead(self) -> bool:  # not while a worker starts (or may): it takes it
+        return not self.starting and not self.spare
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:
