@@ -57,9 +57,9 @@ async def _make_default() -> DefaultPool:
 
     The first call waits for one worker's start: another starts only when a call finds
     no worker for it (decision 0091), aiomp's keeper and multiprocessing's resource
-    tracker once the first is ready (decision 0046). It is launched before the rest of the pool is even imported, so that
-    its interpreter boots while this process imports and builds the pool (decision 0048).
-    A failure closes what was started.
+    tracker once the first is ready (decision 0046). That first one is launched before the
+    rest of the pool is even imported, so that its interpreter boots while this process
+    imports and builds the pool (decision 0048). A failure closes what was started.
     """
     processes = cpu_count()
     kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_helpers=True)
