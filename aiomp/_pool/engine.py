@@ -28,6 +28,7 @@ from .._loop.wakeup import Signal, Wakeup
 from .admission import Room
 from .deaths import died_on_its_own, log_death
 from .kinds import Handle, WorkerKind
+from .options import PoolStatistics
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
 from .workers import KILLED
@@ -92,15 +93,23 @@ class Engine:
         ``processes``, rather than all as the pool opens (``run_sync``'s default pool;
         :class:`~aiomp._pool.scheduler.Scheduler`)."""
         self.kind = kind
-        #: ``kind.wire``: where tasks are process-wire frames, ``apply`` builds ``fn()``'s.
-        self.wire = kind.wire
+        #: ``kind.start_method``: where a function was checked for it (``FnInfo.checked``),
+        #: ``apply`` builds the frame of its ``fn()`` itself.
+        self.start_method = kind.start_method
         self.processes = processes
         self.concurrency = concurrency
         self.grace = grace
         self.state = NEW
         self.sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon, None, on_demand)
+        # The calls talk to the engine only; what they ask of the scheduler is its own
+        # methods, bound here (no frame of the engine's on the hot path: tests/budgets).
+        # apply's hot path alone reads the scheduler's state (``sched``) itself.
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
+        #: Start a task on a worker, or queue it (``Scheduler.submit``).
+        self.submit = self.sched.submit
+        #: A queued task's caller has gone: it never starts (``Scheduler.drop``).
+        self.drop = self.sched.drop
         #: ``Pool(max_pending=)`` and who waits for a worker to have room: ``admission``.
         self.max_pending: int | None = None
         self.room = Room(self.sched)
@@ -387,8 +396,18 @@ class Engine:
         return None if task is None else task.name
 
     # -- what the calls use ------------------------------------------------------------
-    def submit(self, task: Task) -> None:
-        self.sched.submit(task)
+    def statistics(self) -> PoolStatistics:
+        """:meth:`aiomp.Pool.statistics`: the scheduler's counts, now."""
+        s = self.sched
+        return PoolStatistics(
+            workers=len(s.live_workers()),
+            idle=len(s.idle),
+            busy=sum(1 for w in s.workers.values() if w.running),
+            running=sum(len(w.running) for w in s.workers.values()),
+            queued=s.queued,
+            completed=s.completed,
+            replaced=s.replaced,
+        )
 
     async def abandon(
         self, tasks: Iterable[Task], timeout: float | None = None

@@ -164,16 +164,7 @@ class Pool:
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""
-        s = self._engine.sched
-        return PoolStatistics(
-            workers=len(s.live_workers()),
-            idle=len(s.idle),
-            busy=sum(1 for w in s.workers.values() if w.running),
-            running=sum(len(w.running) for w in s.workers.values()),
-            queued=s.queued,
-            completed=s.completed,
-            replaced=s.replaced,
-        )
+        return self._engine.statistics()
 
     async def wait_ready(self) -> None:
         """Return once every worker has run the initializer (at once if none is set).
