@@ -392,7 +392,8 @@ class Engine:
         self.sched.kill(handle, reason)
 
     def task_name(self, handle: Handle, tid: int) -> str | None:
-        task = self.sched.task(handle, tid)
+        w = self.sched.workers.get(handle)
+        task = None if w is None else w.running.get(tid)
         return None if task is None else task.name
 
     # -- what the calls use ------------------------------------------------------------

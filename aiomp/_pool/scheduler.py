@@ -89,10 +89,9 @@ class Scheduler:
         on_demand: bool = False,
     ) -> None:
         self.concurrency = concurrency
-        #: A worker starts when a task finds none for it, up to the pool's size, not all
-        #: as the pool opens (``run_sync``'s default pool: decision 0091).
-        self.on_demand = on_demand
-        self.spare: list[int] = []  # the slots still to start on demand, last first
+        #: A worker starts when a task finds none for it (decision 0091): ``spare`` slots,
+        #: the last first, up to the pool's size.
+        self.on_demand, self.spare = on_demand, list[int]()
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew
         # No task is queued or running any more (None: nobody is waiting for that).
@@ -120,12 +119,9 @@ class Scheduler:
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
-    def open(self, processes: int) -> range:
-        """The slots whose workers start as the pool opens: all, or none on demand."""
-        if self.on_demand:
-            self.spare = list(range(processes - 1, -1, -1))
-            return range(0)
-        return range(processes)
+    def open(self, processes: int) -> range:  # the slots to start now: all, or none on demand
+        self.spare = list(range(processes - 1, -1, -1)) if self.on_demand else []
+        return range(0 if self.on_demand else processes)
 
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
@@ -306,10 +302,6 @@ class Scheduler:
     def unstarted(self) -> int:  # tasks submitted, not started: queued, or queued ahead
         return self.queued + self.ahead
 
-    def task(self, handle: Handle, tid: int) -> Task | None:  # task ``tid`` held by handle
-        w = self.workers.get(handle)
-        return None if w is None else w.running.get(tid)
-
     def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
         """A result (or an error) for task ``tid`` came from ``handle``'s worker; False if
         no such task is running there (it failed or was given up already)."""
@@ -334,12 +326,10 @@ class Scheduler:
             self.on_drained()
         return True
 
-    def close(self) -> None:
-        """No new calls; queued tasks still run (replacing workers as needed)."""
+    def close(self) -> None:  # no new calls; queued tasks still run (workers replaced)
         self._state = max(self._state, _CLOSING)
 
-    def terminate(self, error: BaseException) -> None:
-        """Shut down: queued tasks fail with ``error``; no worker is started again."""
+    def terminate(self, error: BaseException) -> None:  # queued tasks fail; no worker starts
         self._state = _CLOSED
         self._fail_queued(error)
 
@@ -374,8 +364,7 @@ class Scheduler:
         self.break_pool(err, cause=error)
         return None
 
-    def respawn(self, slot: int) -> None:
-        """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
+    def respawn(self, slot: int) -> None:  # ask again for slot's worker whose start failed
         if self.broken is None and self._wants_workers():
             self.to_spawn.appendleft(slot)
             self.on_spawn()
