@@ -397,19 +397,6 @@ class Engine:
         return None if task is None else task.name
 
     # -- what the calls use ------------------------------------------------------------
-    def statistics(self) -> PoolStatistics:
-        """:meth:`aiomp.Pool.statistics`: the scheduler's counts, now."""
-        s = self.sched
-        return PoolStatistics(
-            workers=len(s.live_workers()),
-            idle=len(s.idle),
-            busy=sum(1 for w in s.workers.values() if w.running),
-            running=sum(len(w.running) for w in s.workers.values()),
-            queued=s.queued,
-            completed=s.completed,
-            replaced=s.replaced,
-        )
-
     async def abandon(
         self, tasks: Iterable[Task], timeout: float | None = None
     ) -> dict[Handle, str | None]:
@@ -481,6 +468,20 @@ class Engine:
                 task.name,
                 stack_note(handle),
             )
+
+
+def pool_statistics(engine: Engine) -> PoolStatistics:
+    """:meth:`aiomp.Pool.statistics`: the counts of ``engine``'s scheduler, now."""
+    s = engine.sched
+    return PoolStatistics(
+        workers=len(s.live_workers()),
+        idle=len(s.idle),
+        busy=sum(1 for w in s.workers.values() if w.running),
+        running=sum(len(w.running) for w in s.workers.values()),
+        queued=s.queued,
+        completed=s.completed,
+        replaced=s.replaced,
+    )
 
 
 def stack_note(handle: Handle) -> str:

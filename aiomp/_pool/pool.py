@@ -42,7 +42,7 @@ from .._spawn.unawaited import call_site, warn_never_used
 from . import admission as _admission
 from . import calls as _calls
 from .batching import Batched
-from .engine import Engine
+from .engine import Engine, pool_statistics
 from .iterators import ResultIterator
 from .options import Inputs, PoolStatistics, Progress, check_options
 from .process_kind import ProcessKind
@@ -164,7 +164,7 @@ class Pool:
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""
-        return self._engine.statistics()
+        return pool_statistics(self._engine)
 
     async def wait_ready(self) -> None:
         """Return once every worker has run the initializer (at once if none is set).
