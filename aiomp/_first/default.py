@@ -91,14 +91,15 @@ async def run_sync(
     """Run ``fn(*args, **kwargs)`` in a worker process of this event loop's default pool.
 
     ``fn`` may be sync or ``async def``, and a lambda, a closure or a function typed into a
-    notebook (it travels by value). The pool is made on the first call on a loop, with one
-    worker per CPU this process may use (its affinity capped by its cgroup's CPU quota),
-    and closed when the loop ends (``asyncio.run``, uvloop, or the end of ``trio.run``;
-    at the latest at interpreter exit). ``fn`` is pickled first: one that cannot be
-    pickled even by value (it holds a lock) raises ``pickle.PicklingError`` before any
-    worker starts. Exceptions, ``timeout=`` and cancellation are
-    :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out call stops its task, terminating
-    its worker if need be, and a new worker takes its place.
+    notebook (it travels by value). The pool is made on the first call on a loop, with up
+    to one worker per CPU this process may use (its affinity capped by its cgroup's CPU
+    quota), each started when a call finds none free, and closed when the loop ends
+    (``asyncio.run``, uvloop, or the end of ``trio.run``; at the latest at interpreter
+    exit). ``fn`` is pickled first: one that cannot be pickled even by value (it holds a
+    lock) raises ``pickle.PicklingError`` before any worker starts. Exceptions,
+    ``timeout=`` and cancellation are :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out
+    call stops its task, terminating its worker if need be, and a new worker takes its
+    place.
 
     Keywords go to ``fn``, except ``timeout``, which is this call's own: give a
     function's own ``timeout`` keyword with ``functools.partial(fn, timeout=...)``.
