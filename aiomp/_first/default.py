@@ -55,20 +55,20 @@ class DefaultPool:
 async def _make_default() -> DefaultPool:
     """The default pool of this loop, its first worker launched first of all.
 
-    The first call waits for one worker's start: the other workers start once its first
-    result is in, aiomp's keeper and multiprocessing's resource tracker once it is ready
-    (decision 0046). It is launched before the rest of the pool is even imported, so that
-    its interpreter boots while this process imports and builds the pool (decision 0048).
-    A failure closes what was started.
+    The first call waits for one worker's start: another starts only when a call finds
+    no worker for it (decision 0091), aiomp's keeper and multiprocessing's resource
+    tracker once the first is ready (decision 0046). That first one is launched before the
+    rest of the pool is even imported, so that its interpreter boots while this process
+    imports and builds the pool (decision 0048). A failure closes what was started.
     """
     processes = cpu_count()
     kind = ProcessKind(START_METHOD, (None, ()), "prefix", defer_helpers=True)
     kind.launch_ahead(0, processes)
     try:
         # Imported here, after the launch, on purpose (see above).
-        from .._pool.pool import first_worker_alone
+        from .._pool.pool import on_demand
 
-        return DefaultPool(*first_worker_alone(kind, processes))
+        return DefaultPool(*on_demand(kind, processes))
     except BaseException:
         await kind.close(False)  # shielded
         raise
@@ -91,14 +91,15 @@ async def run_sync(
     """Run ``fn(*args, **kwargs)`` in a worker process of this event loop's default pool.
 
     ``fn`` may be sync or ``async def``, and a lambda, a closure or a function typed into a
-    notebook (it travels by value). The pool is made on the first call on a loop, with one
-    worker per CPU this process may use (its affinity capped by its cgroup's CPU quota),
-    and closed when the loop ends (``asyncio.run``, uvloop, or the end of ``trio.run``;
-    at the latest at interpreter exit). ``fn`` is pickled first: one that cannot be
-    pickled even by value (it holds a lock) raises ``pickle.PicklingError`` before any
-    worker starts. Exceptions, ``timeout=`` and cancellation are
-    :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out call stops its task, terminating
-    its worker if need be, and a new worker takes its place.
+    notebook (it travels by value). The pool is made on the first call on a loop, with up
+    to one worker per CPU this process may use (its affinity capped by its cgroup's CPU
+    quota), each started when a call finds none free, and closed when the loop ends
+    (``asyncio.run``, uvloop, or the end of ``trio.run``; at the latest at interpreter
+    exit). ``fn`` is pickled first: one that cannot be pickled even by value (it holds a
+    lock) raises ``pickle.PicklingError`` before any worker starts. Exceptions,
+    ``timeout=`` and cancellation are :meth:`aiomp.Pool.apply`'s: a cancelled or timed-out
+    call stops its task, terminating its worker if need be, and a new worker takes its
+    place.
 
     Keywords go to ``fn``, except ``timeout``, which is this call's own: give a
     function's own ``timeout`` keyword with ``functools.partial(fn, timeout=...)``.

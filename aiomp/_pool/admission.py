@@ -37,9 +37,10 @@ def check_max_pending(value: object) -> int:
     return count("max_pending", value, least=0)
 
 
-def has_room(sched: Scheduler, weight: int) -> bool:
-    """Whether a task of ``weight`` submitted now would start on a worker at once rather
-    than wait in the queue."""
+def has_room(engine: Engine, weight: int) -> bool:
+    """Whether a task of ``weight`` submitted to ``engine`` now would start on a worker
+    at once rather than wait in the queue."""
+    sched = engine.sched
     if sched.queued:
         return False
     if sched.idle:
@@ -61,8 +62,7 @@ def overloaded(engine: Engine, weight: int) -> bool:
     limit = engine.max_pending
     if limit is None:
         return False
-    sched = engine.sched
-    return pending(sched) >= limit and not has_room(sched, weight)
+    return pending(engine.sched) >= limit and not has_room(engine, weight)
 
 
 def admit(engine: Engine, is_async: bool) -> None:

@@ -248,9 +248,9 @@ class Batched(Generic[X, R]):
                 while self._full and not overloaded(engine, self._weight):
                     self._hand(self._full.popleft())
                 batch = self._open
-                if batch is not None and batch.callers and has_room(engine.sched, self._weight):
+                if batch is not None and batch.callers and has_room(engine, self._weight):
                     await self._wait_for_company(batch)
-                    if self._open is batch and has_room(engine.sched, self._weight):
+                    if self._open is batch and has_room(engine, self._weight):
                         self._open = None
                         self._hand(batch)
                     continue
@@ -343,7 +343,7 @@ class Batched(Generic[X, R]):
         # MAX_INLINE, as any small array: a lone call's row costs a copy, not a segment;
         # docs/decisions/0061) or the kind is Ray's, whose object store takes it whole.
         big = len(rows) * rows[0].nbytes >= MAX_INLINE
-        return stack(rows, shared=big and self._engine.wire is not None)
+        return stack(rows, shared=big and self._engine.kind.process_wire)
 
     # -- outcomes (maybe in a loop callback: only Signals, encodes and submits) --------
     def _done(self, batch: _Batch, task: Task) -> None:
@@ -437,14 +437,14 @@ class Batched(Generic[X, R]):
             if task is None or task.state != QUEUED:
                 continue  # it has started meanwhile: the rows of those gone are dropped
             if not batch.callers:
-                self._engine.sched.drop(task)  # the batch left empty never runs
+                self._engine.drop(task)  # the batch left empty never runs
                 self._inflight -= 1
                 continue
             callers = list(batch.callers)
             try:
                 message = self._encode(task.tid, callers)
             except Exception as exc:  # noqa: BLE001 - (it encoded before: cannot happen)
-                self._engine.sched.drop(task)
+                self._engine.drop(task)
                 self._inflight -= 1
                 self._fail(callers, exc)
                 continue

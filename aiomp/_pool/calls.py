@@ -117,59 +117,83 @@ async def apply(
     loop = engine.loop
     tid = next(tids)
     fid = info.fid
-    if fid and not args and type(args) is tuple and not kwds and engine.wire in info.checked:
+    if (
+        fid
+        and not args
+        and type(args) is tuple
+        and not kwds
+        and engine.start_method in info.checked
+    ):
         message: Any = P.noargs_task(tid, flags | P.F_NOARGS, fid)  # hot path: tests/budgets
     else:
         items = args if type(args) is tuple else as_args(args)
         message = engine.kind.encode(
             (tid, fn, info, flags, items, dict(kwds) if kwds else None, None)
         )
-    if loop is not None and timeout is None:
-        probe = engine.probe
-        assert probe is not None
-        current = probe.current_task(loop)  # hot path: tests/budgets
-        if current is None or current.cancelling() or probe.scope_cancelled(current, loop):
-            task = new_task(engine.concurrency, info, tid, message)
-            task.waiter = waiter = loop.create_future()
-            loop.call_soon(_submit_unless_cancelled, engine, task, waiter)
-        else:
-            worker = None
-            if sched.idle and not sched.queued and type(message) is bytes:
-                worker = sched.take_idle()[0]
-                if not worker.handle.try_send_now(message, fid):
-                    sched.untake(worker)
-                    worker = None
-            task = new_task(engine.concurrency, info, tid, message)
-            if worker is not None:
-                sched.started(worker, task)
-            else:
-                sched.submit(task)
-                if task.state == DONE:  # failed at once (a broken pool): nothing to wait for
-                    if task.ok:
-                        return task.value
-                    raise task.value
-            task.waiter = waiter = loop.create_future()
-        try:
-            await waiter
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await engine.abandon([task])
-            raise
-    else:
+    if loop is None or timeout is not None:  # trio, or a timeout: the general path
         task = new_task(engine.concurrency, info, tid, message)
-        signal = Signal(loop)
-        task.on_done = lambda _: signal.set()
-        await anyio.lowlevel.checkpoint()
-        try:
-            engine.check_open()
-        except BaseException:
-            task.drop()
-            raise
-        engine.submit(task)
-        await _wait(engine, [task], signal, timeout)
+        return await _apply_general(engine, task, timeout)
+    probe = engine.probe
+    assert probe is not None
+    current = probe.current_task(loop)  # hot path: tests/budgets
+    if current is None or current.cancelling() or probe.scope_cancelled(current, loop):
+        task = new_task(engine.concurrency, info, tid, message)
+        waiter = _submit_once_yielded(engine, loop, task)
+    else:  # the hot path: sent before the Task exists (docs/decisions/0027)
+        worker = None
+        if sched.idle and not sched.queued and type(message) is bytes:
+            worker = sched.take_idle()[0]
+            if not worker.handle.try_send_now(message, fid):
+                sched.untake(worker)
+                worker = None
+        task = new_task(engine.concurrency, info, tid, message)
+        if worker is not None:
+            sched.started(worker, task)
+        else:
+            sched.submit(task)
+            if task.state == DONE:  # failed at once (a broken pool): nothing to wait for
+                if task.ok:
+                    return task.value
+                raise task.value
+        task.waiter = waiter = loop.create_future()
+    try:
+        await waiter
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await engine.abandon([task])
+        raise
     if task.ok:
         return task.value
     raise task.value
+
+
+async def _apply_general(engine: Engine, task: Task, timeout: float | None) -> Any:
+    """``apply``'s path on any loop, with a ``timeout``: a checkpoint first (nothing is
+    sent for a call made in a cancelled scope), then submit and wait."""
+    signal = Signal(engine.loop)
+    task.on_done = lambda _: signal.set()
+    await anyio.lowlevel.checkpoint()
+    try:
+        engine.check_open()
+    except BaseException:
+        task.drop()
+        raise
+    engine.submit(task)
+    await _wait(engine, [task], signal, timeout)
+    if task.ok:
+        return task.value
+    raise task.value
+
+
+def _submit_once_yielded(
+    engine: Engine, loop: asyncio.AbstractEventLoop, task: Task
+) -> asyncio.Future[None]:
+    """``apply``'s path (asyncio) where a cancellation may be pending for the caller: the
+    task goes to the engine from a callback that runs once the caller has yielded, and
+    is dropped unsent if its wait was cancelled by then. Returns what to wait on."""
+    task.waiter = waiter = loop.create_future()
+    loop.call_soon(_submit_unless_cancelled, engine, task, waiter)
+    return waiter
 
 
 def _submit_unless_cancelled(engine: Engine, task: Task, waiter: asyncio.Future[None]) -> None:
@@ -332,7 +356,7 @@ class _Gather:
             self.error = task.value
             self.signal.set()
             for other in self.tasks:  # now, before the freed worker takes the next one
-                self.engine.sched.drop(other)
+                self.engine.drop(other)
         self.remaining -= 1
         if not self.remaining:
             self.signal.set()

@@ -27,8 +27,8 @@ from .._loop.taskhost import Started, TaskHost
 from .._loop.wakeup import Signal, Wakeup
 from .admission import Room
 from .deaths import died_on_its_own, log_death
-from .holding import HoldingScheduler
 from .kinds import Handle, WorkerKind
+from .options import PoolStatistics
 from .scheduler import Scheduler
 from .tasks import DONE, QUEUED, RUNNING, Task, fresh, when_done
 from .workers import KILLED
@@ -87,21 +87,29 @@ class Engine:
         concurrency: int,
         maxtasksperchild: int | None,
         grace: float,
-        first_alone: bool = False,
+        on_demand: bool = False,
     ) -> None:
-        """``first_alone``: start the first worker alone and the others once it is ready
-        (:mod:`aiomp._pool.holding`; ``run_sync``'s default pool)."""
+        """``on_demand``: start a worker when a task finds none for it, up to
+        ``processes``, rather than all as the pool opens (``run_sync``'s default pool;
+        :class:`~aiomp._pool.scheduler.Scheduler`)."""
         self.kind = kind
-        #: ``kind.wire``: where tasks are process-wire frames, ``apply`` builds ``fn()``'s.
-        self.wire = kind.wire
+        #: ``kind.start_method``: where a function was checked for it (``FnInfo.checked``),
+        #: ``apply`` builds the frame of its ``fn()`` itself.
+        self.start_method = kind.start_method
         self.processes = processes
         self.concurrency = concurrency
         self.grace = grace
         self.state = NEW
-        scheduler = HoldingScheduler if first_alone else Scheduler
-        self.sched = scheduler(concurrency, maxtasksperchild, self._spawn_soon)
+        self.sched = Scheduler(concurrency, maxtasksperchild, self._spawn_soon, None, on_demand)
+        # The calls talk to the engine only; what they ask of the scheduler is its own
+        # methods, bound here (no frame of the engine's on the hot path: tests/budgets).
+        # apply's hot path alone reads the scheduler's state (``sched``) itself.
         #: The scheduler's ``complete``: what a handle reports a task's outcome to.
         self.on_result = self.sched.complete
+        #: Start a task on a worker, or queue it (``Scheduler.submit``).
+        self.submit = self.sched.submit
+        #: A queued task's caller has gone: it never starts (``Scheduler.drop``).
+        self.drop = self.sched.drop
         #: ``Pool(max_pending=)`` and who waits for a worker to have room: ``admission``.
         self.max_pending: int | None = None
         self.room = Room(self.sched)
@@ -145,7 +153,7 @@ class Engine:
         self._wake = Wakeup(self.loop)
         self.state = OPEN
         try:
-            for slot in self.sched.initial_slots(self.processes):
+            for slot in self.sched.open(self.processes):
                 if slot:
                     # A spawn start forks and execs (a few ms): let the loop breathe
                     # between starts rather than block it for all of them at once.
@@ -384,13 +392,11 @@ class Engine:
         self.sched.kill(handle, reason)
 
     def task_name(self, handle: Handle, tid: int) -> str | None:
-        task = self.sched.task(handle, tid)
+        w = self.sched.workers.get(handle)
+        task = None if w is None else w.running.get(tid)
         return None if task is None else task.name
 
     # -- what the calls use ------------------------------------------------------------
-    def submit(self, task: Task) -> None:
-        self.sched.submit(task)
-
     async def abandon(
         self, tasks: Iterable[Task], timeout: float | None = None
     ) -> dict[Handle, str | None]:
@@ -462,6 +468,20 @@ class Engine:
                 task.name,
                 stack_note(handle),
             )
+
+
+def pool_statistics(engine: Engine) -> PoolStatistics:
+    """:meth:`aiomp.Pool.statistics`: the counts of ``engine``'s scheduler, now."""
+    s = engine.sched
+    return PoolStatistics(
+        workers=len(s.live_workers()),
+        idle=len(s.idle),
+        busy=sum(1 for w in s.workers.values() if w.running),
+        running=sum(len(w.running) for w in s.workers.values()),
+        queued=s.queued,
+        completed=s.completed,
+        replaced=s.replaced,
+    )
 
 
 def stack_note(handle: Handle) -> str:

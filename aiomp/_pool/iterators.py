@@ -250,7 +250,7 @@ class ResultIterator(Generic[T]):
             self._scope.cancel()
         for task in self._tasks.values():
             if task.state == QUEUED:
-                self._engine.sched.drop(task)
+                self._engine.drop(task)
         self._tasks.clear()
         self._done.clear()
         self._items.clear()

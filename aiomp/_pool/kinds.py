@@ -196,10 +196,12 @@ class WorkerKind(abc.ABC):
 
     #: ``map``'s default chunk size makes this many chunks per worker slot.
     chunks_per_slot: int = 4
-    #: Where tasks are frames of the process wire (:mod:`aiomp._pool.protocol`), the key
-    #: under which :attr:`FnInfo.checked` records that a function can be imported by
-    #: this kind's workers; None for a kind with a wire of its own.
-    wire: str | None = None
+    #: Whether tasks are frames of the process wire (:mod:`aiomp._pool.protocol`), whose
+    #: workers map shared memory; False for a kind with a wire of its own (Ray's).
+    process_wire: bool = False
+    #: The start method of the workers, the key under which :attr:`FnInfo.checked`
+    #: records that a function can be imported by them; None: not aiomp's processes.
+    start_method: str | None = None
 
     @abc.abstractmethod
     async def prepare(self, processes: int) -> int:

@@ -42,7 +42,7 @@ from .._spawn.unawaited import call_site, warn_never_used
 from . import admission as _admission
 from . import calls as _calls
 from .batching import Batched
-from .engine import Engine
+from .engine import Engine, pool_statistics
 from .iterators import ResultIterator
 from .options import Inputs, PoolStatistics, Progress, check_options
 from .process_kind import ProcessKind
@@ -164,16 +164,7 @@ class Pool:
 
     def statistics(self) -> PoolStatistics:
         """A :class:`PoolStatistics` snapshot (never blocks)."""
-        s = self._engine.sched
-        return PoolStatistics(
-            workers=len(s.live_workers()),
-            idle=len(s.idle),
-            busy=sum(1 for w in s.workers.values() if w.running),
-            running=sum(len(w.running) for w in s.workers.values()),
-            queued=s.queued,
-            completed=s.completed,
-            replaced=s.replaced,
-        )
+        return pool_statistics(self._engine)
 
     async def wait_ready(self) -> None:
         """Return once every worker has run the initializer (at once if none is set).
@@ -434,12 +425,11 @@ class Pool:
         return Batched(self._engine, fn, max_batch_size, max_delay, stack, split_on_error)
 
 
-def first_worker_alone(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
-    """A Pool of ``processes`` workers of ``kind`` that starts its first worker alone,
-    and the others once that one is ready (``run_sync``'s default pool, decision 0046);
-    and its engine."""
+def on_demand(kind: ProcessKind, processes: int) -> tuple[Pool, Engine]:
+    """A Pool of up to ``processes`` workers of ``kind``, each started when a task finds
+    no worker for it (``run_sync``'s default pool, decision 0091); and its engine."""
     pool = Pool.__new__(Pool)
-    engine = Engine(kind, processes, 1, None, 5.0, first_alone=True)
+    engine = Engine(kind, processes, 1, None, 5.0, on_demand=True)
     attach(pool, engine)
     pool._site = None  # aiomp's own pool: its loop may end before it is entered
     return pool, engine

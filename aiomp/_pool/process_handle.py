@@ -39,6 +39,7 @@ from .._loop.taskhost import Started
 from .._loop.wakeup import Signal, Wakeup
 from .._loop.watch import fd_watch
 from .._process import child as _process
+from .._process import groups as _groups
 from .._process import launch as _launch
 from .._process.cgroups import OomWatch
 from .._process.terminate import terminate_all
@@ -268,9 +269,12 @@ class ProcessHandle(Handle):
         elif op == P.OP_READY:
             _transport.close_fds(fds)
             self._oom.look(self.pid)  # (its initializer may have moved it)
-            # Before any task is sent: the keeper watches over what the task starts.
-            _launch.start_deferred_helpers()
+            # The keeper before any task is sent (it watches over what the task starts);
+            # the resource tracker after (its fork and boot are the first task's business
+            # no more than the other workers' are: decision 0091).
+            _groups.start_deferred_keeper()
             self._events.on_ready(self)
+            _launch.start_deferred_helpers()
         elif op == P.OP_INIT_ERR:
             self._events.on_init_failed(self, self._remote_error(payload, fds))
         else:

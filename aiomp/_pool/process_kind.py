@@ -58,6 +58,8 @@ class ProcessKind(WorkerKind):
     """See the module docstring."""
 
     chunks_per_slot = 4
+    process_wire = True
+    start_method: str
 
     def __init__(
         self,
@@ -73,8 +75,7 @@ class ProcessKind(WorkerKind):
         #: worker is ready, not beside it (``_process.launch.launch``'s
         #: ``defer_helpers``; ``run_sync``'s default pool).
         self.defer_helpers = defer_helpers
-        #: The wire's frames are checked per start method: the start method names the wire.
-        self.start_method = self.wire = start_method
+        self.start_method = start_method
         self._init_call = init
         self._output = output
         #: Each slot's env (``_process.placement.slot_envs``), given again to a replacement.

@@ -86,8 +86,12 @@ class Scheduler:
         maxtasks: int | None,
         on_spawn: Callable[[], None] = lambda: None,
         on_drained: Callable[[], None] | None = None,
+        on_demand: bool = False,
     ) -> None:
         self.concurrency = concurrency
+        #: A worker starts when a task finds none for it (decision 0091): ``spare`` slots,
+        #: the last first, up to the pool's size.
+        self.on_demand, self.spare = on_demand, list[int]()
         self.maxtasks = maxtasks
         self.on_spawn = on_spawn  # to_spawn grew
         # No task is queued or running any more (None: nobody is waiting for that).
@@ -115,8 +119,9 @@ class Scheduler:
         self._state = _OPEN
 
     # -- workers ---------------------------------------------------------------------
-    def initial_slots(self, processes: int) -> range:
-        return range(processes)  # the slots whose workers start as the pool opens: all
+    def open(self, processes: int) -> range:  # the slots to start now: all, or none on demand
+        self.spare = list(range(processes - 1, -1, -1)) if self.on_demand else []
+        return range(0 if self.on_demand else processes)
 
     def add(self, handle: Handle) -> None:
         """A worker process has been started for ``handle.slot``; it is not ready yet."""
@@ -210,6 +215,9 @@ class Scheduler:
                 w = self._pick(task)  # that one had gone: the next
         self.queue.append(task)
         self.queued += 1
+        if self.spare and self.queued > self.starting and self._state == _OPEN:
+            self.to_spawn.append(self.spare.pop())  # no worker for it: one more
+            self.on_spawn()
 
     def untake(self, w: WorkerSlot) -> None:
         self.idle[w] = None  # taken with take_idle, it was sent nothing
@@ -294,10 +302,6 @@ class Scheduler:
     def unstarted(self) -> int:  # tasks submitted, not started: queued, or queued ahead
         return self.queued + self.ahead
 
-    def task(self, handle: Handle, tid: int) -> Task | None:  # task ``tid`` held by handle
-        w = self.workers.get(handle)
-        return None if w is None else w.running.get(tid)
-
     def complete(self, handle: Handle, tid: int, ok: bool, value: object) -> bool:
         """A result (or an error) for task ``tid`` came from ``handle``'s worker; False if
         no such task is running there (it failed or was given up already)."""
@@ -322,12 +326,10 @@ class Scheduler:
             self.on_drained()
         return True
 
-    def close(self) -> None:
-        """No new calls; queued tasks still run (replacing workers as needed)."""
+    def close(self) -> None:  # no new calls; queued tasks still run (workers replaced)
         self._state = max(self._state, _CLOSING)
 
-    def terminate(self, error: BaseException) -> None:
-        """Shut down: queued tasks fail with ``error``; no worker is started again."""
+    def terminate(self, error: BaseException) -> None:  # queued tasks fail; no worker starts
         self._state = _CLOSED
         self._fail_queued(error)
 
@@ -362,8 +364,7 @@ class Scheduler:
         self.break_pool(err, cause=error)
         return None
 
-    def respawn(self, slot: int) -> None:
-        """Ask again for ``slot``'s worker whose start failed, if the pool still wants one."""
+    def respawn(self, slot: int) -> None:  # ask again for slot's worker whose start failed
         if self.broken is None and self._wants_workers():
             self.to_spawn.appendleft(slot)
             self.on_spawn()
@@ -416,8 +417,8 @@ class Scheduler:
             self.workers.values(), task, self.concurrency, self.may_look_ahead(), self.took
         )
 
-    def may_look_ahead(self) -> bool:  # not while a worker starts: it takes it once ready
-        return not self.starting
+    def may_look_ahead(self) -> bool:  # not while a worker starts (or may): it takes it
+        return not self.starting and not self.spare
 
     def _dispatch(self) -> None:
         if self._state == _CLOSED:

@@ -20,7 +20,7 @@ A group is signalled through its leader's pidfd (:func:`signal_group`). In a ter
 keeper stands in the parent's (foreground) group and passes the terminal's signals on to
 the children's groups, which a Ctrl-C would not reach any more (:data:`PASSED_ON`).
 
-Run as a script (``python -I -S _groups.py``) this module is the keeper (:func:`keep`):
+The keeper is this module run by ``python -I -S`` (:data:`_KEEPER_MAIN`, :func:`keep`):
 it imports only the standard library, and no ``site``.
 """
 
@@ -57,6 +57,9 @@ PASSED_ON = (
 
 #: The keeper's end of its socket, in the keeper.
 KEEPER_FD = 3
+#: Milliseconds between the keeper's reads of its socket while messages come (a socket
+#: holds some 280; the parent queues the rest), doubling up to IDLE_MS while none come.
+DRAIN_MS, IDLE_MS = 50, 2000
 
 
 def signal_group(pidfd: int, leader: int, sig: int, by_number: bool) -> bool:
@@ -213,10 +216,11 @@ def start_keeper(defer: bool = False) -> socket.socket | None:
     get there; in a subreaper parent an exited keeper would stay a zombie) and, without
     a terminal, must be out of our process group and session (a ``kill -9 -PGID`` must
     not take it with us): ``/bin/sh`` runs it in the background and exits at once, which
-    leaves it to init (posix_spawn: no fork of this process, which may run threads). We
-    wait for that shell, which exits at once (about a millisecond, once). The signals it
-    passes on are blocked until it has its handlers: none is lost or ends it meanwhile.
-    Where it cannot start (no ``/bin/sh``, a pids limit), the next child tries again.
+    leaves it to init (posix_spawn: no fork of this process, which may run threads). That
+    shell is not waited for (it is reaped at a later message): the first child starts
+    beside it. The signals it passes on are blocked until it has its handlers: none is
+    lost or ends it meanwhile. Where it cannot start (no ``/bin/sh``, a pids limit), the
+    next child tries again: a shell that failed shows as a keeper gone at the next message.
 
     With ``defer``, only the socket is made: what is registered waits in it until
     :func:`start_deferred_keeper` (``run_sync``'s first worker: decision 0048).
@@ -259,8 +263,8 @@ def start_deferred_keeper() -> None:
         theirs, _unstarted = _unstarted, None
         if theirs is None:
             return
-        try:  # (the shell holds the keeper's end from its start: no wait for it)
-            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()), wait=False)
+        try:  # (the shell holds the keeper's end from its start)
+            _spawn(theirs, stand_in=_is_foreground(os.getpgrp()))
         except OSError as exc:
             _log(f"no keeper process ({exc}): {_WITHOUT}", once=True)
             _forget()
@@ -284,12 +288,22 @@ def _log(text: str, once: bool = False) -> None:
         logging.getLogger("aiomp").warning("aiomp: %s", text)
 
 
-def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
-    """posix_spawn ``sh -c '"$@" &' ... python -I -S <this file>`` with ``end`` on
+#: The keeper's interpreter imports this file (as ``groups``: its bytecode is cached, where
+#: a script's is compiled at every start) and runs :func:`keep`; argv: this file's path, and
+#: ``stand-in`` or ``session``.
+_KEEPER_MAIN = (
+    "import os, sys; sys.path.append(os.path.dirname(sys.argv[1])); import groups; "
+    "groups.keep(sys.argv[2] == 'stand-in')"
+)
+
+
+def _spawn(end: socket.socket, stand_in: bool) -> None:
+    """posix_spawn ``sh -c '"$@" &' ... python -I -S -c <_KEEPER_MAIN>`` with ``end`` on
     :data:`KEEPER_FD` and /dev/null on 0-2 (it must not hold the parent's output open:
-    whoever reads it waits for its end), in a session of its own unless ``stand_in``;
-    wait for the shell, unless not ``wait`` (a keeper it fails to start is found gone at
-    the next message). Raises OSError where it did not start."""
+    whoever reads it waits for its end), in a session of its own unless ``stand_in``.
+    The shell is not waited for: it holds ``end`` from its start, and a keeper it fails
+    to start is found gone at the next message (decision 0090). Raises OSError where it
+    did not start."""
     fd = end.fileno()
     src = os.dup(fd) if fd == KEEPER_FD else fd  # (dup2 onto itself would keep CLOEXEC)
     try:
@@ -299,7 +313,8 @@ def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
             (os.POSIX_SPAWN_DUP2, 1, 2),
         ]
-        argv = ["sh", "-c", '"$@" &', "aiomp-keeper", sys.executable, "-I", "-S", __file__]
+        argv = ["sh", "-c", '"$@" &', "aiomp-keeper", sys.executable, "-I", "-S"]
+        argv += ["-c", _KEEPER_MAIN, __file__]
         shell = os.posix_spawn(
             "/bin/sh",
             [*argv, "stand-in" if stand_in else "session"],
@@ -312,47 +327,30 @@ def _spawn(end: socket.socket, stand_in: bool, wait: bool = True) -> None:
         if src != fd:
             os.close(src)
     _reap_shells()
-    try:
-        pidfd = os.pidfd_open(shell)
-    except ProcessLookupError:  # reaped by a SIGCHLD handler that reaps every child
-        return
     # It forks and exits at once, but a shell under a pids limit may retry its fork with
-    # sleeps (bash: 1, 2, 4, 8 s): wait briefly, on the loop's thread, then reap it later.
-    ready = select.poll()
-    ready.register(pidfd, select.POLLIN)
-    if not ready.poll(SHELL_WAIT_MS if wait else 0):
-        _shells.append(pidfd)
-        return
-    status = _reap(pidfd)
-    if status:  # it could not fork (a pids limit) or run the interpreter
-        raise OSError(errno.EAGAIN, f"the shell starting it exited with status {status}")
+    # sleeps (bash: 1, 2, 4, 8 s): never waited for on the loop's thread.
+    try:
+        _shells.append(os.pidfd_open(shell))
+    except ProcessLookupError:  # reaped by a SIGCHLD handler that reaps every child
+        pass
 
 
-#: Milliseconds the parent waits for the shell that starts a keeper, before it goes on.
-SHELL_WAIT_MS = 50
-#: pidfds of shells that had not exited within SHELL_WAIT_MS: reaped at the next start.
+#: pidfds of the shells that started keepers: reaped at a later message once exited.
 _shells: list[int] = []
 
 
-def _reap(pidfd: int) -> int:
-    """Reap the exited shell behind ``pidfd`` (closed here): its exit status, 0 if gone."""
-    try:
-        result = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
-    except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
-        return 0
-    finally:
-        os.close(pidfd)
-    return result.si_status if result is not None else 0
-
-
 def _reap_shells() -> None:
-    """Reap the slow shells that have exited since (a failed one shows as a keeper gone)."""
+    """Reap the shells that have exited since (a failed one shows as a keeper gone)."""
     ready = select.poll()
     for fd in _shells:
         ready.register(fd, select.POLLIN)
     done = {fd for fd, _ in ready.poll(0)}
     for fd in done:
-        _reap(fd)
+        try:
+            os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG)
+        except ChildProcessError:  # reaped by a SIGCHLD handler that reaps every child
+            pass
+        os.close(fd)
     _shells[:] = [fd for fd in _shells if fd not in done]
 
 
@@ -425,6 +423,7 @@ def keep(stand_in: bool) -> None:
     sock = socket.socket(fileno=KEEPER_FD)
     groups: dict[int, int] = {}
     parent: list[int] = []
+    taken = [0]  # messages read so far
 
     def read() -> bool:
         """Take every message waiting; False at the end (the parent has gone)."""
@@ -437,6 +436,7 @@ def keep(stand_in: bool) -> None:
                 return False
             if not data:
                 return False
+            taken[0] += 1
             if data == b"P":
                 parent.extend(fds)
                 continue
@@ -458,14 +458,19 @@ def keep(stand_in: bool) -> None:
     with open("/proc/self/comm", "w") as comm:
         comm.write("aiomp-keeper")
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+    # Not woken by each message (a wake-up per child start and exit, on the parent's
+    # path: decision 0090): it reads them every DRAIN_MS to IDLE_MS, and all before it kills.
     poller = select.poll()
-    poller.register(sock, select.POLLIN)
+    poller.register(sock, 0)  # (POLLHUP and POLLERR only: the parent's end closed)
     alive = read()  # (the parent's pidfd was sent before the keeper started)
     for fd in parent:
         poller.register(fd, select.POLLIN)
+    wait = DRAIN_MS
     while alive:
-        ready = poller.poll()  # (a signal passed on interrupts it; PEP 475 resumes it)
-        alive = read() and all(fd == KEEPER_FD for fd, _ in ready)
+        ready = poller.poll(wait)  # (a signal passed on interrupts it; PEP 475 resumes it)
+        before = taken[0]
+        alive = read() and not ready
+        wait = DRAIN_MS if taken[0] != before else min(wait * 2, IDLE_MS)
     for pid, pidfd in groups.items():
         # The children die of their parent-death signal now: by number too, while
         # whoever is left in a group keeps its number taken.
@@ -493,7 +498,3 @@ def _ignore_the_rest() -> None:
             signal.signal(sig, signal.SIG_IGN)
         except (OSError, ValueError):  # pragma: no cover - one the C library reserves
             pass
-
-
-if __name__ == "__main__":
-    keep(sys.argv[1] == "stand-in")

@@ -70,7 +70,9 @@ async def prepare_forkserver() -> None:
 
     The start checks run first. Its preloads gain :data:`_FORKSERVER_PRELOAD`; the
     user's stay. Cancellation leaves the server starting in its thread (anyio waits for
-    the thread).
+    the thread). Once started, nothing here: each start checks that the server lives
+    (``ensure_running``, which restarts a dead one), as it does for ``multiprocessing``'s
+    own processes.
     """
     from multiprocessing import forkserver
 
@@ -78,9 +80,7 @@ async def prepare_forkserver() -> None:
     # (a spawn child, or the fork server preloading it) refuses to start a server of its
     # own, which would import that module again, and so on.
     _lifecycle.run_start_checks()
-    if mp_private.forkserver_pid() is not None:
-        forkserver.ensure_running()  # already up: a non-blocking liveness check
-    else:
+    if mp_private.forkserver_pid() is None:
         preload = list(mp_private.forkserver_preload() or ["__main__"])
         ours = [m for m in _FORKSERVER_PRELOAD if m not in preload]
         if ours:

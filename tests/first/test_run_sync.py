@@ -20,7 +20,7 @@ import pytest
 
 import aiomp
 from aiomp._first import default as first
-from aiomp._pool.pool import first_worker_alone
+from aiomp._pool.pool import on_demand
 from aiomp._pool.process_kind import Launched, ProcessKind
 from aiomp._process import cpus
 from tests._gate import Gate
@@ -383,7 +383,7 @@ async def test_a_pool_cancelled_as_it_opens_kills_its_worker_launched_ahead() ->
     kind = ProcessKind("spawn", (None, ()), "prefix")
     kind.launch_ahead(0, 1)
     (child,) = kind.unadopted()
-    pool, _ = first_worker_alone(kind, 1)
+    pool, _ = on_demand(kind, 1)
     with anyio.fail_after(TIMEOUT), anyio.CancelScope() as scope:
         scope.cancel()
         async with pool:

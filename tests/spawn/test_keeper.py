@@ -358,9 +358,10 @@ _SLOW_SHELL = textwrap.dedent("""
 def test_a_slow_shell_starting_the_keeper_does_not_hold_the_loop() -> None:
     """Review of issue 25 item 5: the parent waited for the shell that starts its keeper
     with a blocking waitpid on the loop's thread; bash, failing to fork under a pids limit,
-    retries with sleeps of 1, 2, 4 and 8 s, at every child start. Now it waits 50 ms at
-    most, and reaps the shell at a later start. (The shell takes 4 s here: a start that
-    waited for it is told from a slow one on a busy host by far more than their noise.)"""
+    retries with sleeps of 1, 2, 4 and 8 s, at every child start. Now it never waits for
+    it (decision 0090), and reaps the shell at a later message. (The shell takes 4 s
+    here: a start that waited for it is told from a slow one on a busy host by far more
+    than their noise.)"""
     out = run_python("-c", _SLOW_SHELL, timeout=TIMEOUT * 2)
     took = float(out.stdout.split("first start took ")[1].split()[0])
     assert took < 3, out.stdout
