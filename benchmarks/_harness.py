@@ -248,10 +248,15 @@ class SocketFloor(Variant):
 
     async def stop(self) -> None:
         self.sock.close()
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        reap(self.proc)
+
+
+def reap(proc: Any, timeout: float = 5) -> None:
+    """Join a ``multiprocessing`` process that was told to end; kill it after ``timeout``."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 def floor_name(seqpacket: bool, async_child: bool, kept_reader: bool = False) -> str:

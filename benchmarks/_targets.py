@@ -173,6 +173,33 @@ async def echo_coro(x: object) -> object:
     return x
 
 
+# -- backlog: enqueue 100k small items, then a child drains them --------------------------
+# Each child says it is ready, waits for the parent to finish enqueueing, drains every item
+# and says it is done: the parent times from its first put to that answer.
+
+
+def drain_mp(q: Any, ready: Any, go: Any, done: Any, n: int) -> None:
+    """multiprocessing.Queue: drain n items after ``go``, once per round, until n == 0."""
+    pin_child()
+    get = q.get
+    ready.put(True)
+    while (count := go.get()) > 0:
+        for _ in range(count):
+            get()
+        done.put(True)
+
+
+def drain_aiomp(rank: int, q: Any, ready: Any, go: Any, done: Any, n: int) -> None:
+    """aiomp.Queue through ``q.sync``: the same protocol."""
+    pin_child()
+    get = q.sync.get
+    ready.sync.put(True)
+    while (count := go.sync.get()) > 0:
+        for _ in range(count):
+            get()
+        done.sync.put(True)
+
+
 # -- arrays -------------------------------------------------------------------------------
 
 
@@ -224,8 +251,3 @@ def compute_floor(n: int) -> float:
 async def trivial_coro(x: object = None) -> object:
     pin_child()
     return x
-
-
-def pool_pin(*_: object) -> None:
-    """Pool initializer: pin the worker before its first task."""
-    pin_child()

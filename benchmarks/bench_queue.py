@@ -35,12 +35,13 @@ from benchmarks import _common as c
 from benchmarks import _harness as h
 from benchmarks._targets import (
     PAYLOAD,
+    drain_aiomp,
+    drain_mp,
     echo_aiomp_async,
     echo_aiomp_sync,
     echo_coro,
     echo_mp_queue,
 )
-from benchmarks._targets_queue import drain_aiomp, drain_mp
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -132,10 +133,7 @@ class MpQueue(h.Variant):
 
     async def stop(self) -> None:
         self.qin.put(None)
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        h.reap(self.proc)
 
 
 class Aiomultiprocess(h.Variant):
@@ -155,6 +153,7 @@ class Aiomultiprocess(h.Variant):
 
 
 BACKLOG = 100_000
+MP_SYNC = "multiprocessing.Queue, sync parent, sync child"
 
 
 async def backlog_aiomp(rounds: int) -> list[float]:
@@ -196,10 +195,7 @@ def backlog_mp(rounds: int) -> list[float]:
             out.append(c.now() - t0)
         go.put(0)
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        h.reap(proc, 30)
     return out
 
 
@@ -283,30 +279,20 @@ async def main() -> None:
     else:
         notes.append("aiomultiprocess not installed: its row is skipped")
 
-    def add(
-        parent_sync: bool, child_sync: bool, base: str, base_desc: str, target: dict[str, object]
-    ) -> None:
-        what = "64 B round trip, " + aiomp_name(parent_sync, child_sync)[len("aiomp.Queue, ") :]
-        rows.append(
-            c.row(
-                what,
-                med.get(aiomp_name(parent_sync, child_sync)),
-                med.get(base),
-                base_desc,
-                target,
-                missing or "",
-            )
-        )
+    def add(sync: tuple[bool, bool], base: str, base_desc: str, target: dict[str, Any]) -> None:
+        name = aiomp_name(*sync)
+        what = "64 B round trip, " + name[len("aiomp.Queue, ") :]
+        rows.append(c.row(what, med.get(name), med.get(base), base_desc, target, missing or ""))
 
     floor = h.SocketFloor.name
     # Like for like first: the floor's parent awaits and its child is a blocking echo;
     # multiprocessing.Queue is used blocking at both ends.
-    add(False, True, floor, "raw async socketpair, sync echo child", c.at_most(2))
-    add(False, False, floor, "raw async socketpair, sync echo child", c.at_most(2))
-    add(True, True, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
-    add(False, False, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
+    for sync in ((False, True), (False, False)):
+        add(sync, floor, "raw async socketpair, sync echo child", c.at_most(2))
+    for sync in ((True, True), (False, False)):
+        add(sync, MpQueue.name, MP_SYNC, c.faster())
     if have_amp:
-        add(False, False, Aiomultiprocess.name, "aiomultiprocess Pool.apply", c.faster(50))
+        add((False, False), Aiomultiprocess.name, Aiomultiprocess.name, c.faster(50))
     notes.append(
         f"round trips: {pinning}; loop {h.loop_name()}; median of {batches * n} round trips "
         f"per variant in {batches} alternating batches (aiomultiprocess: {n_amp}, run "
@@ -315,15 +301,8 @@ async def main() -> None:
     if missing is None:
         rounds = c.reps(6, 2)
         a, m, sa, sm = await backlog(rounds)
-        rows.append(
-            c.row(
-                f"enqueue {BACKLOG:,} 64 B items, then a child drains them",
-                a,
-                m,
-                "multiprocessing.Queue, the same",
-                c.faster(1.5),
-            )
-        )
+        what = f"enqueue {BACKLOG:,} 64 B items, then a child drains them"
+        rows.append(c.row(what, a, m, "multiprocessing.Queue, the same", c.faster(1.5)))
         notes.append(
             f"backlog: {pinning}; aiomp puts with put_nowait and its child drains with "
             f"q.sync.get; median of {rounds} alternating runs each (a fresh child per run). "
@@ -335,19 +314,9 @@ async def main() -> None:
         for loop in LOOPS:
             got = run_on(loop)
             pinned.append(f"{loop}: {got['pinning']}")
-            what = f"64 B round trip, async parent ({loop}), async child"
-            rows.append(
-                c.row(what, got["aiomp"], got["floor"], f"raw floor on {loop}", c.at_most(1.4))
-            )
-            rows.append(
-                c.row(
-                    what,
-                    got["aiomp"],
-                    got["mp"],
-                    "multiprocessing.Queue, sync parent, sync child (same run)",
-                    c.faster(1.5),
-                )
-            )
+            what, a = f"64 B round trip, async parent ({loop}), async child", got["aiomp"]
+            rows.append(c.row(what, a, got["floor"], f"raw floor on {loop}", c.at_most(1.4)))
+            rows.append(c.row(what, a, got["mp"], f"{MP_SYNC} (same run)", c.faster(1.5)))
             rows += loop_limits(loop, got)
         notes.append(
             "per loop: the parent on asyncio, uvloop and trio, each in a fresh interpreter "
@@ -389,22 +358,13 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
     what = f"64 B round trip, async parent ({loop}), async child"
     for key, *how in FLOORS[1:]:
         name = h.floor_name(*how).replace("raw async socketpair", f"raw floor on {loop}")
-        floor = got[key]
-        rows.append(
-            c.row(
-                what,
-                got["aiomp"],
-                floor,
-                name,
-                None,
-                f"this floor is {floor / got['floor']:.2f}x the stream, sync-child floor",
-            )
-        )
+        note = f"this floor is {got[key] / got['floor']:.2f}x the stream, sync-child floor"
+        rows.append(c.row(what, got["aiomp"], got[key], name, None, note))
     what = f"CPU per 64 B round trip (parent + child), async parent ({loop}), async child"
     aiomp_cpu = cpu_of(got, "aiomp")
     for key, desc in (
         ("floor", f"raw floor on {loop}, stream, sync echo child"),
-        ("mp", "multiprocessing.Queue, sync parent, sync child"),
+        ("mp", MP_SYNC),
     ):
         if aiomp_cpu is None or cpu_of(got, key) is None:
             rows.append(c.row(what, None, None, desc, None, "not measured"))
@@ -422,24 +382,17 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
     return rows
 
 
-def _loop_arg() -> str | None:
-    import sys
-
-    if "--parent-loop" not in sys.argv:
-        return None
-    return sys.argv[sys.argv.index("--parent-loop") + 1]
-
-
 if __name__ == "__main__":
     import json
+    import sys
 
     import anyio
 
-    c.allow_bytecode()
-    loop = _loop_arg()
-    if loop is None:
-        anyio.run(main)
+    if "--parent-loop" not in sys.argv:
+        c.run_main(main)
     else:
+        c.allow_bytecode()
+        loop = sys.argv[sys.argv.index("--parent-loop") + 1]
         backend = "trio" if loop == "trio" else "asyncio"
         options = {"use_uvloop": True} if loop == "uvloop" else {}
         print(json.dumps(anyio.run(per_loop, loop, backend=backend, backend_options=options)))
