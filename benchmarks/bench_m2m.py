@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 
 from benchmarks import _common as c
+from benchmarks import _harness as h
 from benchmarks._targets_m2m import ARRAY_LEN
 
 TYPE_CHECKING = False
@@ -56,7 +57,7 @@ ARRAY_BYTES = ARRAY_LEN * 4
 RING_BYTES = 64 << 20
 
 
-def items(kind: str, variant: Variant | None = None) -> int:
+def items(kind: str, variant: AiompVariant | MpVariant | None = None) -> int:
     """Items per producer per round (torch's queue takes about 30x as long per array:
     it gets a tenth of the arrays, so that a run stays within the runner's time limit)."""
     if kind == "small":
@@ -65,28 +66,11 @@ def items(kind: str, variant: Variant | None = None) -> int:
     return n // 10 if isinstance(variant, MpVariant) and variant.use_torch else n
 
 
-class Variant:
-    """One queue library with its 4 producers and 2 consumers, started once."""
+class AiompVariant:
+    """One queue library with its 4 producers and 2 consumers, started once; ``round``:
+    seconds for every producer to put ``n`` items and the consumers to take them."""
 
-    name = "?"
-    kinds: tuple[str, ...] = ("small", "array")
-
-    async def start(self) -> None:
-        raise NotImplementedError
-
-    def pids(self) -> list[int]:
-        raise NotImplementedError
-
-    async def round(self, kind: str, n: int) -> float:
-        """Seconds for every producer to put ``n`` items and the consumers to take them."""
-        raise NotImplementedError
-
-    async def stop(self) -> None:
-        raise NotImplementedError
-
-
-class AiompVariant(Variant):
-    kinds = ("small", "array", "empty")
+    kinds: tuple[str, ...] = ("small", "array", "empty")
 
     def __init__(self, sync: bool) -> None:
         self.sync = sync
@@ -145,8 +129,10 @@ class AiompVariant(Variant):
             await ctx.terminate()
 
 
-class MpVariant(Variant):
+class MpVariant:
     """``multiprocessing.Queue`` (or torch's, ``use_torch``); the parent blocks on it."""
+
+    kinds: tuple[str, ...] = ("small", "array")
 
     def __init__(self, use_torch: bool) -> None:
         self.use_torch = use_torch
@@ -160,18 +146,23 @@ class MpVariant(Variant):
         else:
             import multiprocessing as mp
         ctx: Any = mp.get_context("spawn")
-        self.data, self.done = ctx.Queue(), ctx.Queue()
+        self.data = ctx.Queue()
+        self.launch(ctx, t.consume_mp, t.produce_mp, (self.data, self.data), self.use_torch)
+
+    def launch(self, ctx: Any, consume: Any, produce: Any, chans: Any, *extra: Any) -> None:
+        """Start the children, each ``fn(rank, chan, gos, done, *extra)`` (``chans``: the
+        consumers' and the producers'), and wait until every one is ready."""
+        self.done = ctx.Queue()
         self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
         self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
         self.procs = []
-        for fn, n, gos in (
-            (t.consume_mp, CONSUMERS, self.cgos),
-            (t.produce_mp, PRODUCERS, self.pgos),
+        for fn, n, gos, chan in (
+            (consume, CONSUMERS, self.cgos, chans[0]),
+            (produce, PRODUCERS, self.pgos, chans[1]),
         ):
             for rank in range(n):
-                p = ctx.Process(
-                    target=fn, args=(rank, self.data, gos, self.done, self.use_torch), daemon=True
-                )
+                args = (rank, chan, gos, self.done, *extra)
+                p = ctx.Process(target=fn, args=args, daemon=True)
                 p.start()
                 self.procs.append(p)
         for _ in range(PRODUCERS + CONSUMERS):
@@ -205,10 +196,7 @@ class MpVariant(Variant):
         for g in self.cgos:
             g.put(False)
         for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            h.reap(p, 10)
 
 
 class DatagramFloor(MpVariant):
@@ -228,23 +216,10 @@ class DatagramFloor(MpVariant):
 
         from benchmarks import _targets_m2m as t
 
-        ctx = multiprocessing.get_context("spawn")
-        self.done = ctx.Queue()
-        self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
-        self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
         self.tx, rx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.procs = []
-        for fn, n, gos, sock in (
-            (t.consume_dgram, CONSUMERS, self.cgos, rx),
-            (t.produce_dgram, PRODUCERS, self.pgos, self.tx),
-        ):
-            for rank in range(n):
-                p = ctx.Process(target=fn, args=(rank, sock, gos, self.done), daemon=True)
-                p.start()
-                self.procs.append(p)
+        ctx = multiprocessing.get_context("spawn")
+        self.launch(ctx, t.consume_dgram, t.produce_dgram, (rx, self.tx))
         rx.close()  # the children have their own copies by now (spawn sent them)
-        for _ in range(PRODUCERS + CONSUMERS):
-            assert self.done.get(timeout=120) == "ready"
 
     def end_round(self) -> None:
         for _ in range(CONSUMERS):
@@ -253,14 +228,6 @@ class DatagramFloor(MpVariant):
     async def stop(self) -> None:
         await super().stop()
         self.tx.close()
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (every thread) the live processes ``pids`` have used: the scheduler's
-    nanosecond run time (``/proc/PID/stat``'s utime and stime tick every 10 ms)."""
-    from benchmarks._harness import children_cpu
-
-    return children_cpu(pids)
 
 
 def memcpy_per_array(passes: int = 3) -> float:
@@ -328,17 +295,30 @@ def rates(per_item: float, nbytes: int) -> str:
     return text
 
 
+def describe(run: dict[str, float]) -> str:
+    """One run's figures: rates, and CPU time per item."""
+    return "; ".join(
+        f"{k.replace('|', ', ')}: "
+        + (
+            f"{x * 1e6:.1f} µs CPU per item"
+            if k.endswith("cpu")
+            else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
+        )
+        for k, x in run.items()
+    )
+
+
 async def main() -> None:
     c.unpin_parent()
     missing = c.aiomp_missing("_spawn", "_queue")
-    variants: list[Variant] = [MpVariant(False), DatagramFloor()]
+    variants: list[AiompVariant | MpVariant] = [MpVariant(False), DatagramFloor()]
     if c.have("torch"):
         variants.append(MpVariant(True))
     if missing is None:
         variants += [AiompVariant(False), AiompVariant(True)]
     runs: list[dict[str, float]] = []
     loads: list[float] = []
-    started: list[Variant] = []
+    started: list[AiompVariant | MpVariant] = []
     try:
         for v in variants:
             await v.start()
@@ -358,9 +338,9 @@ async def main() -> None:
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
                         n = items(kind, v)
-                        cpu0 = cpu_seconds(v.pids())
+                        cpu0 = h.children_cpu(v.pids())
                         per = await v.round(kind, n) / (PRODUCERS * n)
-                        used = (cpu_seconds(v.pids()) - cpu0) / (PRODUCERS * n)
+                        used = (h.children_cpu(v.pids()) - cpu0) / (PRODUCERS * n)
                         samples.setdefault(f"{v.name}|{kind}", []).append(per)
                         samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
             run = {k: c.median(s) for k, s in samples.items()}
@@ -368,15 +348,7 @@ async def main() -> None:
             run["fd passing"] = c.median(fdpass)
             run["fd passing, kept memfd"] = c.median(fdkept)
             runs.append(run)
-            print(
-                f"run {r + 1}: "
-                + "; ".join(
-                    f"{k} {rates(x, 64 if k.endswith('small') else ARRAY_BYTES)}"
-                    for k, x in run.items()
-                    if not k.endswith("cpu")
-                ),
-                flush=True,
-            )
+            print(f"run {r + 1}: {describe(run)}", flush=True)
         loads.append(os.getloadavg()[0])
     finally:
         for v in reversed(started):
@@ -469,17 +441,8 @@ async def main() -> None:
         ),
     ):
         got, ref, note = median_run(key, "memcpy")
-        rows.append(
-            c.row(
-                f"fd-passing floor per message{what}, SCM_RIGHTS sendmsg/recvmsg, "
-                "mmap, munmap, close (one process)",
-                got,
-                ref,
-                copy,
-                None,
-                why + note,
-            )
-        )
+        what = f"fd-passing floor per message{what}, SCM_RIGHTS sendmsg/recvmsg, mmap, munmap"
+        rows.append(c.row(f"{what}, close (one process)", got, ref, copy, None, why + note))
     for v in children:
         add(
             f"100 KiB numpy arrays, time per array, {v}",
@@ -507,19 +470,7 @@ async def main() -> None:
         "1-min load average at the start of each run and at the end: "
         + ", ".join(f"{x:.2f}" for x in loads),
     ]
-    for i, run in enumerate(runs):
-        notes.append(
-            f"run {i + 1}: "
-            + "; ".join(
-                f"{k.replace('|', ', ')}: "
-                + (
-                    f"{x * 1e6:.1f} µs CPU per item"
-                    if k.endswith("cpu")
-                    else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
-                )
-                for k, x in run.items()
-            )
-        )
+    notes += [f"run {i + 1}: {describe(run)}" for i, run in enumerate(runs)]
     c.emit("m2m", rows, notes)
 
 
