@@ -2,7 +2,6 @@
 
     python -m benchmarks.run [spawn queue m2m arrays torch pool throughput run_sync loader
                               serving cuda ray ray_spawn] [--quick] [--no-write]
-    python benchmarks/run.py ...
 
 Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
 children re-import their parent's main module, and that must be the small comparison
@@ -21,13 +20,13 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+from subprocess import PIPE, STDOUT
+
+from benchmarks import _common as c
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, ROOT)
-
-from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
 TITLES = {
     "spawn": "Spawn and failure propagation",
@@ -55,15 +54,8 @@ SECTION = re.compile(r"<!-- results:(\w+):begin -->.*?<!-- results:\1:end -->", 
 def machine_facts() -> str:
     from importlib import metadata
 
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
     versions = [f"aiomp {aiomp_version()}"]
     for pkg in ("anyio", "numpy", "torch", "aiomultiprocess", "uvloop", "trio-parallel"):
         try:
@@ -71,7 +63,7 @@ def machine_facts() -> str:
         except metadata.PackageNotFoundError:
             versions.append(f"{pkg} (not installed)")
     return (
-        f"{os.cpu_count()} cores ({model}), Linux {platform.release()}, "
+        f"{os.cpu_count()} cores ({model[1] if model else '?'}), Linux {platform.release()}, "
         f"Python {platform.python_version()}; " + ", ".join(versions)
     )
 
@@ -84,17 +76,12 @@ def aiomp_version() -> str:
         version = aiomp.__version__
     except ImportError:
         return "(not importable)"
+    git = ["git", "rev-parse", "--short", "HEAD"]
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            text=True,
-            capture_output=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
+        head = subprocess.run(git, cwd=ROOT, text=True, capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         head = ""
+    head = head.strip()
     return f"{version} (working tree at {head})" if head else version
 
 
@@ -108,34 +95,21 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
     load = os.getloadavg()[0]
     t0 = c.now()
     try:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            timeout=TIMEOUT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            check=False,
-        )
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=TIMEOUT, stdout=PIPE, stderr=STDOUT, text=True)
         output, code = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        output, code = (
-            (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""),
-            f"timed out after {TIMEOUT} s",
-        )
+        out_b = exc.stdout or b""
+        output = out_b.decode() if isinstance(out_b, bytes) else out_b
+        code = f"timed out after {TIMEOUT} s"
     elapsed = c.now() - t0
     load = (load + os.getloadavg()[0]) / 2
     try:
         if code != 0:
             tail = "\n".join(output.strip().splitlines()[-15:])
             print(f"[{name}] failed ({code}):\n{tail}", file=sys.stderr)
+            last = tail.splitlines()[-1] if tail else ""
             row = c.row(
-                f"{name}: the comparison failed",
-                None,
-                None,
-                "—",
-                None,
-                f"exit {code}: {tail.splitlines()[-1] if tail else ''}",
+                f"{name}: the comparison failed", None, None, "—", None, f"exit {code}: {last}"
             )
             row["status"] = "error"
             return {"name": name, "rows": [row], "notes": [], "elapsed": elapsed, "load": load}
