@@ -328,13 +328,11 @@ async def main() -> None:
         for r in range(c.reps(RUNS, 1)):
             loads.append(os.getloadavg()[0])
             samples: dict[str, list[float]] = {}
-            memcpy: list[float] = []
-            fdpass: list[float] = []
-            fdkept: list[float] = []
             for i in range(c.reps(ROUNDS, 1)):
-                memcpy.append(memcpy_per_array())
-                fdpass.append(fd_pass_per_message(fresh=True))
-                fdkept.append(fd_pass_per_message(fresh=False))
+                samples.setdefault("memcpy", []).append(memcpy_per_array())
+                samples.setdefault("fd passing", []).append(fd_pass_per_message(fresh=True))
+                kept = fd_pass_per_message(fresh=False)
+                samples.setdefault("fd passing, kept memfd", []).append(kept)
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
                         n = items(kind, v)
@@ -343,11 +341,7 @@ async def main() -> None:
                         used = (h.children_cpu(v.pids()) - cpu0) / (PRODUCERS * n)
                         samples.setdefault(f"{v.name}|{kind}", []).append(per)
                         samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
-            run = {k: c.median(s) for k, s in samples.items()}
-            run["memcpy"] = c.median(memcpy)
-            run["fd passing"] = c.median(fdpass)
-            run["fd passing, kept memfd"] = c.median(fdkept)
-            runs.append(run)
+            runs.append(run := {k: c.median(s) for k, s in samples.items()})
             print(f"run {r + 1}: {describe(run)}", flush=True)
         loads.append(os.getloadavg()[0])
     finally:
@@ -361,23 +355,22 @@ async def main() -> None:
         ratios = sorted((run[key] / run[base], i) for i, run in enumerate(runs))
         _, i = ratios[len(ratios) // 2]
         spread = "runs " + ", ".join(f"{x:.2f}x" for x, _ in ratios)
-        if key.endswith("cpu"):
-            return runs[i][key], runs[i][base], spread
-        nbytes = 64 if key.endswith("small") else ARRAY_BYTES
-        return (
-            runs[i][key],
-            runs[i][base],
-            f"{spread}; {rates(runs[i][key], nbytes)} vs {rates(runs[i][base], nbytes)}",
-        )
+        got, ref = runs[i][key], runs[i][base]
+        if not key.endswith("cpu"):
+            nbytes = 64 if key.endswith("small") else ARRAY_BYTES
+            spread += f"; {rates(got, nbytes)} vs {rates(ref, nbytes)}"
+        return got, ref, spread
 
     rows: list[dict[str, Any]] = []
 
     def add(
-        what: str, key: str, base: str, base_name: str, target: Any = None, why: str = ""
+        what: str, key: str, base: str, target: Any = None, why: str = "", name: str = ""
     ) -> None:
-        """A row of ``what``: the median run's ``key`` against its ``base``."""
+        """A row of ``what``: the median run's ``key`` against its ``base`` (by default a
+        queue's figure with sync children)."""
         got, ref, note = median_run(key, base)
-        rows.append(c.row(f"{shape}, {what}", got, ref, base_name, target, why + note))
+        name = name or base.split("|")[0] + ", sync children"
+        rows.append(c.row(f"{shape}, {what}", got, ref, name, target, why + note))
 
     mp, tq = "multiprocessing.Queue", "torch.multiprocessing.Queue"
     shape = f"{PRODUCERS} producers x {CONSUMERS} consumers"
@@ -389,67 +382,43 @@ async def main() -> None:
                 f"64 B items, time per item, {v}",
                 f"aiomp.Queue, {v}|small",
                 f"{base}|small",
-                f"{base}, sync children",
                 target,
             )
-    dg = DatagramFloor.name
-    add(
-        "64 B items, time per item, datagram floor (raw SOCK_SEQPACKET send/recv, no pickling)",
-        f"{dg}|small",
-        f"{mp}|small",
-        f"{mp}, sync children",
-        why="bounds the 2x target: one datagram per item; ",
-    )
-    add(
-        "CPU time per 64 B item, all six children, datagram floor",
-        f"{dg}|small|cpu",
-        f"{mp}|small|cpu",
-        f"{mp}, sync children",
-    )
+    dg, why = DatagramFloor.name, "bounds the 2x target: one datagram per item; "
+    what = f"64 B items, time per item, {dg} (raw SOCK_SEQPACKET send/recv, no pickling)"
+    add(what, f"{dg}|small", f"{mp}|small", why=why)
+    add(f"CPU time per 64 B item, all six children, {dg}", f"{dg}|small|cpu", f"{mp}|small|cpu")
     for v in children:
         for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
-            add(
-                f"CPU time per {what}, all six children, {v}",
-                f"aiomp.Queue, {v}|{kind}|cpu",
-                f"{mp}|{kind}|cpu",
-                f"{mp}, sync children",
-            )
+            what = f"CPU time per {what}, all six children, {v}"
+            add(what, f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
     for v in children:
-        a = f"aiomp.Queue, {v}"
+        a, per_array = f"aiomp.Queue, {v}", f"time per array, {v}"
         for kind, how in (("array", "numpy arrays copied at put"), ("empty", "aiomp.empty")):
-            add(
-                f"100 KiB {how}, time per array, {v}", f"{a}|{kind}", "memcpy", copy, c.at_most(1.0)
-            )
-        for base in (mp, tq):
-            torch_note = ", torch.from_numpy tensors" if base == tq else ""
-            add(
-                f"100 KiB numpy arrays, time per array, {v}",
-                f"{a}|array",
-                f"{base}|array",
-                f"{base}, sync children{torch_note}",
-            )
+            add(f"100 KiB {how}, {per_array}", f"{a}|{kind}", "memcpy", c.at_most(1.0), name=copy)
+        add(f"100 KiB numpy arrays, {per_array}", f"{a}|array", f"{mp}|array")
+        name = f"{tq}, sync children, torch.from_numpy tensors"
+        add(f"100 KiB numpy arrays, {per_array}", f"{a}|array", f"{tq}|array", name=name)
     for key, what, why in (
         (
             "fd passing",
-            ": memfd_create, write 100 KiB",
+            ": memfd_create,",
             "bounds 'arrays at memory bandwidth' for a fresh fd per message; ",
         ),
         (
             "fd passing, kept memfd",
-            ", one memfd kept (a recycled block): write 100 KiB",
+            ", one memfd kept (a recycled block):",
             "the same without a fresh memfd and its new pages; ",
         ),
     ):
         got, ref, note = median_run(key, "memcpy")
-        what = f"fd-passing floor per message{what}, SCM_RIGHTS sendmsg/recvmsg, mmap, munmap"
-        rows.append(c.row(f"{what}, close (one process)", got, ref, copy, None, why + note))
+        what = f"fd-passing floor per message{what} write 100 KiB, SCM_RIGHTS sendmsg/recvmsg"
+        what += ", mmap, munmap, close (one process)"
+        rows.append(c.row(what, got, ref, copy, None, why + note))
+    floor = "the fd-passing floor per message (one process)"
     for v in children:
-        add(
-            f"100 KiB numpy arrays, time per array, {v}",
-            f"aiomp.Queue, {v}|array",
-            "fd passing",
-            "the fd-passing floor per message (one process)",
-        )
+        what = f"100 KiB numpy arrays, time per array, {v}"
+        add(what, f"aiomp.Queue, {v}|array", "fd passing", name=floor)
     if not c.have("torch"):
         rows = [r for r in rows if tq not in r["baseline_name"]]
     notes = [
