@@ -41,6 +41,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool is the parallelism
 
 from benchmarks import _common as c
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 CALLERS = 64
 MAX_BATCH = 32
 MAX_DELAY = 0.005
@@ -51,14 +55,26 @@ BURST, BURST_OVER, BUSY = 10 * MAX_BATCH, 0.2, 0.25
 LONE_SLACK = 0.002
 
 
-async def round_(call: object, per_caller: int, latencies: list[float]) -> float:
-    """Seconds per row for ``CALLERS`` tasks each making ``per_caller`` calls."""
-    import anyio
+def inputs(seed: int, *shape: int) -> Any:
+    """Random float32 rows of the model's width, of ``shape`` (none: one row)."""
     import numpy as np
 
     from benchmarks._targets_serving import DIM
 
-    rows = np.random.default_rng(0).standard_normal((CALLERS, DIM)).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal((*shape, DIM)).astype(np.float32)
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[int(0.99 * (len(xs) - 1))]
+
+
+async def round_(call: object, per_caller: int, latencies: list[float]) -> float:
+    """Seconds per row for ``CALLERS`` tasks each making ``per_caller`` calls."""
+    import anyio
+
+    from benchmarks._targets_serving import DIM
+
+    rows = inputs(0, CALLERS)
 
     async def caller(i: int) -> None:
         x = rows[i]
@@ -77,11 +93,7 @@ async def round_(call: object, per_caller: int, latencies: list[float]) -> float
 
 async def lone(call: object, n: int) -> float:
     """Median seconds of ``n`` calls made one at a time by one caller."""
-    import numpy as np
-
-    from benchmarks._targets_serving import DIM
-
-    x = np.random.default_rng(2).standard_normal(DIM).astype(np.float32)
+    x = inputs(2)
     times = []
     for _ in range(n):
         t0 = c.now()
@@ -96,11 +108,8 @@ async def burst(pool: object, b: object) -> float:
     import time
 
     import anyio
-    import numpy as np
 
-    from benchmarks._targets_serving import DIM
-
-    rows = np.random.default_rng(3).standard_normal((BURST, DIM)).astype(np.float32)
+    rows = inputs(3, BURST)
     before = pool.statistics().completed  # type: ignore[attr-defined]
 
     async def caller(i: int) -> None:
@@ -122,6 +131,7 @@ async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[f
     in this process: numpy's matmul releases the GIL) and a ``ProcessPoolExecutor(2)``
     (one task per row), rounds alternating with ``b``'s."""
     import asyncio
+    import functools
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
     from benchmarks._targets_serving import load, model_row
@@ -130,13 +140,8 @@ async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[f
     load()  # the threads' copy of the model
     out: dict[str, list[float]] = {"batched": [], "threads": [], "ppe": []}
     with ThreadPoolExecutor(2) as tpe, ProcessPoolExecutor(2, initializer=load) as ppe:
-
-        async def one_thread(x: object) -> object:
-            return await loop.run_in_executor(tpe, model_row, x)
-
-        async def one_ppe(x: object) -> object:
-            return await loop.run_in_executor(ppe, model_row, x)
-
+        one_thread = functools.partial(loop.run_in_executor, tpe, model_row)
+        one_ppe = functools.partial(loop.run_in_executor, ppe, model_row)
         await round_(one_ppe, 2, [])  # warm-up: both processes up
         for _ in range(rounds):
             out["batched"].append(await round_(b, per_caller, []))
@@ -175,10 +180,6 @@ async def main() -> None:
         compute = await pool.apply(batch_compute, (MAX_BATCH, 50))
         stats = pool.statistics()
     a, base = c.median(batched_s), c.median(apply_s)
-    lat_batched.sort()
-    lat_apply.sort()
-    p99 = lat_batched[int(0.99 * (len(lat_batched) - 1))]
-    p99_apply = lat_apply[int(0.99 * (len(lat_apply) - 1))]
     budget = MAX_DELAY + 2 * compute
     alone, alone_apply = c.median(lone_batched), c.median(lone_apply)
     fill = c.median(fills)
@@ -193,12 +194,12 @@ async def main() -> None:
         ),
         c.row(
             "p99 latency of a batched call",
-            p99,
+            p99(lat_batched),
             budget,
             f"max_delay {MAX_DELAY * 1e3:g} ms + 2 x one full batch's compute "
             f"({c.fmt_time(compute)})",
             c.at_most(1.0),
-            f"apply's p99: {c.fmt_time(p99_apply)}",
+            f"apply's p99: {c.fmt_time(p99(lat_apply))}",
         ),
         c.row(
             "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)",
@@ -220,21 +221,14 @@ async def main() -> None:
         ),
     ]
     again = c.median(others["batched"])
+    per_row = f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)"
     for name, what, target in (
         ("threads", "ThreadPoolExecutor(2), the model in the parent", None),
         ("ppe", "ProcessPoolExecutor(2), one task per row", c.faster(1)),
     ):
         t = c.median(others[name])
-        rows.append(
-            c.row(
-                f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)",
-                again,
-                t,
-                what,
-                target,
-                f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s",
-            )
-        )
+        rates = f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s"
+        rows.append(c.row(per_row, again, t, what, target, rates))
     notes = [
         f"serving: {rounds} alternating rounds per variant of {CALLERS} callers x "
         f"{per_caller} calls; rows/s from the median round; p99 over all "
