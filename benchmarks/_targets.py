@@ -178,26 +178,24 @@ async def echo_coro(x: object) -> object:
 # and says it is done: the parent times from its first put to that answer.
 
 
-def drain_mp(q: Any, ready: Any, go: Any, done: Any, n: int) -> None:
-    """multiprocessing.Queue: drain n items after ``go``, once per round, until n == 0."""
+def drain_mp(q: Any, ready: Any, go: Any, done: Any) -> None:
+    """multiprocessing.Queue: drain as many items as ``go`` says."""
     pin_child()
     get = q.get
     ready.put(True)
-    while (count := go.get()) > 0:
-        for _ in range(count):
-            get()
-        done.put(True)
+    for _ in range(go.get()):
+        get()
+    done.put(True)
 
 
-def drain_aiomp(rank: int, q: Any, ready: Any, go: Any, done: Any, n: int) -> None:
+def drain_aiomp(rank: int, q: Any, ready: Any, go: Any, done: Any) -> None:
     """aiomp.Queue through ``q.sync``: the same protocol."""
     pin_child()
     get = q.sync.get
     ready.sync.put(True)
-    while (count := go.sync.get()) > 0:
-        for _ in range(count):
-            get()
-        done.sync.put(True)
+    for _ in range(go.sync.get()):
+        get()
+    done.sync.put(True)
 
 
 # -- arrays -------------------------------------------------------------------------------

@@ -156,61 +156,55 @@ BACKLOG = 100_000
 MP_SYNC = "multiprocessing.Queue, sync parent, sync child"
 
 
-async def backlog_aiomp(rounds: int) -> list[float]:
+async def backlog_aiomp() -> float:
+    """Seconds to put BACKLOG items and have a fresh child drain them all."""
     import aiomp
 
-    q, ready, go, done = aiomp.Queue(), aiomp.Queue(), aiomp.Queue(), aiomp.Queue()
-    out = []
-    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done, BACKLOG), grace_period=1.0):
+    q, ready, go, done = (aiomp.Queue() for _ in range(4))
+    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done), grace_period=1.0):
         await ready.get()
-        for _ in range(rounds):
-            t0 = c.now()
-            put = q.put_nowait
-            for _ in range(BACKLOG):
-                put(PAYLOAD)
-            await go.put(BACKLOG)
-            await done.get()
-            out.append(c.now() - t0)
-        await go.put(0)  # leaving the block joins the child
-    return out
+        t0 = c.now()
+        put = q.put_nowait
+        for _ in range(BACKLOG):
+            put(PAYLOAD)
+        await go.put(BACKLOG)
+        await done.get()
+        return c.now() - t0  # leaving the block joins the child
 
 
-def backlog_mp(rounds: int) -> list[float]:
+def backlog_mp() -> float:
+    """:func:`backlog_aiomp` through a ``multiprocessing.Queue``."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    q, ready, go, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=drain_mp, args=(q, ready, go, done, BACKLOG), daemon=True)
+    q, ready, go, done = (ctx.Queue() for _ in range(4))
+    proc = ctx.Process(target=drain_mp, args=(q, ready, go, done), daemon=True)
     proc.start()
-    out = []
     try:
         ready.get()
-        for _ in range(rounds):
-            t0 = c.now()
-            put = q.put
-            for _ in range(BACKLOG):
-                put(PAYLOAD)
-            go.put(BACKLOG)
-            done.get()
-            out.append(c.now() - t0)
-        go.put(0)
+        t0 = c.now()
+        put = q.put
+        for _ in range(BACKLOG):
+            put(PAYLOAD)
+        go.put(BACKLOG)
+        done.get()
+        return c.now() - t0
     finally:
         h.reap(proc, 30)
-    return out
 
 
-async def backlog(rounds: int) -> tuple[float, float, list[float], list[float]]:
-    """Alternate the two, ``rounds`` each; medians (aiomp, multiprocessing) and samples."""
+async def backlog(rounds: int) -> tuple[list[float], list[float]]:
+    """Alternate the two, ``rounds`` each; the samples (aiomp, multiprocessing)."""
     a: list[float] = []
     m: list[float] = []
     for i in range(rounds):
         if i % 2:
-            a += await backlog_aiomp(1)
-            m += backlog_mp(1)
+            a.append(await backlog_aiomp())
+            m.append(backlog_mp())
         else:
-            m += backlog_mp(1)
-            a += await backlog_aiomp(1)
-    return c.median(a), c.median(m), a, m
+            m.append(backlog_mp())
+            a.append(await backlog_aiomp())
+    return a, m
 
 
 LOOPS = ("asyncio", "uvloop", "trio")
@@ -300,8 +294,9 @@ async def main() -> None:
     )
     if missing is None:
         rounds = c.reps(6, 2)
-        a, m, sa, sm = await backlog(rounds)
+        sa, sm = await backlog(rounds)
         what = f"enqueue {BACKLOG:,} 64 B items, then a child drains them"
+        a, m = c.median(sa), c.median(sm)
         rows.append(c.row(what, a, m, "multiprocessing.Queue, the same", c.faster(1.5)))
         notes.append(
             f"backlog: {pinning}; aiomp puts with put_nowait and its child drains with "
