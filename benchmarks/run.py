@@ -25,6 +25,10 @@ from subprocess import PIPE, STDOUT
 
 from benchmarks import _common as c
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -85,7 +89,7 @@ def aiomp_version() -> str:
     return f"{version} (working tree at {head})" if head else version
 
 
-def run_one(name: str, quick: bool) -> dict[str, object]:
+def run_one(name: str, quick: bool) -> dict[str, Any]:
     """Run one comparison in a fresh interpreter; its rows, or an error row."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -116,7 +120,7 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
         import json
 
         with open(out) as f:
-            result: dict[str, object] = json.load(f)
+            result: dict[str, Any] = json.load(f)
     finally:
         os.unlink(out)
     result["elapsed"] = elapsed
@@ -124,23 +128,20 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
     return result
 
 
-def section(result: dict[str, object], when: str, facts: str) -> str:
-    name = str(result["name"])
-    lines = [
-        f"<!-- results:{name}:begin -->",
-        f"### {TITLES.get(name, name)}",
-        "",
-        (
+def section(result: dict[str, Any], when: str, facts: str) -> str:
+    name = result["name"]
+    return "\n".join(
+        [
+            f"<!-- results:{name}:begin -->",
+            f"### {TITLES.get(name, name)}",
+            "",
             f"Run {when} (`python -m benchmarks.run {name}`, {result['elapsed']:.0f} s, "
-            f"1-min load average {result['load']:.2f} during the run). {facts}."
-        ),
-        "",
-        c.format_table(result["rows"]),  # type: ignore[arg-type]
-        "",
-    ]
-    lines += [f"- {n}" for n in result["notes"]]  # type: ignore[attr-defined]
-    lines.append(f"<!-- results:{name}:end -->")
-    return "\n".join(lines)
+            f"1-min load average {result['load']:.2f} during the run). {facts}.",
+            "",
+            c.report(result["rows"], result["notes"]),
+            f"<!-- results:{name}:end -->",
+        ]
+    )
 
 
 HEADER = """# aiomp benchmark results
@@ -152,26 +153,18 @@ docs/decisions/.
 """
 
 
-def read_sections(text: str) -> dict[str, str]:
-    """Each comparison's section in ``text`` (a RESULTS.md), by name."""
-    return {m.group(1): m.group(0) for m in SECTION.finditer(text)}
-
-
-def render(sections: dict[str, str]) -> str:
-    """The whole of RESULTS.md: the header, then the sections in NAMES order."""
-    return HEADER + "".join(f"\n{sections[n]}\n" for n in NAMES if n in sections)
-
-
-def write_results(results: list[dict[str, object]], when: str, facts: str) -> None:
+def write_results(results: list[dict[str, Any]], when: str, facts: str) -> None:
+    """Rewrite RESULTS.md: the header, then each comparison's section in NAMES order, the
+    new ones from ``results``, the others as the file has them."""
     try:
         with open(RESULTS) as f:
-            sections = read_sections(f.read())
+            sections = {m.group(1): m.group(0) for m in SECTION.finditer(f.read())}
     except FileNotFoundError:
         sections = {}
     for result in results:
-        sections[str(result["name"])] = section(result, when, facts)
+        sections[result["name"]] = section(result, when, facts)
     with open(RESULTS, "w") as f:
-        f.write(render(sections))
+        f.write(HEADER + "".join(f"\n{sections[n]}\n" for n in NAMES if n in sections))
 
 
 USAGE = "usage: python -m benchmarks.run [--quick] [--no-write] [NAME ...]; NAME is one of "
@@ -197,11 +190,9 @@ def main(argv: list[str]) -> int:
     for name in names:
         print(f"\n== {name} ==", flush=True)
         result = run_one(name, quick)
-        print(c.format_table(result["rows"]), flush=True)  # type: ignore[arg-type]
-        for n in result["notes"]:  # type: ignore[attr-defined]
-            print(f"- {n}")
+        print(c.report(result["rows"], result["notes"]), flush=True)
         results.append(result)
-    rows = [r for res in results for r in res["rows"]]  # type: ignore[attr-defined]
+    rows = [r for res in results for r in res["rows"]]
     print("\n== all ==")
     print(c.format_table(rows))
     if write and not quick:
