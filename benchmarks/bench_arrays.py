@@ -43,12 +43,8 @@ class AiompLink:
         )
 
     async def stop(self) -> None:
-        import anyio
-
         await self.qin.put(None)
-        with anyio.move_on_after(10):
-            await self.ctx.join()
-        await self.ctx.terminate()
+        await h.end_spawn(self.ctx, 10)
 
 
 class AiompSend(h.Variant):

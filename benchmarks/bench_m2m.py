@@ -117,16 +117,12 @@ class AiompVariant:
         return elapsed
 
     async def stop(self) -> None:
-        import anyio
-
         for g in self.pgos:
             g.put_nowait(("stop", 0))
         for g in self.cgos:
             g.put_nowait(False)
         for ctx in self.ctxs:
-            with anyio.move_on_after(10):
-                await ctx.join()
-            await ctx.terminate()
+            await h.end_spawn(ctx, 10)
 
 
 class MpVariant:

@@ -60,22 +60,13 @@ class Executor(h.Variant):
 # -- map ------------------------------------------------------------------------------
 
 
-class AiomultiprocessMap(h.Variant):
+class AiomultiprocessMap(h.AiomultiprocessPool):
     name = "aiomultiprocess Pool.map"
     budget = None
-
-    async def start(self) -> None:
-        import aiomultiprocess
-
-        self.pool = aiomultiprocess.Pool(processes=1)
 
     async def once(self) -> None:
         out = await self.pool.map(trivial_coro, range(N_MAP))
         assert len(out) == N_MAP
-
-    async def stop(self) -> None:
-        self.pool.terminate()
-        await self.pool.join()
 
 
 class MpPoolMap(h.Variant):

@@ -77,12 +77,8 @@ class AiompQueue(h.Variant):
         self.sget()
 
     async def stop(self) -> None:
-        import anyio
-
         await self.qin.put(None)
-        with anyio.move_on_after(5):
-            await self.ctx.join()
-        await self.ctx.terminate()
+        await h.end_spawn(self.ctx)
 
 
 def aiomp_name(parent_sync: bool, child_sync: bool) -> str:
@@ -136,20 +132,11 @@ class MpQueue(h.Variant):
         h.reap(self.proc)
 
 
-class Aiomultiprocess(h.Variant):
+class Aiomultiprocess(h.AiomultiprocessPool):
     name = "aiomultiprocess Pool.apply"
-
-    async def start(self) -> None:
-        import aiomultiprocess
-
-        self.pool = aiomultiprocess.Pool(processes=1)
 
     async def once(self) -> None:
         await self.pool.apply(echo_coro, (PAYLOAD,))
-
-    async def stop(self) -> None:
-        self.pool.terminate()
-        await self.pool.join()
 
 
 BACKLOG = 100_000
