@@ -15,7 +15,7 @@ compute (the model on 32 rows, timed inside a worker). Rounds alternate between 
 so that load from the machine's other users lands on both alike; rows/s is the median
 round's, the p99 over every batched call of the run.
 
-Issue 40 adds two rows on the same pool:
+On the same pool:
 
 - **A lone call on an idle pool**: one caller, one call at a time, batched against
   ``apply`` (alternating rounds, medians): the batched call must cost no more than
@@ -28,8 +28,7 @@ Issue 40 adds two rows on the same pool:
   holds the GIL, or may crash the process, is what a process pool is for.
 - **Batch fill under a burst while the workers are busy**: both workers held by a
   0.25 s task while 320 callers (10 full batches' worth) arrive spread over 0.2 s; the
-  mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``
-  (before: batches closed every ``max_delay``, about 8 rows each at this rate).
+  mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``.
 """
 
 from __future__ import annotations
