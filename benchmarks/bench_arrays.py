@@ -136,41 +136,25 @@ class Memcpy(h.Variant):
 def shared_rows(med: dict[str, float], what: str, note: str) -> list[dict[str, Any]]:
     """The rows of already shared ``what`` (array, tensor): the largest against the
     smallest, and each size against torch's queue carrying a shared tensor."""
-    small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
+    small, big = SHARED_SIZES[0], SHARED_SIZES[-1]
     aiomp = {n: med.get(f"aiomp shared {size_name(n)}") for n in SHARED_SIZES}
-    rows = [
-        c.row(
-            f"shared {big} {what} put -> child ack",
-            aiomp[SHARED_SIZES[-1]],
-            aiomp[SHARED_SIZES[0]],
-            f"aiomp, shared {small} {what}",
-            c.at_most(2),
-            note,
-        )
-    ]
-    for nbytes in SHARED_SIZES:
-        name = size_name(nbytes)
-        rows.append(
-            c.row(
-                f"shared {name} {what} put -> child ack",
-                aiomp[nbytes],
-                med.get(f"torch shared {name}"),
-                f"torch.mp.Queue, shared {name} tensor",
-                c.faster(3) if nbytes == SHARED_SIZES[-1] else None,
-                note,
-            )
-        )
+    flat = f"aiomp, shared {size_name(small)} {what}"
+    what_big = f"shared {size_name(big)} {what} put -> child ack"
+    rows = [c.row(what_big, aiomp[big], aiomp[small], flat, c.at_most(2), note)]
+    for n in SHARED_SIZES:
+        name, target = size_name(n), c.faster(3) if n == big else None
+        torch_q = f"torch.mp.Queue, shared {name} tensor"
+        what_n = f"shared {name} {what} put -> child ack"
+        rows.append(c.row(what_n, aiomp[n], med.get(f"torch shared {name}"), torch_q, target, note))
     return rows
 
 
 def fresh_row(med: dict[str, float], what: str, target: Any, note: str) -> dict[str, Any]:
     """The row of a fresh ``what`` (array, tensor) against one memcpy of it."""
     name = size_name(FRESH_SIZE)
-    copy = f"one np.copyto of {name} into mapped memory"
-    aiomp = med.get(f"aiomp fresh {name}")
-    return c.row(
-        f"fresh {name} {what} put -> child ack", aiomp, med[f"memcpy {name}"], copy, target, note
-    )
+    copy, aiomp = f"one np.copyto of {name} into mapped memory", med.get(f"aiomp fresh {name}")
+    what = f"fresh {name} {what} put -> child ack"
+    return c.row(what, aiomp, med[f"memcpy {name}"], copy, target, note)
 
 
 async def measure(

@@ -207,11 +207,10 @@ def table(results: dict[str, float], torch_times: dict[int, float] | str) -> lis
     small, big = SIZES[0], SIZES[-1]
     ipc = {n: results[f"ipc {n}"] for n in SIZES}
     what = {n: f"CuPy {label(n)} put -> get (IPC)" for n in SIZES}
+    in_place = "CuPy 4 KiB put -> get (IPC, in place)"
     rows = [
         c.row(what[big], ipc[big], 1e-3, "budget", c.under(1e-3)),
-        c.row(
-            what[big], ipc[big], ipc[small], "CuPy 4 KiB put -> get (IPC, in place)", c.at_most(2)
-        ),
+        c.row(what[big], ipc[big], ipc[small], in_place, c.at_most(2)),
     ]
     tm = "torch.multiprocessing CUDA tensor"
     for n in SIZES:

@@ -114,11 +114,8 @@ async def main() -> None:
     med = await measure(links, shared, fresh, (fb, fn, 1))
     fname = size_name(FRESH_SIZE)
     rows = shared_rows(med, "tensor", missing or "")
-    rows.append(
-        fresh_row(
-            med, "tensor", None, missing or "moved in place into a new segment, as torch does"
-        )
-    )
+    in_place = missing or "moved in place into a new segment, as torch does"
+    rows.append(fresh_row(med, "tensor", None, in_place))
     base = f"torch.mp.Queue, fresh {fname} tensor"
     a, b = med.get(f"aiomp fresh {fname}"), med.get(f"torch fresh {fname}")
     what = f"fresh {fname} tensor put -> child ack"
