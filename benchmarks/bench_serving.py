@@ -182,43 +182,23 @@ async def main() -> None:
     budget = MAX_DELAY + 2 * compute
     alone, alone_apply = c.median(lone_batched), c.median(lone_apply)
     fill = c.median(fills)
-    rows = [
-        c.row(
-            f"time per row, {CALLERS} concurrent callers, Pool(2): pool.batched(stack=True)",
-            a,
-            base,
-            "pool.apply, one task per row",
-            c.faster(5),
-            f"{1 / a:,.0f} rows/s vs {1 / base:,.0f} rows/s",
-        ),
-        c.row(
-            "p99 latency of a batched call",
-            p99(lat_batched),
-            budget,
-            f"max_delay {MAX_DELAY * 1e3:g} ms + 2 x one full batch's compute "
-            f"({c.fmt_time(compute)})",
-            c.at_most(1.0),
-            f"apply's p99: {c.fmt_time(p99(lat_apply))}",
-        ),
-        c.row(
-            "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)",
-            alone,
-            alone_apply + LONE_SLACK,
-            f"pool.apply's time ({c.fmt_time(alone_apply)}) + {LONE_SLACK * 1e3:g} ms",
-            c.at_most(1.0),
-            f"batched / apply: {alone / alone_apply:.2f}x; max_delay {MAX_DELAY * 1e3:g} ms",
-        ),
-        c.row(
-            f"mean rows per batch, {BURST} callers arriving over {BURST_OVER * 1e3:g} ms "
-            f"while both workers are busy",
-            fill,
-            float(MAX_BATCH),
-            "max_batch_size",
-            c.at_least(0.9),
-            f"batches of {min(fills):.1f} to {max(fills):.1f} rows in {len(fills)} bursts",
-            unit="rows",
-        ),
-    ]
+    what = f"time per row, {CALLERS} concurrent callers, Pool(2): pool.batched(stack=True)"
+    rates = f"{1 / a:,.0f} rows/s vs {1 / base:,.0f} rows/s"
+    rows = [c.row(what, a, base, "pool.apply, one task per row", c.faster(5), rates)]
+    compute_text = f"2 x one full batch's compute ({c.fmt_time(compute)})"
+    base_text = f"max_delay {MAX_DELAY * 1e3:g} ms + {compute_text}"
+    note = f"apply's p99: {c.fmt_time(p99(lat_apply))}"
+    what = "p99 latency of a batched call"
+    rows.append(c.row(what, p99(lat_batched), budget, base_text, c.at_most(1.0), note))
+    base_text = f"pool.apply's time ({c.fmt_time(alone_apply)}) + {LONE_SLACK * 1e3:g} ms"
+    note = f"batched / apply: {alone / alone_apply:.2f}x; max_delay {MAX_DELAY * 1e3:g} ms"
+    what = "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)"
+    rows.append(c.row(what, alone, alone_apply + LONE_SLACK, base_text, c.at_most(1.0), note))
+    what = f"mean rows per batch, {BURST} callers arriving over {BURST_OVER * 1e3:g} ms"
+    note = f"batches of {min(fills):.1f} to {max(fills):.1f} rows in {len(fills)} bursts"
+    what += " while both workers are busy"
+    target = c.at_least(0.9)
+    rows.append(c.row(what, fill, float(MAX_BATCH), "max_batch_size", target, note, unit="rows"))
     again = c.median(others["batched"])
     per_row = f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)"
     for name, what, target in (
