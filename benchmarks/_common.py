@@ -242,11 +242,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def report(rows: list[dict[str, Any]], notes: list[str]) -> str:
+    """A comparison's table, then its notes as a list."""
+    return "\n".join([format_table(rows), "", *(f"- {n}" for n in notes)])
+
+
 def emit(name: str, rows: list[dict[str, Any]], notes: list[str]) -> None:
     """Print the table; with ``--json PATH`` also write the rows for the runner."""
-    print(format_table(rows))
-    for n in notes:
-        print(f"- {n}")
+    print(report(rows, notes))
     if "--json" in sys.argv:
         import json
 

@@ -248,10 +248,38 @@ class SocketFloor(Variant):
 
     async def stop(self) -> None:
         self.sock.close()
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        reap(self.proc)
+
+
+def reap(proc: Any, timeout: float = 5) -> None:
+    """Join a ``multiprocessing`` process that was told to end; kill it after ``timeout``."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+async def end_spawn(ctx: Any, timeout: float = 5) -> None:
+    """Join an ``aiomp.spawn`` context whose children were told to end; terminate them
+    after ``timeout``."""
+    import anyio
+
+    with anyio.move_on_after(timeout):
+        await ctx.join()
+    await ctx.terminate()
+
+
+class AiomultiprocessPool(Variant):
+    """A one-process ``aiomultiprocess.Pool`` (its loop polls every 5 ms: run it alone)."""
+
+    async def start(self) -> None:
+        import aiomultiprocess
+
+        self.pool = aiomultiprocess.Pool(processes=1)
+
+    async def stop(self) -> None:
+        self.pool.terminate()
+        await self.pool.join()
 
 
 def floor_name(seqpacket: bool, async_child: bool, kept_reader: bool = False) -> str:

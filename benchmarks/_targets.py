@@ -173,6 +173,31 @@ async def echo_coro(x: object) -> object:
     return x
 
 
+# -- backlog: enqueue 100k small items, then a child drains them --------------------------
+# Each child says it is ready, waits for the parent to finish enqueueing, drains every item
+# and says it is done: the parent times from its first put to that answer.
+
+
+def drain_mp(q: Any, ready: Any, go: Any, done: Any) -> None:
+    """multiprocessing.Queue: drain as many items as ``go`` says."""
+    pin_child()
+    get = q.get
+    ready.put(True)
+    for _ in range(go.get()):
+        get()
+    done.put(True)
+
+
+def drain_aiomp(rank: int, q: Any, ready: Any, go: Any, done: Any) -> None:
+    """aiomp.Queue through ``q.sync``: the same protocol."""
+    pin_child()
+    get = q.sync.get
+    ready.sync.put(True)
+    for _ in range(go.sync.get()):
+        get()
+    done.sync.put(True)
+
+
 # -- arrays -------------------------------------------------------------------------------
 
 
@@ -224,8 +249,3 @@ def compute_floor(n: int) -> float:
 async def trivial_coro(x: object = None) -> object:
     pin_child()
     return x
-
-
-def pool_pin(*_: object) -> None:
-    """Pool initializer: pin the worker before its first task."""
-    pin_child()

@@ -30,35 +30,58 @@ SMALL = b"x" * 64
 ARRAY_LEN = 100 * 1024 // 4
 
 
-def _source() -> Any:
+def _fresh(use_torch: bool = False) -> Any:
+    """The maker of an ``array`` item: a fresh copy of a 100 KiB numpy array (for torch's
+    queue, a ``torch.from_numpy`` tensor of it, which ``put`` moves into shared memory)."""
     import numpy as np
 
-    return np.arange(ARRAY_LEN, dtype=np.float32)
+    src = np.arange(ARRAY_LEN, dtype=np.float32)
+    if not use_torch:
+        return src.copy
+    import torch
+
+    return lambda: torch.from_numpy(src.copy())
+
+
+def _empty() -> Any:
+    """The maker of an ``empty`` item: the array built straight into an ``aiomp.empty``
+    block (``put`` sends a handle; the block is reused once the consumer drops it too)."""
+    import numpy as np
+
+    import aiomp
+
+    src = np.arange(ARRAY_LEN, dtype=np.float32)
+
+    def make() -> Any:
+        a = aiomp.empty(ARRAY_LEN, np.float32)
+        np.copyto(a, src)
+        return a
+
+    return make
+
+
+def _produce(go: Any, put: Any, fresh: Any, empty: Any = None) -> None:
+    """A blocking producer's protocol (the module docstring), for any queue's calls."""
+    while (msg := go())[1] > 0:
+        kind, n = msg
+        if kind == "small":
+            for _ in range(n):
+                put(SMALL)
+        else:
+            make = fresh if kind == "array" else empty
+            for _ in range(n):
+                put(make())
+        put(MARK)
 
 
 # -- multiprocessing.Queue and torch.multiprocessing.Queue ---------------------------------
 
 
 def produce_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> None:
-    """A producer for ``multiprocessing.Queue`` (or torch's, whose arrays go as tensors:
-    each a fresh ``torch.from_numpy`` tensor, which ``put`` moves into shared memory)."""
-    if use_torch:
-        import torch
-    src = _source()
-    go, put = gos[rank], data.put
+    """A producer for ``multiprocessing.Queue`` (or torch's, whose arrays go as tensors)."""
+    fresh = _fresh(use_torch)
     done.put("ready")
-    while (msg := go.get())[1] > 0:
-        kind, n = msg
-        if kind == "small":
-            for _ in range(n):
-                put(SMALL)
-        elif use_torch:
-            for _ in range(n):
-                put(torch.from_numpy(src.copy()))
-        else:
-            for _ in range(n):
-                put(src.copy())
-        put(MARK)
+    _produce(gos[rank].get, data.put, fresh)
 
 
 def consume_mp(rank: int, data: Any, gos: Any, done: Any, use_torch: bool) -> None:
@@ -84,31 +107,11 @@ def _consume(go: Any, get: Any, report: Any) -> None:
 
 
 def produce_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
-    """A producer through ``q.sync``. Kinds: ``small``; ``array`` (a fresh numpy array
-    per item, which ``put`` copies into shared memory, as for the baselines); ``empty``
-    (the array built straight into an ``aiomp.empty`` block: ``put`` sends a handle)."""
-    import numpy as np
-
-    import aiomp
-
-    src = _source()
-    go, put = gos[rank].sync, data.sync.put
+    """A producer through ``q.sync``: ``small``, ``array`` (which ``put`` copies into
+    shared memory, as for the baselines) and ``empty`` items."""
+    fresh, empty = _fresh(), _empty()
     done.sync.put("ready")
-    while (msg := go.get())[1] > 0:
-        kind, n = msg
-        if kind == "small":
-            for _ in range(n):
-                put(SMALL)
-        elif kind == "array":
-            for _ in range(n):
-                put(src.copy())
-        else:
-            for _ in range(n):
-                a = aiomp.empty(ARRAY_LEN, np.float32)
-                np.copyto(a, src)
-                put(a)
-                del a  # the block is reused once the consumer drops it too
-        put(MARK)
+    _produce(gos[rank].sync.get, data.sync.put, fresh, empty)
 
 
 def consume_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
@@ -117,11 +120,7 @@ def consume_aiomp_sync(rank: int, data: Any, gos: Any, done: Any) -> None:
 
 async def produce_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None:
     """:func:`produce_aiomp_sync` with ``await q.put``."""
-    import numpy as np
-
-    import aiomp
-
-    src = _source()
+    fresh, empty = _fresh(), _empty()
     go, put = gos[rank], data.put
     await done.put("ready")
     while (msg := await go.get())[1] > 0:
@@ -129,15 +128,10 @@ async def produce_aiomp_async(rank: int, data: Any, gos: Any, done: Any) -> None
         if kind == "small":
             for _ in range(n):
                 await put(SMALL)
-        elif kind == "array":
-            for _ in range(n):
-                await put(src.copy())
         else:
+            make = fresh if kind == "array" else empty
             for _ in range(n):
-                a = aiomp.empty(ARRAY_LEN, np.float32)
-                np.copyto(a, src)
-                await put(a)
-                del a
+                await put(make())
         await put(MARK)
 
 

@@ -18,6 +18,10 @@ from benchmarks import _common as c
 from benchmarks import _harness as h
 from benchmarks._targets import ack_aiomp_sync, ack_torch
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 KiB, MiB = 1 << 10, 1 << 20
 SHARED_SIZES = (4 * KiB, 1 * MiB, 256 * MiB)
 FRESH_SIZE = 256 * MiB
@@ -39,12 +43,8 @@ class AiompLink:
         )
 
     async def stop(self) -> None:
-        import anyio
-
         await self.qin.put(None)
-        with anyio.move_on_after(10):
-            await self.ctx.join()
-        await self.ctx.terminate()
+        await h.end_spawn(self.ctx, 10)
 
 
 class AiompSend(h.Variant):
@@ -83,10 +83,7 @@ class TorchLink:
 
     async def stop(self) -> None:
         self.qin.put(None)
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        h.reap(self.proc, 10)
 
 
 class TorchSend(h.Variant):
@@ -136,90 +133,85 @@ class Memcpy(h.Variant):
         self.mm.close()
 
 
-def shared_rows(med: dict[str, float], what: str, note: str) -> list[dict[str, object]]:
+def shared_rows(med: dict[str, float], what: str, note: str) -> list[dict[str, Any]]:
     """The rows of already shared ``what`` (array, tensor): the largest against the
     smallest, and each size against torch's queue carrying a shared tensor."""
-    small, big = size_name(SHARED_SIZES[0]), size_name(SHARED_SIZES[-1])
+    small, big = SHARED_SIZES[0], SHARED_SIZES[-1]
     aiomp = {n: med.get(f"aiomp shared {size_name(n)}") for n in SHARED_SIZES}
-    rows = [
-        c.row(
-            f"shared {big} {what} put -> child ack",
-            aiomp[SHARED_SIZES[-1]],
-            aiomp[SHARED_SIZES[0]],
-            f"aiomp, shared {small} {what}",
-            c.at_most(2),
-            note,
-        )
-    ]
-    for nbytes in SHARED_SIZES:
-        name = size_name(nbytes)
-        rows.append(
-            c.row(
-                f"shared {name} {what} put -> child ack",
-                aiomp[nbytes],
-                med.get(f"torch shared {name}"),
-                f"torch.mp.Queue, shared {name} tensor",
-                c.faster(3) if nbytes == SHARED_SIZES[-1] else None,
-                note,
-            )
-        )
+    flat = f"aiomp, shared {size_name(small)} {what}"
+    what_big = f"shared {size_name(big)} {what} put -> child ack"
+    rows = [c.row(what_big, aiomp[big], aiomp[small], flat, c.at_most(2), note)]
+    for n in SHARED_SIZES:
+        name, target = size_name(n), c.faster(3) if n == big else None
+        torch_q = f"torch.mp.Queue, shared {name} tensor"
+        what_n = f"shared {name} {what} put -> child ack"
+        rows.append(c.row(what_n, aiomp[n], med.get(f"torch shared {name}"), torch_q, target, note))
     return rows
 
 
+def fresh_row(med: dict[str, float], what: str, target: Any, note: str) -> dict[str, Any]:
+    """The row of a fresh ``what`` (array, tensor) against one memcpy of it."""
+    name = size_name(FRESH_SIZE)
+    copy, aiomp = f"one np.copyto of {name} into mapped memory", med.get(f"aiomp fresh {name}")
+    what = f"fresh {name} {what} put -> child ack"
+    return c.row(what, aiomp, med[f"memcpy {name}"], copy, target, note)
+
+
+async def measure(
+    links: list[Any], shared: list[h.Variant], fresh: list[h.Variant], fresh_reps: tuple[int, ...]
+) -> dict[str, float]:
+    """Start ``links``, then time the ``shared`` variants (:func:`shared_reps`) and the
+    ``fresh`` ones (``fresh_reps``: batches, puts a batch, warm-up puts); the medians by
+    name."""
+    started = []
+    try:
+        for ln in links:
+            await ln.start()
+            started.append(ln)
+        s = await h.interleave(shared, *shared_reps(), warmup=20)
+        s.update(await h.interleave(fresh, *fresh_reps))
+    finally:
+        for ln in reversed(started):
+            await ln.stop()
+    return {k: c.median(v) for k, v in s.items()}
+
+
+def shared_reps() -> tuple[int, int]:
+    return c.reps(6, 2), c.reps(200, 50)
+
+
 async def main() -> None:
-    rows: list[dict[str, object]] = []
-    notes: list[str] = []
     pinning = c.pin_parent()
     missing = c.aiomp_missing("_spawn", "_queue", "_arrays", "_memory")
     has_torch = c.have("torch")
     links: list[AiompLink | TorchLink] = []
     shared: list[h.Variant] = []
     fresh: list[h.Variant] = [Memcpy(FRESH_SIZE)]
-    try:
-        if missing is None:
-            link = AiompLink()
-            await link.start()
-            links.append(link)
-            shared += [AiompSend(link, n, True) for n in SHARED_SIZES]
-            fresh.append(AiompSend(link, FRESH_SIZE, False))
-        if has_torch:
-            tlink = TorchLink()
-            await tlink.start()
-            links.append(tlink)
-            shared += [TorchSend(tlink, n) for n in SHARED_SIZES]
-        else:
-            notes.append("torch not installed: torch rows skipped")
-        batches, n = c.reps(6, 2), c.reps(200, 50)
-        s = await h.interleave(shared, batches, n, warmup=20)
-        fb, fn = c.reps(5, 2), c.reps(4, 2)
-        s.update(await h.interleave(fresh, fb, fn, warmup=3))
-    finally:
-        for ln in reversed(links):
-            await ln.stop()
-    med = {k: c.median(v) for k, v in s.items()}
-    rows += shared_rows(med, "array", missing or ("" if has_torch else "torch not installed"))
-    fname = size_name(FRESH_SIZE)
-    rows.append(
-        c.row(
-            f"fresh {fname} array put -> child ack",
-            med.get(f"aiomp fresh {fname}"),
-            med[f"memcpy {fname}"],
-            f"one np.copyto of {fname} into mapped memory",
-            c.at_most(2),
-            missing or "",
-        )
-    )
-    notes.append(
+    if missing is None:
+        links.append(link := AiompLink())
+        shared += [AiompSend(link, n, True) for n in SHARED_SIZES]
+        fresh.append(AiompSend(link, FRESH_SIZE, False))
+    if has_torch:
+        links.append(tlink := TorchLink())
+        shared += [TorchSend(tlink, n) for n in SHARED_SIZES]
+    fb, fn = c.reps(5, 2), c.reps(4, 2)
+    med = await measure(links, shared, fresh, (fb, fn, 3))
+    rows = shared_rows(med, "array", missing or ("" if has_torch else "torch not installed"))
+    rows.append(fresh_row(med, "array", c.at_most(2), missing or ""))
+    batches, n = shared_reps()
+    notes = [
         f"arrays: {pinning}; async aiomp parent, blocking children; float32; shared: median "
         f"of up to {batches * n} round trips "
         f"per size in {batches} alternating batches; fresh: median of {fb * fn} after "
         "3 warm-up puts (the first fresh puts allocate and fault in segments; steady state "
         "recycles them)."
-    )
-    if "torch shared 4 KiB" in s:
+    ]
+    if has_torch:
         import torch
 
         notes.append(f"torch sharing strategy: {torch.multiprocessing.get_sharing_strategy()}")
+    else:
+        notes.append("torch not installed: torch rows skipped")
     c.emit("arrays", rows, notes)
 
 

@@ -33,6 +33,10 @@ import time
 
 from benchmarks import _common as c
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 SIZES = (4 << 10, 4 << 20, 1 << 30)
 RING, RING_SIZE = 4, 4 << 20
 ROUNDS = 50
@@ -193,17 +197,39 @@ async def aiomp_handoffs(rounds: int) -> dict[str, float]:
 
 
 def skipped_rows(why: str) -> list[dict[str, object]]:
-    return [
-        c.row(
-            f"CuPy {label(n)} put -> get (IPC)",
-            None,
-            None,
-            "torch CUDA tensor",
-            None,
-            f"skipped: {why}",
-        )
-        for n in SIZES
+    what, base = "CuPy {} put -> get (IPC)", "torch CUDA tensor"
+    return [c.row(what.format(label(n)), None, None, base, None, f"skipped: {why}") for n in SIZES]
+
+
+def table(results: dict[str, float], torch_times: dict[int, float] | str) -> list[dict[str, Any]]:
+    """The rows: aiomp's handoffs (``results``) against the budget, the 4 KiB one, torch's
+    (``torch_times``, or why it was skipped) and the host round trip."""
+    small, big = SIZES[0], SIZES[-1]
+    ipc = {n: results[f"ipc {n}"] for n in SIZES}
+    what = {n: f"CuPy {label(n)} put -> get (IPC)" for n in SIZES}
+    in_place = "CuPy 4 KiB put -> get (IPC, in place)"
+    rows = [
+        c.row(what[big], ipc[big], 1e-3, "budget", c.under(1e-3)),
+        c.row(what[big], ipc[big], ipc[small], in_place, c.at_most(2)),
     ]
+    tm = "torch.multiprocessing CUDA tensor"
+    for n in SIZES:
+        if isinstance(torch_times, str):
+            rows.append(c.row(what[n], ipc[n], None, tm, None, f"skipped: {torch_times}"))
+        else:
+            rows.append(c.row(what[n], ipc[n], torch_times[n], f"{tm} {label(n)}", c.at_most(1)))
+    ring = f"CuPy a ring of {RING} x {label(RING_SIZE)}, each put -> get in turn"
+    if isinstance(torch_times, str):
+        rows.append(c.row(ring, results["ring"], None, "torch", None, torch_times))
+    else:
+        same_ring = f"{tm}s, same ring"
+        rows.append(c.row(ring, results["ring"], torch_times[0], same_ring, c.at_most(1)))
+    for n in SIZES:
+        rows.append(c.row(what[n], ipc[n], results[f"host {n}"], "asnumpy + aiomp queue + upload"))
+    what_pool = "CuPy 4 KiB from CuPy's pool (copied into a staging block)"
+    in_place = "aiomp.cuda.zeros 4 KiB (in place)"
+    rows.append(c.row(what_pool, results["small pool"], ipc[small], in_place))
+    return rows
 
 
 async def main() -> None:
@@ -216,70 +242,7 @@ async def main() -> None:
 
     rounds = c.reps(ROUNDS, 10)
     results = await aiomp_handoffs(rounds)
-    torch_times = torch_handoffs(rounds)
-    small, big = SIZES[0], SIZES[-1]
-    rows = [
-        c.row("CuPy 1 GiB put -> get (IPC)", results[f"ipc {big}"], 1e-3, "budget", c.under(1e-3)),
-        c.row(
-            "CuPy 1 GiB put -> get (IPC)",
-            results[f"ipc {big}"],
-            results[f"ipc {small}"],
-            "CuPy 4 KiB put -> get (IPC, in place)",
-            c.at_most(2),
-        ),
-    ]
-    for n in SIZES:
-        if isinstance(torch_times, str):
-            rows.append(
-                c.row(
-                    f"CuPy {label(n)} put -> get (IPC)",
-                    results[f"ipc {n}"],
-                    None,
-                    "torch.multiprocessing CUDA tensor",
-                    None,
-                    f"skipped: {torch_times}",
-                )
-            )
-        else:
-            rows.append(
-                c.row(
-                    f"CuPy {label(n)} put -> get (IPC)",
-                    results[f"ipc {n}"],
-                    torch_times[n],
-                    f"torch.multiprocessing CUDA tensor {label(n)}",
-                    c.at_most(1),
-                )
-            )
-    ring = f"a ring of {RING} x {label(RING_SIZE)}, each put -> get in turn"
-    if isinstance(torch_times, str):
-        rows.append(c.row(f"CuPy {ring}", results["ring"], None, "torch", None, torch_times))
-    else:
-        rows.append(
-            c.row(
-                f"CuPy {ring}",
-                results["ring"],
-                torch_times[0],
-                "torch.multiprocessing CUDA tensors, same ring",
-                c.at_most(1),
-            )
-        )
-    for n in SIZES:
-        rows.append(
-            c.row(
-                f"CuPy {label(n)} put -> get (IPC)",
-                results[f"ipc {n}"],
-                results[f"host {n}"],
-                "asnumpy + aiomp queue + upload",
-            )
-        )
-    rows.append(
-        c.row(
-            "CuPy 4 KiB from CuPy's pool (copied into a staging block)",
-            results["small pool"],
-            results[f"ipc {small}"],
-            "aiomp.cuda.zeros 4 KiB (in place)",
-        )
-    )
+    rows = table(results, torch_handoffs(rounds))
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"]
     notes.append(

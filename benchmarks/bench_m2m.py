@@ -41,6 +41,7 @@ from __future__ import annotations
 import os
 
 from benchmarks import _common as c
+from benchmarks import _harness as h
 from benchmarks._targets_m2m import ARRAY_LEN
 
 TYPE_CHECKING = False
@@ -56,7 +57,7 @@ ARRAY_BYTES = ARRAY_LEN * 4
 RING_BYTES = 64 << 20
 
 
-def items(kind: str, variant: Variant | None = None) -> int:
+def items(kind: str, variant: AiompVariant | MpVariant | None = None) -> int:
     """Items per producer per round (torch's queue takes about 30x as long per array:
     it gets a tenth of the arrays, so that a run stays within the runner's time limit)."""
     if kind == "small":
@@ -65,28 +66,11 @@ def items(kind: str, variant: Variant | None = None) -> int:
     return n // 10 if isinstance(variant, MpVariant) and variant.use_torch else n
 
 
-class Variant:
-    """One queue library with its 4 producers and 2 consumers, started once."""
+class AiompVariant:
+    """One queue library with its 4 producers and 2 consumers, started once; ``round``:
+    seconds for every producer to put ``n`` items and the consumers to take them."""
 
-    name = "?"
-    kinds: tuple[str, ...] = ("small", "array")
-
-    async def start(self) -> None:
-        raise NotImplementedError
-
-    def pids(self) -> list[int]:
-        raise NotImplementedError
-
-    async def round(self, kind: str, n: int) -> float:
-        """Seconds for every producer to put ``n`` items and the consumers to take them."""
-        raise NotImplementedError
-
-    async def stop(self) -> None:
-        raise NotImplementedError
-
-
-class AiompVariant(Variant):
-    kinds = ("small", "array", "empty")
+    kinds: tuple[str, ...] = ("small", "array", "empty")
 
     def __init__(self, sync: bool) -> None:
         self.sync = sync
@@ -133,20 +117,18 @@ class AiompVariant(Variant):
         return elapsed
 
     async def stop(self) -> None:
-        import anyio
-
         for g in self.pgos:
             g.put_nowait(("stop", 0))
         for g in self.cgos:
             g.put_nowait(False)
         for ctx in self.ctxs:
-            with anyio.move_on_after(10):
-                await ctx.join()
-            await ctx.terminate()
+            await h.end_spawn(ctx, 10)
 
 
-class MpVariant(Variant):
+class MpVariant:
     """``multiprocessing.Queue`` (or torch's, ``use_torch``); the parent blocks on it."""
+
+    kinds: tuple[str, ...] = ("small", "array")
 
     def __init__(self, use_torch: bool) -> None:
         self.use_torch = use_torch
@@ -160,18 +142,23 @@ class MpVariant(Variant):
         else:
             import multiprocessing as mp
         ctx: Any = mp.get_context("spawn")
-        self.data, self.done = ctx.Queue(), ctx.Queue()
+        self.data = ctx.Queue()
+        self.launch(ctx, t.consume_mp, t.produce_mp, (self.data, self.data), self.use_torch)
+
+    def launch(self, ctx: Any, consume: Any, produce: Any, chans: Any, *extra: Any) -> None:
+        """Start the children, each ``fn(rank, chan, gos, done, *extra)`` (``chans``: the
+        consumers' and the producers'), and wait until every one is ready."""
+        self.done = ctx.Queue()
         self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
         self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
         self.procs = []
-        for fn, n, gos in (
-            (t.consume_mp, CONSUMERS, self.cgos),
-            (t.produce_mp, PRODUCERS, self.pgos),
+        for fn, n, gos, chan in (
+            (consume, CONSUMERS, self.cgos, chans[0]),
+            (produce, PRODUCERS, self.pgos, chans[1]),
         ):
             for rank in range(n):
-                p = ctx.Process(
-                    target=fn, args=(rank, self.data, gos, self.done, self.use_torch), daemon=True
-                )
+                args = (rank, chan, gos, self.done, *extra)
+                p = ctx.Process(target=fn, args=args, daemon=True)
                 p.start()
                 self.procs.append(p)
         for _ in range(PRODUCERS + CONSUMERS):
@@ -205,10 +192,7 @@ class MpVariant(Variant):
         for g in self.cgos:
             g.put(False)
         for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+            h.reap(p, 10)
 
 
 class DatagramFloor(MpVariant):
@@ -228,23 +212,10 @@ class DatagramFloor(MpVariant):
 
         from benchmarks import _targets_m2m as t
 
-        ctx = multiprocessing.get_context("spawn")
-        self.done = ctx.Queue()
-        self.pgos = [ctx.Queue() for _ in range(PRODUCERS)]
-        self.cgos = [ctx.Queue() for _ in range(CONSUMERS)]
         self.tx, rx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.procs = []
-        for fn, n, gos, sock in (
-            (t.consume_dgram, CONSUMERS, self.cgos, rx),
-            (t.produce_dgram, PRODUCERS, self.pgos, self.tx),
-        ):
-            for rank in range(n):
-                p = ctx.Process(target=fn, args=(rank, sock, gos, self.done), daemon=True)
-                p.start()
-                self.procs.append(p)
+        ctx = multiprocessing.get_context("spawn")
+        self.launch(ctx, t.consume_dgram, t.produce_dgram, (rx, self.tx))
         rx.close()  # the children have their own copies by now (spawn sent them)
-        for _ in range(PRODUCERS + CONSUMERS):
-            assert self.done.get(timeout=120) == "ready"
 
     def end_round(self) -> None:
         for _ in range(CONSUMERS):
@@ -253,14 +224,6 @@ class DatagramFloor(MpVariant):
     async def stop(self) -> None:
         await super().stop()
         self.tx.close()
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """CPU time (every thread) the live processes ``pids`` have used: the scheduler's
-    nanosecond run time (``/proc/PID/stat``'s utime and stime tick every 10 ms)."""
-    from benchmarks._harness import children_cpu
-
-    return children_cpu(pids)
 
 
 def memcpy_per_array(passes: int = 3) -> float:
@@ -328,17 +291,30 @@ def rates(per_item: float, nbytes: int) -> str:
     return text
 
 
+def describe(run: dict[str, float]) -> str:
+    """One run's figures: rates, and CPU time per item."""
+    return "; ".join(
+        f"{k.replace('|', ', ')}: "
+        + (
+            f"{x * 1e6:.1f} µs CPU per item"
+            if k.endswith("cpu")
+            else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
+        )
+        for k, x in run.items()
+    )
+
+
 async def main() -> None:
     c.unpin_parent()
     missing = c.aiomp_missing("_spawn", "_queue")
-    variants: list[Variant] = [MpVariant(False), DatagramFloor()]
+    variants: list[AiompVariant | MpVariant] = [MpVariant(False), DatagramFloor()]
     if c.have("torch"):
         variants.append(MpVariant(True))
     if missing is None:
         variants += [AiompVariant(False), AiompVariant(True)]
     runs: list[dict[str, float]] = []
     loads: list[float] = []
-    started: list[Variant] = []
+    started: list[AiompVariant | MpVariant] = []
     try:
         for v in variants:
             await v.start()
@@ -348,35 +324,21 @@ async def main() -> None:
         for r in range(c.reps(RUNS, 1)):
             loads.append(os.getloadavg()[0])
             samples: dict[str, list[float]] = {}
-            memcpy: list[float] = []
-            fdpass: list[float] = []
-            fdkept: list[float] = []
             for i in range(c.reps(ROUNDS, 1)):
-                memcpy.append(memcpy_per_array())
-                fdpass.append(fd_pass_per_message(fresh=True))
-                fdkept.append(fd_pass_per_message(fresh=False))
+                samples.setdefault("memcpy", []).append(memcpy_per_array())
+                samples.setdefault("fd passing", []).append(fd_pass_per_message(fresh=True))
+                kept = fd_pass_per_message(fresh=False)
+                samples.setdefault("fd passing, kept memfd", []).append(kept)
                 for v in variants if i % 2 == 0 else variants[::-1]:
                     for kind in v.kinds:
                         n = items(kind, v)
-                        cpu0 = cpu_seconds(v.pids())
+                        cpu0 = h.children_cpu(v.pids())
                         per = await v.round(kind, n) / (PRODUCERS * n)
-                        used = (cpu_seconds(v.pids()) - cpu0) / (PRODUCERS * n)
+                        used = (h.children_cpu(v.pids()) - cpu0) / (PRODUCERS * n)
                         samples.setdefault(f"{v.name}|{kind}", []).append(per)
                         samples.setdefault(f"{v.name}|{kind}|cpu", []).append(used)
-            run = {k: c.median(s) for k, s in samples.items()}
-            run["memcpy"] = c.median(memcpy)
-            run["fd passing"] = c.median(fdpass)
-            run["fd passing, kept memfd"] = c.median(fdkept)
-            runs.append(run)
-            print(
-                f"run {r + 1}: "
-                + "; ".join(
-                    f"{k} {rates(x, 64 if k.endswith('small') else ARRAY_BYTES)}"
-                    for k, x in run.items()
-                    if not k.endswith("cpu")
-                ),
-                flush=True,
-            )
+            runs.append(run := {k: c.median(s) for k, s in samples.items()})
+            print(f"run {r + 1}: {describe(run)}", flush=True)
         loads.append(os.getloadavg()[0])
     finally:
         for v in reversed(started):
@@ -389,23 +351,22 @@ async def main() -> None:
         ratios = sorted((run[key] / run[base], i) for i, run in enumerate(runs))
         _, i = ratios[len(ratios) // 2]
         spread = "runs " + ", ".join(f"{x:.2f}x" for x, _ in ratios)
-        if key.endswith("cpu"):
-            return runs[i][key], runs[i][base], spread
-        nbytes = 64 if key.endswith("small") else ARRAY_BYTES
-        return (
-            runs[i][key],
-            runs[i][base],
-            f"{spread}; {rates(runs[i][key], nbytes)} vs {rates(runs[i][base], nbytes)}",
-        )
+        got, ref = runs[i][key], runs[i][base]
+        if not key.endswith("cpu"):
+            nbytes = 64 if key.endswith("small") else ARRAY_BYTES
+            spread += f"; {rates(got, nbytes)} vs {rates(ref, nbytes)}"
+        return got, ref, spread
 
     rows: list[dict[str, Any]] = []
 
     def add(
-        what: str, key: str, base: str, base_name: str, target: Any = None, why: str = ""
+        what: str, key: str, base: str, target: Any = None, why: str = "", name: str = ""
     ) -> None:
-        """A row of ``what``: the median run's ``key`` against its ``base``."""
+        """A row of ``what``: the median run's ``key`` against its ``base`` (by default a
+        queue's figure with sync children)."""
         got, ref, note = median_run(key, base)
-        rows.append(c.row(f"{shape}, {what}", got, ref, base_name, target, why + note))
+        name = name or base.split("|")[0] + ", sync children"
+        rows.append(c.row(f"{shape}, {what}", got, ref, name, target, why + note))
 
     mp, tq = "multiprocessing.Queue", "torch.multiprocessing.Queue"
     shape = f"{PRODUCERS} producers x {CONSUMERS} consumers"
@@ -417,76 +378,43 @@ async def main() -> None:
                 f"64 B items, time per item, {v}",
                 f"aiomp.Queue, {v}|small",
                 f"{base}|small",
-                f"{base}, sync children",
                 target,
             )
-    dg = DatagramFloor.name
-    add(
-        "64 B items, time per item, datagram floor (raw SOCK_SEQPACKET send/recv, no pickling)",
-        f"{dg}|small",
-        f"{mp}|small",
-        f"{mp}, sync children",
-        why="bounds the 2x target: one datagram per item; ",
-    )
-    add(
-        "CPU time per 64 B item, all six children, datagram floor",
-        f"{dg}|small|cpu",
-        f"{mp}|small|cpu",
-        f"{mp}, sync children",
-    )
+    dg, why = DatagramFloor.name, "bounds the 2x target: one datagram per item; "
+    what = f"64 B items, time per item, {dg} (raw SOCK_SEQPACKET send/recv, no pickling)"
+    add(what, f"{dg}|small", f"{mp}|small", why=why)
+    add(f"CPU time per 64 B item, all six children, {dg}", f"{dg}|small|cpu", f"{mp}|small|cpu")
     for v in children:
         for kind, what in (("small", "64 B item"), ("array", "100 KiB numpy array")):
-            add(
-                f"CPU time per {what}, all six children, {v}",
-                f"aiomp.Queue, {v}|{kind}|cpu",
-                f"{mp}|{kind}|cpu",
-                f"{mp}, sync children",
-            )
+            what = f"CPU time per {what}, all six children, {v}"
+            add(what, f"aiomp.Queue, {v}|{kind}|cpu", f"{mp}|{kind}|cpu")
     for v in children:
-        a = f"aiomp.Queue, {v}"
+        a, per_array = f"aiomp.Queue, {v}", f"time per array, {v}"
         for kind, how in (("array", "numpy arrays copied at put"), ("empty", "aiomp.empty")):
-            add(
-                f"100 KiB {how}, time per array, {v}", f"{a}|{kind}", "memcpy", copy, c.at_most(1.0)
-            )
-        for base in (mp, tq):
-            torch_note = ", torch.from_numpy tensors" if base == tq else ""
-            add(
-                f"100 KiB numpy arrays, time per array, {v}",
-                f"{a}|array",
-                f"{base}|array",
-                f"{base}, sync children{torch_note}",
-            )
+            add(f"100 KiB {how}, {per_array}", f"{a}|{kind}", "memcpy", c.at_most(1.0), name=copy)
+        add(f"100 KiB numpy arrays, {per_array}", f"{a}|array", f"{mp}|array")
+        name = f"{tq}, sync children, torch.from_numpy tensors"
+        add(f"100 KiB numpy arrays, {per_array}", f"{a}|array", f"{tq}|array", name=name)
     for key, what, why in (
         (
             "fd passing",
-            ": memfd_create, write 100 KiB",
+            ": memfd_create,",
             "bounds 'arrays at memory bandwidth' for a fresh fd per message; ",
         ),
         (
             "fd passing, kept memfd",
-            ", one memfd kept (a recycled block): write 100 KiB",
+            ", one memfd kept (a recycled block):",
             "the same without a fresh memfd and its new pages; ",
         ),
     ):
         got, ref, note = median_run(key, "memcpy")
-        rows.append(
-            c.row(
-                f"fd-passing floor per message{what}, SCM_RIGHTS sendmsg/recvmsg, "
-                "mmap, munmap, close (one process)",
-                got,
-                ref,
-                copy,
-                None,
-                why + note,
-            )
-        )
+        what = f"fd-passing floor per message{what} write 100 KiB, SCM_RIGHTS sendmsg/recvmsg"
+        what += ", mmap, munmap, close (one process)"
+        rows.append(c.row(what, got, ref, copy, None, why + note))
+    floor = "the fd-passing floor per message (one process)"
     for v in children:
-        add(
-            f"100 KiB numpy arrays, time per array, {v}",
-            f"aiomp.Queue, {v}|array",
-            "fd passing",
-            "the fd-passing floor per message (one process)",
-        )
+        what = f"100 KiB numpy arrays, time per array, {v}"
+        add(what, f"aiomp.Queue, {v}|array", "fd passing", name=floor)
     if not c.have("torch"):
         rows = [r for r in rows if tq not in r["baseline_name"]]
     notes = [
@@ -507,19 +435,7 @@ async def main() -> None:
         "1-min load average at the start of each run and at the end: "
         + ", ".join(f"{x:.2f}" for x in loads),
     ]
-    for i, run in enumerate(runs):
-        notes.append(
-            f"run {i + 1}: "
-            + "; ".join(
-                f"{k.replace('|', ', ')}: "
-                + (
-                    f"{x * 1e6:.1f} µs CPU per item"
-                    if k.endswith("cpu")
-                    else rates(x, 64 if k.endswith("small") else ARRAY_BYTES)
-                )
-                for k, x in run.items()
-            )
-        )
+    notes += [f"run {i + 1}: {describe(run)}" for i, run in enumerate(runs)]
     c.emit("m2m", rows, notes)
 
 

@@ -15,9 +15,6 @@ Rows marked ``info`` bound those targets: apply's CPU per round trip (parent + w
 against the floor's (parent + echo child), and a compute floor for map, the calls and the
 pickling of their results timed inside one worker, against ``multiprocessing.Pool.map``.
 
-The targets are docs/design.md section 4's second round (issue 17); the first round's were 1.5x
-and 2x.
-
 Imports are absolute: anyio's worker re-runs this file (``runpy.run_path``) as
 ``__mp_main__``, where relative imports would fail.
 """
@@ -63,22 +60,13 @@ class Executor(h.Variant):
 # -- map ------------------------------------------------------------------------------
 
 
-class AiomultiprocessMap(h.Variant):
+class AiomultiprocessMap(h.AiomultiprocessPool):
     name = "aiomultiprocess Pool.map"
     budget = None
-
-    async def start(self) -> None:
-        import aiomultiprocess
-
-        self.pool = aiomultiprocess.Pool(processes=1)
 
     async def once(self) -> None:
         out = await self.pool.map(trivial_coro, range(N_MAP))
         assert len(out) == N_MAP
-
-    async def stop(self) -> None:
-        self.pool.terminate()
-        await self.pool.join()
 
 
 class MpPoolMap(h.Variant):
@@ -99,25 +87,15 @@ class MpPoolMap(h.Variant):
         self.pool.join()
 
 
-class ComputeFloor(h.Variant):
+class ComputeFloor(MpPoolMap):
     """Not a pool's map: the time a worker takes for :func:`compute_floor` (the calls of a
     map of ``N_MAP`` items and the pickling of their results), timed inside the worker of a
     one-process ``multiprocessing.Pool`` started for it."""
 
     name = "compute floor"
-    is_async = False
-
-    async def start(self) -> None:
-        import multiprocessing
-
-        self.pool = multiprocessing.get_context("spawn").Pool(1)
 
     async def batch(self, n: int) -> list[float]:
         return [self.pool.apply(compute_floor, (N_MAP,)) for _ in range(n)]
-
-    async def stop(self) -> None:
-        self.pool.terminate()
-        self.pool.join()
 
 
 async def main() -> None:
@@ -137,42 +115,25 @@ async def main() -> None:
         variants[:0] = [apply_, h.PoolCalls(APPLY_MAX_MEMORY, h.aiomp_pool(max_memory=1 << 40))]
     s = await h.interleave(variants, batches, n)
     med = {k: c.median(v) for k, v in s.items()}
-    a = med.get(APPLY)
+    a, missing_note = med.get(APPLY), missing or ""
     what = "Pool.apply(trivial) round trip"
-    rows.append(
-        c.row(
-            what, a, med[h.SocketFloor.name], "raw async socketpair", c.at_most(1.2), missing or ""
-        )
-    )
-    rows.append(
-        c.row(what, a, med[AnyioToProcess.name], AnyioToProcess.name, c.faster(1.3), missing or "")
-    )
-    rows.append(c.row(what, a, med[Executor.name], Executor.name, c.faster(2), missing or ""))
-    rows.append(
-        c.row(
-            "Pool.apply(trivial) round trip, max_memory set",
-            med.get(APPLY_MAX_MEMORY),
-            a,
-            APPLY,
-            c.at_most(1.1),
-            missing or "",
-        )
-    )
+    for base, base_name, target in (
+        (h.SocketFloor.name, "raw async socketpair", c.at_most(1.2)),
+        (AnyioToProcess.name, AnyioToProcess.name, c.faster(1.3)),
+        (Executor.name, Executor.name, c.faster(2)),
+    ):
+        rows.append(c.row(what, a, med[base], base_name, target, missing_note))
+    a_mm = med.get(APPLY_MAX_MEMORY)
+    rows.append(c.row(f"{what}, max_memory set", a_mm, a, APPLY, c.at_most(1.1), missing_note))
     floor_cpu, apply_cpu = floor.cpu_medians(), apply_.cpu_medians()
     if floor_cpu is not None and apply_cpu is not None and a is not None:
         wall = a / med[h.SocketFloor.name]
-        rows.append(
-            c.row(
-                "Pool.apply(trivial), CPU per round trip (parent + worker)",
-                sum(apply_cpu),
-                sum(floor_cpu),
-                "raw async socketpair (parent + echo child)",
-                None,
-                f"{apply_cpu[0] * 1e6:.1f} µs parent + {apply_cpu[1] * 1e6:.1f} µs worker vs "
-                f"{floor_cpu[0] * 1e6:.1f} µs parent + {floor_cpu[1] * 1e6:.1f} µs child; "
-                f"wall-clock {wall:.2f}x",
-            )
-        )
+        split = f"{apply_cpu[0] * 1e6:.1f} µs parent + {apply_cpu[1] * 1e6:.1f} µs worker vs "
+        split += f"{floor_cpu[0] * 1e6:.1f} µs parent + {floor_cpu[1] * 1e6:.1f} µs child"
+        what = "Pool.apply(trivial), CPU per round trip (parent + worker)"
+        base = "raw async socketpair (parent + echo child)"
+        note = f"{split}; wall-clock {wall:.2f}x"
+        rows.append(c.row(what, sum(apply_cpu), sum(floor_cpu), base, None, note))
 
     # -- map ------------------------------------------------------------------------------
     # Many maps: each takes a few ms, and under load one in three or so meets a stall of
@@ -190,44 +151,18 @@ async def main() -> None:
     else:
         notes.append("aiomultiprocess not installed: its row is skipped")
     med = {k: c.median(v) for k, v in s.items()}
-    a = med.get(MAP)
+    a, mp, mp_name = med.get(MAP), med[MpPoolMap.name], MpPoolMap.name + " (default chunksize)"
     what = f"Pool.map(trivial, range({N_MAP:_}))"
     if have_amp:
-        rows.append(
-            c.row(
-                what,
-                a,
-                med[AiomultiprocessMap.name],
-                AiomultiprocessMap.name,
-                c.faster(10),
-                missing or "",
-            )
-        )
-    rows.append(
-        c.row(
-            what,
-            a,
-            med[MpPoolMap.name],
-            MpPoolMap.name + " (default chunksize)",
-            c.at_most(0.6),
-            missing or "",
-        )
-    )
+        amp = AiomultiprocessMap.name
+        rows.append(c.row(what, a, med[amp], amp, c.faster(10), missing_note))
+    rows.append(c.row(what, a, mp, mp_name, c.at_most(0.6), missing_note))
     floor_map = med[ComputeFloor.name]
-    rows.append(
-        c.row(
-            f"compute floor: list(map(trivial, range({N_MAP:_}))) + pickle.dumps + loads "
-            "of the results, in one worker",
-            floor_map,
-            med[MpPoolMap.name],
-            MpPoolMap.name + " (default chunksize)",
-            None,
-            f"bounds the 0.6x target: a pool's map cannot take less; aiomp's map is "
-            f"{a / floor_map:.2f}x this floor"
-            if a is not None
-            else "",
-        )
-    )
+    what = f"compute floor: list(map(trivial, range({N_MAP:_}))) + pickle.dumps + loads"
+    note = "bounds the 0.6x target: a pool's map cannot take less"
+    if a is not None:
+        note += f"; aiomp's map is {a / floor_map:.2f}x this floor"
+    rows.append(c.row(f"{what} of the results, in one worker", floor_map, mp, mp_name, None, note))
     notes.append(
         f"pool: {pinning}; one worker per pool; loop {h.loop_name()}; apply: median of "
         f"{batches * n} round trips per variant in {batches} alternating batches; map: "

@@ -35,12 +35,13 @@ from benchmarks import _common as c
 from benchmarks import _harness as h
 from benchmarks._targets import (
     PAYLOAD,
+    drain_aiomp,
+    drain_mp,
     echo_aiomp_async,
     echo_aiomp_sync,
     echo_coro,
     echo_mp_queue,
 )
-from benchmarks._targets_queue import drain_aiomp, drain_mp
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -76,12 +77,8 @@ class AiompQueue(h.Variant):
         self.sget()
 
     async def stop(self) -> None:
-        import anyio
-
         await self.qin.put(None)
-        with anyio.move_on_after(5):
-            await self.ctx.join()
-        await self.ctx.terminate()
+        await h.end_spawn(self.ctx)
 
 
 def aiomp_name(parent_sync: bool, child_sync: bool) -> str:
@@ -132,89 +129,69 @@ class MpQueue(h.Variant):
 
     async def stop(self) -> None:
         self.qin.put(None)
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        h.reap(self.proc)
 
 
-class Aiomultiprocess(h.Variant):
+class Aiomultiprocess(h.AiomultiprocessPool):
     name = "aiomultiprocess Pool.apply"
-
-    async def start(self) -> None:
-        import aiomultiprocess
-
-        self.pool = aiomultiprocess.Pool(processes=1)
 
     async def once(self) -> None:
         await self.pool.apply(echo_coro, (PAYLOAD,))
 
-    async def stop(self) -> None:
-        self.pool.terminate()
-        await self.pool.join()
-
 
 BACKLOG = 100_000
+MP_SYNC = "multiprocessing.Queue, sync parent, sync child"
 
 
-async def backlog_aiomp(rounds: int) -> list[float]:
+async def backlog_aiomp() -> float:
+    """Seconds to put BACKLOG items and have a fresh child drain them all."""
     import aiomp
 
-    q, ready, go, done = aiomp.Queue(), aiomp.Queue(), aiomp.Queue(), aiomp.Queue()
-    out = []
-    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done, BACKLOG), grace_period=1.0):
+    q, ready, go, done = (aiomp.Queue() for _ in range(4))
+    async with aiomp.spawn(drain_aiomp, 1, args=(q, ready, go, done), grace_period=1.0):
         await ready.get()
-        for _ in range(rounds):
-            t0 = c.now()
-            put = q.put_nowait
-            for _ in range(BACKLOG):
-                put(PAYLOAD)
-            await go.put(BACKLOG)
-            await done.get()
-            out.append(c.now() - t0)
-        await go.put(0)  # leaving the block joins the child
-    return out
+        t0 = c.now()
+        put = q.put_nowait
+        for _ in range(BACKLOG):
+            put(PAYLOAD)
+        await go.put(BACKLOG)
+        await done.get()
+        return c.now() - t0  # leaving the block joins the child
 
 
-def backlog_mp(rounds: int) -> list[float]:
+def backlog_mp() -> float:
+    """:func:`backlog_aiomp` through a ``multiprocessing.Queue``."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
-    q, ready, go, done = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=drain_mp, args=(q, ready, go, done, BACKLOG), daemon=True)
+    q, ready, go, done = (ctx.Queue() for _ in range(4))
+    proc = ctx.Process(target=drain_mp, args=(q, ready, go, done), daemon=True)
     proc.start()
-    out = []
     try:
         ready.get()
-        for _ in range(rounds):
-            t0 = c.now()
-            put = q.put
-            for _ in range(BACKLOG):
-                put(PAYLOAD)
-            go.put(BACKLOG)
-            done.get()
-            out.append(c.now() - t0)
-        go.put(0)
+        t0 = c.now()
+        put = q.put
+        for _ in range(BACKLOG):
+            put(PAYLOAD)
+        go.put(BACKLOG)
+        done.get()
+        return c.now() - t0
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    return out
+        h.reap(proc, 30)
 
 
-async def backlog(rounds: int) -> tuple[float, float, list[float], list[float]]:
-    """Alternate the two, ``rounds`` each; medians (aiomp, multiprocessing) and samples."""
+async def backlog(rounds: int) -> tuple[list[float], list[float]]:
+    """Alternate the two, ``rounds`` each; the samples (aiomp, multiprocessing)."""
     a: list[float] = []
     m: list[float] = []
     for i in range(rounds):
         if i % 2:
-            a += await backlog_aiomp(1)
-            m += backlog_mp(1)
+            a.append(await backlog_aiomp())
+            m.append(backlog_mp())
         else:
-            m += backlog_mp(1)
-            a += await backlog_aiomp(1)
-    return c.median(a), c.median(m), a, m
+            m.append(backlog_mp())
+            a.append(await backlog_aiomp())
+    return a, m
 
 
 LOOPS = ("asyncio", "uvloop", "trio")
@@ -242,9 +219,7 @@ async def per_loop(loop: str) -> dict[str, Any]:
     out: dict[str, Any] = {"pinning": pinning}
     for key, v in variants.items():
         out[key] = c.median(s[v.name])
-        cpu = v.cpu_medians()
-        if cpu is not None:
-            out[f"{key}|cpu_parent"], out[f"{key}|cpu_child"] = cpu
+        out[f"{key}|cpu_parent"], out[f"{key}|cpu_child"] = v.cpu_medians() or (0.0, 0.0)
     return out
 
 
@@ -283,30 +258,20 @@ async def main() -> None:
     else:
         notes.append("aiomultiprocess not installed: its row is skipped")
 
-    def add(
-        parent_sync: bool, child_sync: bool, base: str, base_desc: str, target: dict[str, object]
-    ) -> None:
-        what = "64 B round trip, " + aiomp_name(parent_sync, child_sync)[len("aiomp.Queue, ") :]
-        rows.append(
-            c.row(
-                what,
-                med.get(aiomp_name(parent_sync, child_sync)),
-                med.get(base),
-                base_desc,
-                target,
-                missing or "",
-            )
-        )
+    def add(sync: tuple[bool, bool], base: str, base_desc: str, target: dict[str, Any]) -> None:
+        name = aiomp_name(*sync)
+        what = "64 B round trip, " + name[len("aiomp.Queue, ") :]
+        rows.append(c.row(what, med.get(name), med.get(base), base_desc, target, missing or ""))
 
     floor = h.SocketFloor.name
     # Like for like first: the floor's parent awaits and its child is a blocking echo;
     # multiprocessing.Queue is used blocking at both ends.
-    add(False, True, floor, "raw async socketpair, sync echo child", c.at_most(2))
-    add(False, False, floor, "raw async socketpair, sync echo child", c.at_most(2))
-    add(True, True, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
-    add(False, False, MpQueue.name, "multiprocessing.Queue, sync parent, sync child", c.faster())
+    for sync in ((False, True), (False, False)):
+        add(sync, floor, "raw async socketpair, sync echo child", c.at_most(2))
+    for sync in ((True, True), (False, False)):
+        add(sync, MpQueue.name, MP_SYNC, c.faster())
     if have_amp:
-        add(False, False, Aiomultiprocess.name, "aiomultiprocess Pool.apply", c.faster(50))
+        add((False, False), Aiomultiprocess.name, Aiomultiprocess.name, c.faster(50))
     notes.append(
         f"round trips: {pinning}; loop {h.loop_name()}; median of {batches * n} round trips "
         f"per variant in {batches} alternating batches (aiomultiprocess: {n_amp}, run "
@@ -314,16 +279,10 @@ async def main() -> None:
     )
     if missing is None:
         rounds = c.reps(6, 2)
-        a, m, sa, sm = await backlog(rounds)
-        rows.append(
-            c.row(
-                f"enqueue {BACKLOG:,} 64 B items, then a child drains them",
-                a,
-                m,
-                "multiprocessing.Queue, the same",
-                c.faster(1.5),
-            )
-        )
+        sa, sm = await backlog(rounds)
+        what = f"enqueue {BACKLOG:,} 64 B items, then a child drains them"
+        a, m = c.median(sa), c.median(sm)
+        rows.append(c.row(what, a, m, "multiprocessing.Queue, the same", c.faster(1.5)))
         notes.append(
             f"backlog: {pinning}; aiomp puts with put_nowait and its child drains with "
             f"q.sync.get; median of {rounds} alternating runs each (a fresh child per run). "
@@ -335,19 +294,9 @@ async def main() -> None:
         for loop in LOOPS:
             got = run_on(loop)
             pinned.append(f"{loop}: {got['pinning']}")
-            what = f"64 B round trip, async parent ({loop}), async child"
-            rows.append(
-                c.row(what, got["aiomp"], got["floor"], f"raw floor on {loop}", c.at_most(1.4))
-            )
-            rows.append(
-                c.row(
-                    what,
-                    got["aiomp"],
-                    got["mp"],
-                    "multiprocessing.Queue, sync parent, sync child (same run)",
-                    c.faster(1.5),
-                )
-            )
+            what, a = f"64 B round trip, async parent ({loop}), async child", got["aiomp"]
+            rows.append(c.row(what, a, got["floor"], f"raw floor on {loop}", c.at_most(1.4)))
+            rows.append(c.row(what, a, got["mp"], f"{MP_SYNC} (same run)", c.faster(1.5)))
             rows += loop_limits(loop, got)
         notes.append(
             "per loop: the parent on asyncio, uvloop and trio, each in a fresh interpreter "
@@ -368,10 +317,8 @@ async def main() -> None:
     c.emit("queue", rows, notes)
 
 
-def cpu_of(got: dict[str, float], key: str) -> float | None:
+def cpu_of(got: dict[str, float], key: str) -> float:
     """Parent + child CPU per round trip of ``key`` in a :func:`per_loop` result."""
-    if f"{key}|cpu_parent" not in got:
-        return None
     return got[f"{key}|cpu_parent"] + got[f"{key}|cpu_child"]
 
 
@@ -389,26 +336,10 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
     what = f"64 B round trip, async parent ({loop}), async child"
     for key, *how in FLOORS[1:]:
         name = h.floor_name(*how).replace("raw async socketpair", f"raw floor on {loop}")
-        floor = got[key]
-        rows.append(
-            c.row(
-                what,
-                got["aiomp"],
-                floor,
-                name,
-                None,
-                f"this floor is {floor / got['floor']:.2f}x the stream, sync-child floor",
-            )
-        )
+        note = f"this floor is {got[key] / got['floor']:.2f}x the stream, sync-child floor"
+        rows.append(c.row(what, got["aiomp"], got[key], name, None, note))
     what = f"CPU per 64 B round trip (parent + child), async parent ({loop}), async child"
-    aiomp_cpu = cpu_of(got, "aiomp")
-    for key, desc in (
-        ("floor", f"raw floor on {loop}, stream, sync echo child"),
-        ("mp", "multiprocessing.Queue, sync parent, sync child"),
-    ):
-        if aiomp_cpu is None or cpu_of(got, key) is None:
-            rows.append(c.row(what, None, None, desc, None, "not measured"))
-            continue
+    for key, desc in (("floor", f"raw floor on {loop}, stream, sync echo child"), ("mp", MP_SYNC)):
         note = (
             f"{cpu_split(got, 'aiomp')} vs {cpu_split(got, key)}; wall-clock "
             f"{got['aiomp'] / got[key]:.2f}x"
@@ -418,28 +349,21 @@ def loop_limits(loop: str, got: dict[str, float]) -> list[dict[str, object]]:
                 f"{h.floor_name(*how).replace('raw async socketpair ', '')} {cpu_split(got, k)}"
                 for k, *how in FLOORS[1:]
             )
-        rows.append(c.row(what, aiomp_cpu, cpu_of(got, key), desc, None, note))
+        rows.append(c.row(what, cpu_of(got, "aiomp"), cpu_of(got, key), desc, None, note))
     return rows
-
-
-def _loop_arg() -> str | None:
-    import sys
-
-    if "--parent-loop" not in sys.argv:
-        return None
-    return sys.argv[sys.argv.index("--parent-loop") + 1]
 
 
 if __name__ == "__main__":
     import json
+    import sys
 
     import anyio
 
-    c.allow_bytecode()
-    loop = _loop_arg()
-    if loop is None:
-        anyio.run(main)
+    if "--parent-loop" not in sys.argv:
+        c.run_main(main)
     else:
+        c.allow_bytecode()
+        loop = sys.argv[sys.argv.index("--parent-loop") + 1]
         backend = "trio" if loop == "trio" else "asyncio"
         options = {"use_uvloop": True} if loop == "uvloop" else {}
         print(json.dumps(anyio.run(per_loop, loop, backend=backend, backend_options=options)))

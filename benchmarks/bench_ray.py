@@ -82,31 +82,16 @@ RAY_APPLY, RAY_MAP = "aiomp.ray.Pool.apply", "aiomp.ray.Pool.map"
 LOCAL_MAP = "aiomp.Pool.map (local processes)"
 
 
+MAP_WHAT = f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))"
+APPLY_WHAT = "aiomp.ray.Pool.apply(trivial) round trip"
+
+
 async def main() -> None:
     rows: list[dict[str, object]] = []
-    notes: list[str] = []
     if not c.have("ray"):
         note = 'Ray not installed (pip install "aiomp[ray]")'
-        rows.append(
-            c.row(
-                f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))",
-                None,
-                None,
-                RayMpPoolMap.name,
-                c.faster(5),
-                note,
-            )
-        )
-        rows.append(
-            c.row(
-                "aiomp.ray.Pool.apply(trivial) round trip",
-                None,
-                None,
-                BareActor.name,
-                c.at_most(1.3),
-                note,
-            )
-        )
+        rows.append(c.row(MAP_WHAT, None, None, RayMpPoolMap.name, c.faster(5), note))
+        rows.append(c.row(APPLY_WHAT, None, None, BareActor.name, c.at_most(1.3), note))
         c.emit("ray", rows, [note])
         return
     import ray
@@ -128,46 +113,28 @@ async def main() -> None:
         ]
         s = await h.interleave(maps, mb, 1, warmup=1)
         med = {k: c.median(v) for k, v in s.items()}
-        a = med[RAY_MAP]
-        what = f"aiomp.ray.Pool(2).map(trivial, range({N_MAP:_}))"
-        rows.append(
-            c.row(
-                what,
-                a,
-                med[RayMpPoolMap.name],
-                RayMpPoolMap.name + " (2 actors, default chunksize)",
-                c.faster(5),
-            )
-        )
-        rows.append(c.row(what, a, med[LOCAL_MAP], LOCAL_MAP))
+        a, base = med[RAY_MAP], RayMpPoolMap.name + " (2 actors, default chunksize)"
+        rows.append(c.row(MAP_WHAT, a, med[RayMpPoolMap.name], base, c.faster(5)))
+        rows.append(c.row(MAP_WHAT, a, med[LOCAL_MAP], LOCAL_MAP))
 
         # -- apply round trip -------------------------------------------------------------
         batches, n = c.reps(20, 2), c.reps(100, 50)
         applies = [h.PoolCalls(RAY_APPLY, lambda: ray_pool(1)), BareActor()]
         s = await h.interleave(applies, batches, n)
         med = {k: c.median(v) for k, v in s.items()}
-        rows.append(
-            c.row(
-                "aiomp.ray.Pool.apply(trivial) round trip",
-                med[RAY_APPLY],
-                med[BareActor.name],
-                BareActor.name,
-                c.at_most(1.3),
-            )
-        )
+        bare = BareActor.name
+        rows.append(c.row(APPLY_WHAT, med[RAY_APPLY], med[bare], bare, c.at_most(1.3)))
     finally:
         ray.shutdown()
-    notes.append(
+    notes = [
         f"ray: one local instance (ray.init(num_cpus=2), Ray {ray.__version__}), unpinned; "
         f"loop {h.loop_name()}; map: median of {mb} maps per variant, alternating; apply: "
-        f"median of {batches * n} round trips per variant in {batches} alternating batches."
-    )
-    notes.append(
+        f"median of {batches * n} round trips per variant in {batches} alternating batches.",
         "why one map chunk per actor (aiomp.ray.Pool._chunks_per_slot): with "
         "multiprocessing's four per worker the same map took 16-22 ms in this session "
         "(3x Ray's pool, not 5x): a Ray call costs about 1.3 ms here, the work of some "
-        "5000 trivial items."
-    )
+        "5000 trivial items.",
+    ]
     c.emit("ray", rows, notes)
 
 

@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+from subprocess import DEVNULL
 
 from benchmarks import _common as c
 
@@ -63,26 +64,13 @@ async def torchrun_job(fail_path: str | None) -> float:
     t0 = time.time()
     procs = []
     for node in (0, 1):
-        argv = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node_rank={node}",
-            "--nproc_per_node=1",
-            "--master_addr=127.0.0.1",
-            f"--master_port={port}",
-            "--max_restarts=0",
-            "-m",
-            "benchmarks._targets_dist",
-            *extra,
-        ]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2"]
+        argv += [f"--node_rank={node}", "--nproc_per_node=1", "--master_addr=127.0.0.1"]
+        argv += [f"--master_port={port}", "--max_restarts=0", "-m", "benchmarks._targets_dist"]
         procs.append(
-            await anyio.open_process(argv, cwd=ROOT, stdout=-3, stderr=-3)  # DEVNULL
+            await anyio.open_process(argv + extra, cwd=ROOT, stdout=DEVNULL, stderr=DEVNULL)
         )
-    codes = []
-    for p in procs:
-        codes.append(await p.wait())
+    codes = [await p.wait() for p in procs]
     if fail_path is None:
         assert codes == [0, 0], codes
         return time.time() - t0
@@ -108,19 +96,14 @@ async def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 1, "include_dashboard": False},
-    )
+    head = {"num_cpus": 1, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     samples: dict[str, list[float]] = {k: [] for k in ("a_start", "t_start", "a_fail", "t_fail")}
     try:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        ray.init(
-            address=cluster.address,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"PYTHONPATH": ROOT}},
-        )
+        env = {"env_vars": {"PYTHONPATH": ROOT}}
+        ray.init(address=cluster.address, log_to_driver=False, runtime_env=env)
         n = c.reps(4, 2)
         with tempfile.TemporaryDirectory(prefix="aiomp-bench-ray-spawn-") as tmp:
             await aiomp_job(None)  # warm-up: Ray's worker pool, the actor class

@@ -15,7 +15,7 @@ compute (the model on 32 rows, timed inside a worker). Rounds alternate between 
 so that load from the machine's other users lands on both alike; rows/s is the median
 round's, the p99 over every batched call of the run.
 
-Issue 40 adds two rows on the same pool:
+On the same pool:
 
 - **A lone call on an idle pool**: one caller, one call at a time, batched against
   ``apply`` (alternating rounds, medians): the batched call must cost no more than
@@ -28,8 +28,7 @@ Issue 40 adds two rows on the same pool:
   holds the GIL, or may crash the process, is what a process pool is for.
 - **Batch fill under a burst while the workers are busy**: both workers held by a
   0.25 s task while 320 callers (10 full batches' worth) arrive spread over 0.2 s; the
-  mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``
-  (before: batches closed every ``max_delay``, about 8 rows each at this rate).
+  mean rows per batch (rows / batched tasks) must be at least 0.9x ``max_batch_size``.
 """
 
 from __future__ import annotations
@@ -41,6 +40,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # the pool is the parallelism
 
 from benchmarks import _common as c
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
 CALLERS = 64
 MAX_BATCH = 32
 MAX_DELAY = 0.005
@@ -51,14 +54,26 @@ BURST, BURST_OVER, BUSY = 10 * MAX_BATCH, 0.2, 0.25
 LONE_SLACK = 0.002
 
 
-async def round_(call: object, per_caller: int, latencies: list[float]) -> float:
-    """Seconds per row for ``CALLERS`` tasks each making ``per_caller`` calls."""
-    import anyio
+def inputs(seed: int, *shape: int) -> Any:
+    """Random float32 rows of the model's width, of ``shape`` (none: one row)."""
     import numpy as np
 
     from benchmarks._targets_serving import DIM
 
-    rows = np.random.default_rng(0).standard_normal((CALLERS, DIM)).astype(np.float32)
+    return np.random.default_rng(seed).standard_normal((*shape, DIM)).astype(np.float32)
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[int(0.99 * (len(xs) - 1))]
+
+
+async def round_(call: object, per_caller: int, latencies: list[float]) -> float:
+    """Seconds per row for ``CALLERS`` tasks each making ``per_caller`` calls."""
+    import anyio
+
+    from benchmarks._targets_serving import DIM
+
+    rows = inputs(0, CALLERS)
 
     async def caller(i: int) -> None:
         x = rows[i]
@@ -77,11 +92,7 @@ async def round_(call: object, per_caller: int, latencies: list[float]) -> float
 
 async def lone(call: object, n: int) -> float:
     """Median seconds of ``n`` calls made one at a time by one caller."""
-    import numpy as np
-
-    from benchmarks._targets_serving import DIM
-
-    x = np.random.default_rng(2).standard_normal(DIM).astype(np.float32)
+    x = inputs(2)
     times = []
     for _ in range(n):
         t0 = c.now()
@@ -96,11 +107,8 @@ async def burst(pool: object, b: object) -> float:
     import time
 
     import anyio
-    import numpy as np
 
-    from benchmarks._targets_serving import DIM
-
-    rows = np.random.default_rng(3).standard_normal((BURST, DIM)).astype(np.float32)
+    rows = inputs(3, BURST)
     before = pool.statistics().completed  # type: ignore[attr-defined]
 
     async def caller(i: int) -> None:
@@ -122,6 +130,7 @@ async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[f
     in this process: numpy's matmul releases the GIL) and a ``ProcessPoolExecutor(2)``
     (one task per row), rounds alternating with ``b``'s."""
     import asyncio
+    import functools
     from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
     from benchmarks._targets_serving import load, model_row
@@ -130,13 +139,8 @@ async def executors(b: object, rounds: int, per_caller: int) -> dict[str, list[f
     load()  # the threads' copy of the model
     out: dict[str, list[float]] = {"batched": [], "threads": [], "ppe": []}
     with ThreadPoolExecutor(2) as tpe, ProcessPoolExecutor(2, initializer=load) as ppe:
-
-        async def one_thread(x: object) -> object:
-            return await loop.run_in_executor(tpe, model_row, x)
-
-        async def one_ppe(x: object) -> object:
-            return await loop.run_in_executor(ppe, model_row, x)
-
+        one_thread = functools.partial(loop.run_in_executor, tpe, model_row)
+        one_ppe = functools.partial(loop.run_in_executor, ppe, model_row)
         await round_(one_ppe, 2, [])  # warm-up: both processes up
         for _ in range(rounds):
             out["batched"].append(await round_(b, per_caller, []))
@@ -175,66 +179,35 @@ async def main() -> None:
         compute = await pool.apply(batch_compute, (MAX_BATCH, 50))
         stats = pool.statistics()
     a, base = c.median(batched_s), c.median(apply_s)
-    lat_batched.sort()
-    lat_apply.sort()
-    p99 = lat_batched[int(0.99 * (len(lat_batched) - 1))]
-    p99_apply = lat_apply[int(0.99 * (len(lat_apply) - 1))]
     budget = MAX_DELAY + 2 * compute
     alone, alone_apply = c.median(lone_batched), c.median(lone_apply)
     fill = c.median(fills)
-    rows = [
-        c.row(
-            f"time per row, {CALLERS} concurrent callers, Pool(2): pool.batched(stack=True)",
-            a,
-            base,
-            "pool.apply, one task per row",
-            c.faster(5),
-            f"{1 / a:,.0f} rows/s vs {1 / base:,.0f} rows/s",
-        ),
-        c.row(
-            "p99 latency of a batched call",
-            p99,
-            budget,
-            f"max_delay {MAX_DELAY * 1e3:g} ms + 2 x one full batch's compute "
-            f"({c.fmt_time(compute)})",
-            c.at_most(1.0),
-            f"apply's p99: {c.fmt_time(p99_apply)}",
-        ),
-        c.row(
-            "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)",
-            alone,
-            alone_apply + LONE_SLACK,
-            f"pool.apply's time ({c.fmt_time(alone_apply)}) + {LONE_SLACK * 1e3:g} ms",
-            c.at_most(1.0),
-            f"batched / apply: {alone / alone_apply:.2f}x; max_delay {MAX_DELAY * 1e3:g} ms",
-        ),
-        c.row(
-            f"mean rows per batch, {BURST} callers arriving over {BURST_OVER * 1e3:g} ms "
-            f"while both workers are busy",
-            fill,
-            float(MAX_BATCH),
-            "max_batch_size",
-            c.at_least(0.9),
-            f"batches of {min(fills):.1f} to {max(fills):.1f} rows in {len(fills)} bursts",
-            unit="rows",
-        ),
-    ]
+    what = f"time per row, {CALLERS} concurrent callers, Pool(2): pool.batched(stack=True)"
+    rates = f"{1 / a:,.0f} rows/s vs {1 / base:,.0f} rows/s"
+    rows = [c.row(what, a, base, "pool.apply, one task per row", c.faster(5), rates)]
+    compute_text = f"2 x one full batch's compute ({c.fmt_time(compute)})"
+    base_text = f"max_delay {MAX_DELAY * 1e3:g} ms + {compute_text}"
+    note = f"apply's p99: {c.fmt_time(p99(lat_apply))}"
+    what = "p99 latency of a batched call"
+    rows.append(c.row(what, p99(lat_batched), budget, base_text, c.at_most(1.0), note))
+    base_text = f"pool.apply's time ({c.fmt_time(alone_apply)}) + {LONE_SLACK * 1e3:g} ms"
+    note = f"batched / apply: {alone / alone_apply:.2f}x; max_delay {MAX_DELAY * 1e3:g} ms"
+    what = "a lone call on an idle Pool(2), one caller: pool.batched(stack=True)"
+    rows.append(c.row(what, alone, alone_apply + LONE_SLACK, base_text, c.at_most(1.0), note))
+    what = f"mean rows per batch, {BURST} callers arriving over {BURST_OVER * 1e3:g} ms"
+    note = f"batches of {min(fills):.1f} to {max(fills):.1f} rows in {len(fills)} bursts"
+    what += " while both workers are busy"
+    target = c.at_least(0.9)
+    rows.append(c.row(what, fill, float(MAX_BATCH), "max_batch_size", target, note, unit="rows"))
     again = c.median(others["batched"])
+    per_row = f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)"
     for name, what, target in (
         ("threads", "ThreadPoolExecutor(2), the model in the parent", None),
         ("ppe", "ProcessPoolExecutor(2), one task per row", c.faster(1)),
     ):
         t = c.median(others[name])
-        rows.append(
-            c.row(
-                f"time per row, {CALLERS} concurrent callers: pool.batched(stack=True)",
-                again,
-                t,
-                what,
-                target,
-                f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s",
-            )
-        )
+        rates = f"{1 / again:,.0f} rows/s vs {1 / t:,.0f} rows/s"
+        rows.append(c.row(per_row, again, t, what, target, rates))
     notes = [
         f"serving: {rounds} alternating rounds per variant of {CALLERS} callers x "
         f"{per_caller} calls; rows/s from the median round; p99 over all "

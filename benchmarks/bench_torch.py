@@ -20,16 +20,18 @@ from __future__ import annotations
 from benchmarks import _common as c
 from benchmarks import _harness as h
 from benchmarks.bench_arrays import (
+    FRESH_SIZE,
     SHARED_SIZES,
     AiompLink,
     Memcpy,
     TorchLink,
     TorchSend,
+    fresh_row,
+    measure,
+    shared_reps,
     shared_rows,
     size_name,
 )
-
-FRESH_SIZE = 256 << 20
 
 
 class Fresh(h.Variant):
@@ -92,67 +94,39 @@ class TorchFresh(Fresh):
 
 
 async def main() -> None:
-    rows: list[dict[str, object]] = []
-    notes: list[str] = []
     if not c.have("torch"):
-        rows.append(c.row("torch tensors", None, None, "—", None, "torch not installed"))
+        rows = [c.row("torch tensors", None, None, "—", None, "torch not installed")]
         c.emit("torch", rows, ["torch not installed: nothing measured"])
         return
-    pinning = c.pin_parent()
-    missing = c.aiomp_missing("_spawn", "_queue", "_arrays.torch")
-    links: list[AiompLink | TorchLink] = []
-    shared: list[h.Variant] = []
-    fresh: list[h.Variant] = [Memcpy(FRESH_SIZE)]
-    try:
-        tlink = TorchLink()
-        await tlink.start()
-        links.append(tlink)
-        shared += [TorchSend(tlink, n) for n in SHARED_SIZES]
-        fresh.append(TorchFresh(tlink, FRESH_SIZE))
-        if missing is None:
-            link = AiompLink()
-            await link.start()
-            links.append(link)
-            shared += [AiompTensor(link, n, True) for n in SHARED_SIZES]
-            fresh.append(AiompTensor(link, FRESH_SIZE, False))
-        batches, n = c.reps(6, 2), c.reps(200, 50)
-        s = await h.interleave(shared, batches, n, warmup=20)
-        fb, fn = c.reps(3, 2), c.reps(2, 1)
-        s.update(await h.interleave(fresh, fb, fn, warmup=1))
-    finally:
-        for ln in reversed(links):
-            await ln.stop()
-    med = {k: c.median(v) for k, v in s.items()}
-    rows += shared_rows(med, "tensor", missing or "")
-    fname = size_name(FRESH_SIZE)
-    rows.append(
-        c.row(
-            f"fresh {fname} tensor put -> child ack",
-            med.get(f"aiomp fresh {fname}"),
-            med[f"memcpy {fname}"],
-            f"one np.copyto of {fname} into mapped memory",
-            None,
-            missing or "moved in place into a new segment, as torch does",
-        )
-    )
-    rows.append(
-        c.row(
-            f"fresh {fname} tensor put -> child ack",
-            med.get(f"aiomp fresh {fname}"),
-            med.get(f"torch fresh {fname}"),
-            f"torch.mp.Queue, fresh {fname} tensor",
-            c.at_most(1.2),
-            missing or "",
-        )
-    )
     import torch
 
-    notes.append(
+    pinning = c.pin_parent()
+    missing = c.aiomp_missing("_spawn", "_queue", "_arrays.torch")
+    tlink, link = TorchLink(), AiompLink()
+    links: list[AiompLink | TorchLink] = [tlink]
+    shared: list[h.Variant] = [TorchSend(tlink, n) for n in SHARED_SIZES]
+    fresh: list[h.Variant] = [Memcpy(FRESH_SIZE), TorchFresh(tlink, FRESH_SIZE)]
+    if missing is None:
+        links.append(link)
+        shared += [AiompTensor(link, n, True) for n in SHARED_SIZES]
+        fresh.append(AiompTensor(link, FRESH_SIZE, False))
+    fb, fn = c.reps(3, 2), c.reps(2, 1)
+    med = await measure(links, shared, fresh, (fb, fn, 1))
+    fname = size_name(FRESH_SIZE)
+    rows = shared_rows(med, "tensor", missing or "")
+    in_place = missing or "moved in place into a new segment, as torch does"
+    rows.append(fresh_row(med, "tensor", None, in_place))
+    base = f"torch.mp.Queue, fresh {fname} tensor"
+    a, b = med.get(f"aiomp fresh {fname}"), med.get(f"torch fresh {fname}")
+    what = f"fresh {fname} tensor put -> child ack"
+    rows.append(c.row(what, a, b, base, c.at_most(1.2), missing or ""))
+    batches, n = shared_reps()
+    notes = [
         f"torch: {pinning}; async aiomp parent, blocking children; float32; shared: median "
         f"of up to {batches * n} round trips per size in {batches} alternating batches; "
         f"fresh: median of {fb * fn} puts, each of a new touched tensor made before the "
         f"timed call; torch sharing strategy: {torch.multiprocessing.get_sharing_strategy()}."
-    )
+    ]
     c.emit("torch", rows, notes)
 
 

@@ -2,7 +2,6 @@
 
     python -m benchmarks.run [spawn queue m2m arrays torch pool throughput run_sync loader
                               serving cuda ray ray_spawn] [--quick] [--no-write]
-    python benchmarks/run.py ...
 
 Each comparison runs in its own interpreter (``python -m benchmarks.bench_<name>``): spawn
 children re-import their parent's main module, and that must be the small comparison
@@ -21,13 +20,17 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+from subprocess import PIPE, STDOUT
+
+from benchmarks import _common as c
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
-    sys.path.insert(0, ROOT)
-
-from benchmarks import _common as c  # noqa: E402 - after the sys.path fix above
 
 TITLES = {
     "spawn": "Spawn and failure propagation",
@@ -55,15 +58,8 @@ SECTION = re.compile(r"<!-- results:(\w+):begin -->.*?<!-- results:\1:end -->", 
 def machine_facts() -> str:
     from importlib import metadata
 
-    model = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.*)$", cpuinfo, re.M)
     versions = [f"aiomp {aiomp_version()}"]
     for pkg in ("anyio", "numpy", "torch", "aiomultiprocess", "uvloop", "trio-parallel"):
         try:
@@ -71,7 +67,7 @@ def machine_facts() -> str:
         except metadata.PackageNotFoundError:
             versions.append(f"{pkg} (not installed)")
     return (
-        f"{os.cpu_count()} cores ({model}), Linux {platform.release()}, "
+        f"{os.cpu_count()} cores ({model[1] if model else '?'}), Linux {platform.release()}, "
         f"Python {platform.python_version()}; " + ", ".join(versions)
     )
 
@@ -84,21 +80,16 @@ def aiomp_version() -> str:
         version = aiomp.__version__
     except ImportError:
         return "(not importable)"
+    git = ["git", "rev-parse", "--short", "HEAD"]
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            text=True,
-            capture_output=True,
-            timeout=10,
-            check=False,
-        ).stdout.strip()
+        head = subprocess.run(git, cwd=ROOT, text=True, capture_output=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         head = ""
+    head = head.strip()
     return f"{version} (working tree at {head})" if head else version
 
 
-def run_one(name: str, quick: bool) -> dict[str, object]:
+def run_one(name: str, quick: bool) -> dict[str, Any]:
     """Run one comparison in a fresh interpreter; its rows, or an error row."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -108,41 +99,28 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
     load = os.getloadavg()[0]
     t0 = c.now()
     try:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            timeout=TIMEOUT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            check=False,
-        )
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=TIMEOUT, stdout=PIPE, stderr=STDOUT, text=True)
         output, code = proc.stdout, proc.returncode
     except subprocess.TimeoutExpired as exc:
-        output, code = (
-            (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or ""),
-            f"timed out after {TIMEOUT} s",
-        )
+        out_b = exc.stdout or b""
+        output = out_b.decode() if isinstance(out_b, bytes) else out_b
+        code = f"timed out after {TIMEOUT} s"
     elapsed = c.now() - t0
     load = (load + os.getloadavg()[0]) / 2
     try:
         if code != 0:
             tail = "\n".join(output.strip().splitlines()[-15:])
             print(f"[{name}] failed ({code}):\n{tail}", file=sys.stderr)
+            last = tail.splitlines()[-1] if tail else ""
             row = c.row(
-                f"{name}: the comparison failed",
-                None,
-                None,
-                "—",
-                None,
-                f"exit {code}: {tail.splitlines()[-1] if tail else ''}",
+                f"{name}: the comparison failed", None, None, "—", None, f"exit {code}: {last}"
             )
             row["status"] = "error"
             return {"name": name, "rows": [row], "notes": [], "elapsed": elapsed, "load": load}
         import json
 
         with open(out) as f:
-            result: dict[str, object] = json.load(f)
+            result: dict[str, Any] = json.load(f)
     finally:
         os.unlink(out)
     result["elapsed"] = elapsed
@@ -150,23 +128,20 @@ def run_one(name: str, quick: bool) -> dict[str, object]:
     return result
 
 
-def section(result: dict[str, object], when: str, facts: str) -> str:
-    name = str(result["name"])
-    lines = [
-        f"<!-- results:{name}:begin -->",
-        f"### {TITLES.get(name, name)}",
-        "",
-        (
+def section(result: dict[str, Any], when: str, facts: str) -> str:
+    name = result["name"]
+    return "\n".join(
+        [
+            f"<!-- results:{name}:begin -->",
+            f"### {TITLES.get(name, name)}",
+            "",
             f"Run {when} (`python -m benchmarks.run {name}`, {result['elapsed']:.0f} s, "
-            f"1-min load average {result['load']:.2f} during the run). {facts}."
-        ),
-        "",
-        c.format_table(result["rows"]),  # type: ignore[arg-type]
-        "",
-    ]
-    lines += [f"- {n}" for n in result["notes"]]  # type: ignore[attr-defined]
-    lines.append(f"<!-- results:{name}:end -->")
-    return "\n".join(lines)
+            f"1-min load average {result['load']:.2f} during the run). {facts}.",
+            "",
+            c.report(result["rows"], result["notes"]),
+            f"<!-- results:{name}:end -->",
+        ]
+    )
 
 
 HEADER = """# aiomp benchmark results
@@ -178,26 +153,18 @@ docs/decisions/.
 """
 
 
-def read_sections(text: str) -> dict[str, str]:
-    """Each comparison's section in ``text`` (a RESULTS.md), by name."""
-    return {m.group(1): m.group(0) for m in SECTION.finditer(text)}
-
-
-def render(sections: dict[str, str]) -> str:
-    """The whole of RESULTS.md: the header, then the sections in NAMES order."""
-    return HEADER + "".join(f"\n{sections[n]}\n" for n in NAMES if n in sections)
-
-
-def write_results(results: list[dict[str, object]], when: str, facts: str) -> None:
+def write_results(results: list[dict[str, Any]], when: str, facts: str) -> None:
+    """Rewrite RESULTS.md: the header, then each comparison's section in NAMES order, the
+    new ones from ``results``, the others as the file has them."""
     try:
         with open(RESULTS) as f:
-            sections = read_sections(f.read())
+            sections = {m.group(1): m.group(0) for m in SECTION.finditer(f.read())}
     except FileNotFoundError:
         sections = {}
     for result in results:
-        sections[str(result["name"])] = section(result, when, facts)
+        sections[result["name"]] = section(result, when, facts)
     with open(RESULTS, "w") as f:
-        f.write(render(sections))
+        f.write(HEADER + "".join(f"\n{sections[n]}\n" for n in NAMES if n in sections))
 
 
 USAGE = "usage: python -m benchmarks.run [--quick] [--no-write] [NAME ...]; NAME is one of "
@@ -223,11 +190,9 @@ def main(argv: list[str]) -> int:
     for name in names:
         print(f"\n== {name} ==", flush=True)
         result = run_one(name, quick)
-        print(c.format_table(result["rows"]), flush=True)  # type: ignore[arg-type]
-        for n in result["notes"]:  # type: ignore[attr-defined]
-            print(f"- {n}")
+        print(c.report(result["rows"], result["notes"]), flush=True)
         results.append(result)
-    rows = [r for res in results for r in res["rows"]]  # type: ignore[attr-defined]
+    rows = [r for res in results for r in res["rows"]]
     print("\n== all ==")
     print(c.format_table(rows))
     if write and not quick:

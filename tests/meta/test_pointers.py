@@ -10,7 +10,8 @@ files' text:
 - a path written out in text (``docs/decisions/0001-....md``, ``tests/pool/x.py``,
   ``benchmarks/RESULTS.md``), starting at one of the repository's top folders and ending
   in a file name with an extension, exists relative to the repository's root (or, in a
-  Markdown file, to that file);
+  Markdown file, to that file); one written after a commit (``git show 5408468:benchmarks/
+  x.py``, a file since deleted) exists in that commit;
 - the old design file is cited by no one: its content is ``docs/design.md``.
 """
 
@@ -31,6 +32,8 @@ _TOPS = "|".join(re.escape(t) for t in TOP)
 _PATH = re.compile(
     rf"(?<![\w./-])((?:\.\./)*(?:{_TOPS})/[\w./-]*?\.(?:py|md|sh|toml|txt|json|rst|csv))(?![\w/])"
 )
+#: A commit before a path (``5408468:`` or ``5408468^:``): the path is in that commit.
+_COMMIT = re.compile(r"(?<![\w./-])([0-9a-f]{7,40}\^?):$")
 #: The design file that lived outside the repository, cited by name.
 _OUTSIDE = re.compile(r"\bDESIGN(?:\.md)?\b|REVIEW-architecture|\bSTYLE\.md\b|\.\./shared/")
 
@@ -53,6 +56,15 @@ def _exists(target: str, source: Path) -> bool:
     return (source.parent / target).exists() or (REPO / target).exists()
 
 
+def _in_commit(target: str, commit: str) -> bool:
+    return (
+        subprocess.run(
+            ["git", "cat-file", "-e", f"{commit}:{target}"], cwd=REPO, capture_output=True
+        ).returncode
+        == 0
+    )
+
+
 def _dangling(path: Path) -> list[str]:
     text = path.read_text(errors="replace")
     found = []
@@ -64,7 +76,10 @@ def _dangling(path: Path) -> list[str]:
             if not _exists(target, path):
                 found.append(f"link {target}")
     for m in _PATH.finditer(text):
-        if not _exists(m.group(1), path):
+        commit = _COMMIT.search(text, max(0, m.start() - 42), m.start())
+        if commit and not _in_commit(m.group(1), commit.group(1)):
+            found.append(f"path {commit.group(0)}{m.group(1)}")
+        elif not commit and not _exists(m.group(1), path):
             found.append(f"path {m.group(1)}")
     for m in _OUTSIDE.finditer(text):
         found.append(f"outside the repository: {m.group(0)}")
@@ -80,6 +95,9 @@ def test_pointer_patterns_find_what_they_should() -> None:
         "docs/decisions/0001-x.md",
         "tests/pool/y.py",
     ]
+    assert _in_commit("benchmarks/diagnostics/child_imports.py", "5408468")
+    assert not _in_commit("benchmarks/no_such_file.py", "5408468")
+    assert _COMMIT.search("git show 5408468^:", 0, 18)
     assert _OUTSIDE.findall('(DESIGN.md "Worker health") DESIGN R13') == ["DESIGN.md", "DESIGN"]
 
 
