@@ -8,10 +8,12 @@ last user of an abandoned name removes it). Segments are allocated in full up fr
 pre-faulted, so a block costs no page fault when it is filled.
 
 Small blocks (up to :data:`LARGEST_SMALL`, powers of two from :data:`SMALLEST`) share
-:data:`SLAB`-byte segments; a larger array has a segment of its own, rounded up to
-:data:`LARGE_ROUND`. A block is reused once its creator's own views are gone (it is
-*retired*) and the kernel reports no lease on it, nor, under ``file_system``, a reference
-in flight.
+slabs: the first slab of a block size holds :data:`FIRST_SLAB_BLOCKS` blocks, each next
+one twice as many, up to :data:`SLAB` bytes (a process that sends a few small arrays, a
+data loader's worker sending labels, maps and pre-faults little); a larger array has a
+segment of its own, rounded up to :data:`LARGE_ROUND`. A block is reused once its
+creator's own views are gone (it is *retired*) and the kernel reports no lease on it, nor,
+under ``file_system``, a reference in flight.
 
 A *child* module.
 """
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     import weakref
 
 SLAB = 8 << 20
+FIRST_SLAB_BLOCKS = 4
 SMALLEST = 64 << 10
 LARGEST_SMALL = 1 << 20
 LARGE_ROUND = 2 << 20
@@ -44,6 +47,12 @@ POOL_LIMIT = 1 << 30
 #: past that the oldest is given away.
 IDLE_SEGMENTS = 32
 _MAX_RETIRED_CHECKS = 64
+
+
+def slab_bytes(block_size: int, slabs: int) -> int:
+    """The bytes of blocks in a new slab of ``block_size`` blocks when ``slabs`` of them
+    are held already: doubling from :data:`FIRST_SLAB_BLOCKS` blocks up to :data:`SLAB`."""
+    return min(SLAB, block_size * FIRST_SLAB_BLOCKS << min(slabs, 16))
 
 
 def block_size_for(nbytes: int) -> int:
@@ -165,7 +174,8 @@ class SegmentPool:
         first_segment()
         self.trim(POOL_LIMIT)
         named, bs = key
-        size = HEADER + (SLAB if bs <= LARGEST_SMALL else bs)
+        held = len(self.segments.get(key, ()))
+        size = HEADER + (slab_bytes(bs, held) if bs <= LARGEST_SMALL else bs)
         name = None
         if named:
             name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"
