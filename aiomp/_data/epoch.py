@@ -21,6 +21,7 @@ import anyio.abc
 
 from .._errors import BrokenWorkerError, QueueClosed
 from .._loop import is_cancellation
+from . import options as _options
 from . import worker as _worker
 from .sampling import derive
 
@@ -81,7 +82,7 @@ class Epoch:
         self.handed_out.add(self.last_k)
         self._request()
         if not ok:
-            raise value
+            raise _options.user_error(value)
         return self.loader.pinned(value)
 
     async def _receive(self) -> None:
@@ -163,6 +164,10 @@ class Epoch:
                 return await self._apply(_worker.build, (indices, seed))
             except BrokenWorkerError as exc:
                 last = exc  # the pool has replaced the worker: the batch again
+            except TimeoutError as exc:  # torch's RuntimeError too, with torch's text
+                timeout = self.loader.timeout
+                assert timeout is not None
+                raise note_batch(_options.timed_out(timeout, exc), k, indices) from exc
             except BaseException as exc:
                 if not is_cancellation(exc):
                     note_batch(exc, k, indices)

@@ -109,34 +109,22 @@ class DataLoader(SyncFace):
         env: Any = None,
     ) -> None:
         num_workers = _options.workers(num_workers)
+        timeout = _options.timeout_of(timeout)
+        prefetch = _options.prefetch(prefetch_factor, num_workers)
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
         self.map_style = is_map_style(dataset)
+        _options.check_sampling(
+            self.map_style, batch_size, shuffle, sampler, batch_sampler, drop_last
+        )
         if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                    "sampler, and drop_last"
-                )
             batch_size, drop_last = None, False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching and is mutually exclusive "
-                "with drop_last"
-            )
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if not self.map_style and (sampler is not None or batch_sampler is not None or shuffle):
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler, batch_sampler "
-                "and shuffle options"
-            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
-        self.prefetch_factor = _options.prefetch(prefetch_factor, num_workers)
-        self.timeout = _options.timeout_of(timeout)
+        self.prefetch_factor = prefetch
+        self.timeout = timeout
         self.max_retries = _options.retries(max_retries)
         self.in_order = in_order
         self.persistent_workers = persistent_workers  # workers persist anyway (see docs)
@@ -184,6 +172,7 @@ class DataLoader(SyncFace):
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
         self._batches: weakref.ref[Batches] | None = None  # its iterator (which holds us)
         self._entered = False  # num_workers=0: ``with`` / ``async with`` entered
+        self._reported_len: int | None = None  # ``len(self)`` last asked (iterable dataset)
         self._initialized = True
 
     #: What torch refuses to have assigned once the loader is made.
@@ -228,11 +217,25 @@ class DataLoader(SyncFace):
 
     def __len__(self) -> int:
         """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``),
-        read from ``len(dataset)`` each time, as torch's."""
+        read from ``len(dataset)`` each time, as torch's. As torch's, an iterable dataset
+        that then gives more batches than this warns (see :class:`~.options.LengthWatch`)."""
+        n = self._per_epoch()
+        if self.sampling is None:
+            self._reported_len = n
+        return n
+
+    def _per_epoch(self) -> int:
         if self.sampling is not None:
             return len(self.sampling)
         n = len(self.dataset)
         return n if self.batch_size is None else batch_count(n, self.batch_size, self.drop_last)
+
+    def _length_watch(self) -> _options.LengthWatch | None:
+        """What counts the batches of an iterable dataset's next iterator (None for a
+        map-style dataset, whose length is its sampler's)."""
+        if self.sampling is not None:
+            return None
+        return _options.LengthWatch(self._reported_len, self.num_workers, self.dataset)
 
     def pinned(self, batch: Any) -> Any:
         """``batch`` in page-locked memory where ``pin_memory`` and CUDA are there."""
@@ -297,7 +300,11 @@ class DataLoader(SyncFace):
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
         iterated from where it was). An iterable-style dataset restarts the stored epoch
         from its start (its iterators' positions live in the workers that ran them)."""
-        epoch, batches, seed, later = _options.checked_state(state, _options.length(self))
+        try:
+            per_epoch: int | None = self._per_epoch()
+        except TypeError:  # an iterable dataset with no len
+            per_epoch = None
+        epoch, batches, seed, later = _options.checked_state(state, per_epoch)
         self._abandon()  # an epoch in progress is left: ``state`` is where we are now
         self._close_batches()
         self.seed = seed
@@ -316,6 +323,7 @@ class DataLoader(SyncFace):
         cancellation nothing is left running. ``num_workers=0``: nothing to start."""
         if self.num_workers == 0:
             return self
+        _options.check_worker_count(self.num_workers)
         self._pool = pool = self._new_pool()
         try:
             await pool.__aenter__()
@@ -368,7 +376,10 @@ class DataLoader(SyncFace):
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
         if self._host is None and self.num_workers:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
-        return self._open_epoch()
+        epoch = self._open_epoch()
+        if isinstance(epoch, StreamEpoch):
+            epoch.watch = self._length_watch()
+        return epoch
 
     def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch:
         self._abandon()
@@ -386,6 +397,7 @@ class DataLoader(SyncFace):
         owner = cast("DataLoader", weakref.proxy(self))
         if self.num_workers == 0:
             current = LocalEpoch(owner, epoch, skip, self._builder, batches)
+            current.watch = self._length_watch()
             current.keep = self  # held by the consumer: the loader lives while it iterates
         elif batches is None:
             current = StreamEpoch(owner, epoch)

@@ -19,6 +19,7 @@ from .worker import Builder
 
 if TYPE_CHECKING:
     from .loader import DataLoader
+    from .options import LengthWatch
 
 
 class LocalEpoch:
@@ -41,6 +42,7 @@ class LocalEpoch:
         self.samples: Iterator[Any] | None = None
         self.ended = False
         self.keep: object = None  # the loader, while a sync consumer iterates
+        self.watch: LengthWatch | None = None  # an iterable dataset's batches, counted
 
     def __iter__(self) -> LocalEpoch:
         return self
@@ -77,6 +79,8 @@ class LocalEpoch:
         if not chunk or (len(chunk) < size and self.loader.drop_last):
             return self._end()
         self.handed_count += 1
+        if self.watch is not None:
+            self.watch.step()
         return True, self.loader.pinned(self.builder.chunk(chunk))
 
     def _end(self) -> tuple[bool, Any]:

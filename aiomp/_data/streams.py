@@ -14,8 +14,8 @@ yet taken comes twice, and its copy is dropped by its index. So the shard's batc
 the same as with no death, up to ``max_retries`` deaths per shard and epoch; past that,
 or where the dataset raised, the shard yields that error after its batches, then nothing
 more; the other shards go on. ``timeout`` bounds the wait for each batch: past it, the
-epoch's tasks are cancelled (their workers replaced by the Pool) and ``TimeoutError`` is
-raised.
+epoch's tasks are cancelled (their workers replaced by the Pool) and ``TimeoutError`` (also
+torch's ``RuntimeError``) is raised.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import anyio
 from .._errors import BrokenWorkerError, QueueClosed
 from .._loop import is_cancellation
 from .._queue.queue import Queue
+from . import options as _options
 from . import worker as _worker
 from .epoch import broken, receive
 
@@ -51,6 +52,9 @@ class StreamEpoch:
         self.done = False
         self.failures: dict[int, BaseException] = {}
         self.scopes = [anyio.CancelScope() for _ in range(n)]
+        #: Counts the batches handed out where this epoch is the consumer's iterator
+        #: (``async for``; the sync face counts its own).
+        self.watch: _options.LengthWatch | None = None
         for shard in range(n):
             loader.host_tg().start_soon(self._run, shard)
 
@@ -98,7 +102,9 @@ class StreamEpoch:
         self.handed_count += 1
         ok, value = got
         if not ok:
-            raise value
+            raise _options.user_error(value)
+        if self.watch is not None:
+            self.watch.step()
         return self.loader.pinned(value)
 
     async def _receive(self) -> None:
@@ -108,8 +114,8 @@ class StreamEpoch:
                 shard, j, batch = await self.queue.get()
         except TimeoutError as exc:
             self.close()
-            exc.add_note(f"aiomp.DataLoader: no batch of the iterable dataset in {timeout} s")
-            raise
+            assert timeout is not None
+            raise _options.timed_out(timeout, exc) from exc
         if shard in self.ends:
             return  # a replayed shard's second end
         if j == -1:

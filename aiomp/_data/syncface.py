@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
     from .epoch import Epoch
+    from .options import LengthWatch
     from .streams import StreamEpoch
 
 
@@ -41,6 +42,7 @@ class SyncFace:
 
         def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch: ...
         def _abandon(self) -> None: ...
+        def _length_watch(self) -> LengthWatch | None: ...
         async def __aenter__(self) -> Self: ...
         async def __aexit__(self, *exc_info: Any) -> None: ...
 
@@ -79,7 +81,11 @@ class SyncFace:
         try:
             portal.call(self.__aexit__, *exc_info)
         finally:
-            cm.__exit__(None, None, None)  # the loop has stopped: so has the pump
+            # Stop the private loop, cancelling what is left on it (a pump whose iterator
+            # was collected in a cycle before the loader), never waiting for it: given an
+            # exception, the portal's context manager cancels its remaining tasks.
+            stop = _Stop()
+            cm.__exit__(_Stop, stop, None)
             if self._handoff is not None:
                 self._handoff.items.clear()  # batches nobody will take
 
@@ -103,7 +109,7 @@ class SyncFace:
         pump = portal.start_task_soon(handoff.pump, _opener(weakref.ref(self)))
         # The iterator holds the loader (``for b in DataLoader(...)`` keeps it alive), the
         # loader holds the iterator weakly: dropping both collects the loader at once.
-        batches = Batches(handoff, pump, self)
+        batches = Batches(handoff, pump, self, self._length_watch())
         self._batches = weakref.ref(batches)
         return batches
 
@@ -144,3 +150,8 @@ def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], Epoch | StreamEpoch]:
         return loader._workers_epoch()
 
     return open_epoch
+
+
+class _Stop(Exception):
+    """Thrown into the private loop's context manager as the loader leaves, so that it
+    cancels its remaining tasks (it returns without raising it)."""

@@ -118,7 +118,7 @@ def _seed(seed: int) -> None:
     """Seed the RNGs a sample may use, and point torch's worker record at ours."""
     info = _state.info
     assert info is not None
-    info.seed = seed
+    _info.update(info, seed=seed)
     reseed(seed)
     # torch's get_worker_info() returns this module global: ours has the same names.
     twi = sys.modules.get("torch.utils.data._utils.worker")
@@ -161,8 +161,9 @@ def stream(
 
     info = _state.info
     assert info is not None
-    own, info.id = info.id, shard
-    info.dataset = dataset = _shard_dataset(shard, own)
+    own = info.id
+    dataset = _shard_dataset(shard, own)
+    _info.update(info, id=shard, dataset=dataset)
     try:
         _seed(derive(seed, epoch, shard, 0))
         samples = iter(dataset)
@@ -178,7 +179,7 @@ def stream(
     except QueueClosed:
         pass
     finally:
-        info.id, info.dataset = own, _state.builder.dataset
+        _info.update(info, id=own, dataset=_state.builder.dataset)
 
 
 def _shard_dataset(shard: int, own: int) -> Any:
