@@ -27,7 +27,7 @@ from .sampling import (
     batch_count,
     is_map_style,
 )
-from .streams import StreamEpoch
+from .streams import Position, StreamEpoch, checked_shards, resumable
 from .syncface import SyncFace
 from .worker import Builder
 from .worker import init as _init_worker
@@ -164,6 +164,9 @@ class DataLoader(SyncFace):
         self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
         self._current: Epoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
+        #: An iterable dataset's shards' start (streams.Position): from a state dict, or
+        #: the states their datasets ended the last epoch in.
+        self._resume: Position | None = None
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
         self._drained: anyio.Event | None = None  # set when in_flight comes back to 0
@@ -258,6 +261,7 @@ class DataLoader(SyncFace):
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
         self._next_epoch, self._skip, self._later = int(epoch), 0, ()
+        self._resume = None
         self._handoff = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -278,10 +282,28 @@ class DataLoader(SyncFace):
         state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
         if later:  # in_order=False: batches handed out past ``batches``
             state["later"] = sorted(later)
+        shards = self._shards(current, handed)
+        if shards is not None:
+            state["shards"] = shards
         user = None if self.sampling is None else self.sampling.user_sampler()
         if user is not None and hasattr(user, "state_dict"):
             state["sampler"] = user.state_dict()
         return state
+
+    def _shards(
+        self, current: Epoch | StreamEpoch | LocalEpoch | None, handed: Handed
+    ) -> Position | None:
+        """Where an iterable dataset's shards are (see :func:`~.streams.resumable`): in
+        the epoch being iterated, at the consumer's batch; between epochs, the states
+        their datasets ended in. None where they keep no state (the epoch replays)."""
+        if isinstance(current, StreamEpoch):
+            position = current.position_at(handed.prefix) if self._handoff else None
+            position = current.position() if position is None else position
+        elif isinstance(current, LocalEpoch) and current.batches is None:
+            position = current.position()
+        else:
+            position = self._resume
+        return position if resumable(position) else None
 
     def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, Handed]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
@@ -312,6 +334,7 @@ class DataLoader(SyncFace):
         self._next_epoch = epoch
         self._skip = batches  # an iterable dataset replays the epoch (see above)
         self._later = later
+        self._resume = checked_shards(state.get("shards"), max(self.num_workers, 1))
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
@@ -385,22 +408,23 @@ class DataLoader(SyncFace):
         self._abandon()
         epoch, skip, later = self._next_epoch, self._skip, self._later
         self._next_epoch, self._skip, self._later = epoch + 1, 0, ()
+        resume, self._resume = self._resume, None
         batches = None
         if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
         current: Epoch | StreamEpoch | LocalEpoch
         if batches is None:
-            skip = 0  # an iterable dataset's epoch is replayed from its start
+            skip = 0  # an iterable dataset's epoch resumes by its shards' states, or replays
         # The epoch (and its tasks) hold the loader weakly: a loader dropped by its user
         # is collected at once, and stops its workers (see SyncFace.__del__).
         owner = cast("DataLoader", weakref.proxy(self))
         if self.num_workers == 0:
-            current = LocalEpoch(owner, epoch, skip, self._builder, batches)
+            current = LocalEpoch(owner, epoch, skip, self._builder, batches, resume)
             current.watch = self._length_watch()
             current.keep = self  # held by the consumer: the loader lives while it iterates
         elif batches is None:
-            current = StreamEpoch(owner, epoch)
+            current = StreamEpoch(owner, epoch, resume)
         else:
             # Per-slot feed tasks; with timeout=, a Pool task per batch (the Pool times it).
             kind = Epoch if self.timeout is not None else FeedEpoch
@@ -428,6 +452,8 @@ class DataLoader(SyncFace):
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
+        if not isinstance(epoch, Epoch):  # (an iterable dataset's, or num_workers=0)
+            self._resume = epoch.carried()  # the next epoch starts from its datasets' states
 
 
 #: How long leaving the loader waits for batches still being built before it stops their
