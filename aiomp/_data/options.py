@@ -8,6 +8,7 @@ worker starts.
 
 from __future__ import annotations
 
+import copy
 import operator
 import os
 import secrets
@@ -122,14 +123,19 @@ def user_error(exc: BaseException) -> BaseException:
     worker = exc.__cause__
     if not isinstance(worker, BrokenWorkerError) or not isinstance(worker.__cause__, Exception):
         return exc
-    raised = worker.__cause__
-    note = (
+    # A copy: the pool keeps the original, which the tracebacks of each raise would
+    # otherwise grow on, holding the consumer's frames (and the loader) alive.
+    try:
+        raised = copy.copy(worker.__cause__)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied: the pool's
+        return exc
+    raised.__cause__ = worker.__cause__.__cause__  # the worker's traceback
+    raised.__notes__ = [
+        *getattr(worker.__cause__, "__notes__", ()),
         "aiomp.DataLoader: raised by the workers' initializer (worker_init_fn, or the "
         f"dataset's unpickling) in worker {worker.error_index}: the loader's workers cannot "
-        "start"
-    )
-    if note not in getattr(raised, "__notes__", ()):
-        raised.add_note(note)
+        "start",
+    ]
     return raised
 
 
