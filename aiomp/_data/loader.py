@@ -327,8 +327,11 @@ class DataLoader(SyncFace):
         except TypeError:  # an iterable dataset with no len
             per_epoch = None
         epoch, batches, seed, later = _options.checked_state(state, per_epoch)
-        self._abandon()  # an epoch in progress is left: ``state`` is where we are now
-        self._close_batches()
+        self._close_batches()  # an epoch in progress is left: ``state`` is where we are now
+        if self._portal is not None:
+            self._portal.call(self._abandon)  # (its cancel scopes are the private loop's)
+        else:
+            self._abandon()
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
