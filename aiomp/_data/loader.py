@@ -27,7 +27,7 @@ from .sampling import (
     batch_count,
     is_map_style,
 )
-from .streams import Position, StreamEpoch, checked_shards, resumable
+from .streams import Position, StreamEpoch, checked_shards, shards_at
 from .syncface import SyncFace
 from .worker import Builder
 from .worker import init as _init_worker
@@ -233,13 +233,6 @@ class DataLoader(SyncFace):
         n = len(self.dataset)
         return n if self.batch_size is None else batch_count(n, self.batch_size, self.drop_last)
 
-    def _length_watch(self) -> _options.LengthWatch | None:
-        """What counts the batches of an iterable dataset's next iterator (None for a
-        map-style dataset, whose length is its sampler's)."""
-        if self.sampling is not None:
-            return None
-        return _options.LengthWatch(self._reported_len, self.num_workers, self.dataset)
-
     def pinned(self, batch: Any) -> Any:
         """``batch`` in page-locked memory where ``pin_memory`` and CUDA are there."""
         return batch if self._pin is None else _options.pin_batch(batch)
@@ -266,8 +259,9 @@ class DataLoader(SyncFace):
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as a small picklable dict: ``epoch``, ``batches`` (handed
-        out of it so far), ``seed``, and ``sampler`` (a user sampler's ``state_dict()``,
-        if it has one). Taken inside an epoch, it points at the next batch of it; taken
+        out of it so far), ``seed``, ``sampler`` (a user sampler's ``state_dict()``, if it
+        has one), and ``shards`` (an iterable dataset's per-worker states, where its
+        dataset or iterator has ``state_dict()``). Taken inside an epoch, it points at the next batch of it; taken
         after, at the start of the next epoch."""
         current, handed = self._position()
         later: Iterable[int] = ()
@@ -282,28 +276,13 @@ class DataLoader(SyncFace):
         state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
         if later:  # in_order=False: batches handed out past ``batches``
             state["later"] = sorted(later)
-        shards = self._shards(current, handed)
+        shards = shards_at(current, handed.prefix, self._resume, self._handoff is not None)
         if shards is not None:
             state["shards"] = shards
         user = None if self.sampling is None else self.sampling.user_sampler()
         if user is not None and hasattr(user, "state_dict"):
             state["sampler"] = user.state_dict()
         return state
-
-    def _shards(
-        self, current: Epoch | StreamEpoch | LocalEpoch | None, handed: Handed
-    ) -> Position | None:
-        """Where an iterable dataset's shards are (see :func:`~.streams.resumable`): in
-        the epoch being iterated, at the consumer's batch; between epochs, the states
-        their datasets ended in. None where they keep no state (the epoch replays)."""
-        if isinstance(current, StreamEpoch):
-            position = current.position_at(handed.prefix) if self._handoff else None
-            position = current.position() if position is None else position
-        elif isinstance(current, LocalEpoch) and current.batches is None:
-            position = current.position()
-        else:
-            position = self._resume
-        return position if resumable(position) else None
 
     def _position(self) -> tuple[Epoch | StreamEpoch | LocalEpoch | None, Handed]:
         """The epoch being iterated (None between epochs) and its batches handed out; in
@@ -320,8 +299,10 @@ class DataLoader(SyncFace):
         for`` / ``for`` starts at its next batch, with its seed, whatever ``num_workers``.
         The skipped batches are not built (their sample indices are skipped in the
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
-        iterated from where it was). An iterable-style dataset restarts the stored epoch
-        from its start (its iterators' positions live in the workers that ran them)."""
+        iterated from where it was). An iterable-style dataset whose dataset (or iterator)
+        has ``load_state_dict`` resumes each worker's share at its next batch, as
+        torchdata's ``StatefulDataLoader`` (with the same ``num_workers``); one with none
+        replays the stored epoch from its start (docs/decisions/0085-loader-torch-compat.md)."""
         try:
             per_epoch: int | None = self._per_epoch()
         except TypeError:  # an iterable dataset with no len

@@ -16,6 +16,12 @@ or where the dataset raised, the shard yields that error after its batches, then
 more; the other shards go on. ``timeout`` bounds the wait for each batch: past it, the
 epoch's tasks are cancelled (their workers replaced by the Pool) and ``TimeoutError`` (also
 torch's ``RuntimeError``) is raised.
+
+Resume (docs/decisions/0085-loader-torch-compat.md): with each batch, a shard sends its
+dataset's (and iterator's) state after it, where they have ``state_dict()``; the consumer
+keeps, per shard, the state of the last batch it handed out (:meth:`StreamEpoch.position`),
+and a resumed shard loads it and goes on at its next batch. At its end a shard sends its
+final state, which its next epoch starts from.
 """
 
 from __future__ import annotations
@@ -53,6 +59,24 @@ def resumable(position: Position | None) -> bool:
         shard["ended"] or shard["state"] is not None or not shard["batches"]
         for shard in position["shards"]
     )
+
+
+def shards_at(
+    current: object, handed: int, between: Position | None, sync: bool
+) -> Position | None:
+    """What a loader's state holds of an iterable dataset's shards: in the epoch being
+    iterated (``current``), their position at the consumer's ``handed``-th batch (``sync``:
+    the consumer is behind the epoch, by its handoff); between epochs, ``between`` (the
+    states their datasets ended in). None where they keep no state (the epoch replays)."""
+    from .local import LocalEpoch
+
+    position: Position | None = between
+    if isinstance(current, StreamEpoch):
+        position = current.position_at(handed) if sync else None
+        position = current.position() if position is None else position
+    elif isinstance(current, LocalEpoch) and current.batches is None:
+        position = current.position()
+    return position if resumable(position) else None
 
 
 def checked_shards(shards: object, n: int) -> Position | None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Self
 
 from .._loop import running_asyncio_loop, trio_running
+from . import options as _options
 from .handoff import OPEN, Batches, Handoff, opened
 from .local import LocalEpoch
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
     from .epoch import Epoch
-    from .options import LengthWatch
+    from .sampling import Sampling
     from .streams import StreamEpoch
 
 
@@ -37,12 +38,14 @@ class SyncFace:
     _portal_cm: Any
     _handoff: Handoff | None
     _batches: weakref.ref[Batches] | None
+    sampling: Sampling | None
+    dataset: Any
+    _reported_len: int | None
 
     if TYPE_CHECKING:  # the loader's, used here
 
         def _open_epoch(self) -> Epoch | StreamEpoch | LocalEpoch: ...
         def _abandon(self) -> None: ...
-        def _length_watch(self) -> LengthWatch | None: ...
         async def __aenter__(self) -> Self: ...
         async def __aexit__(self, *exc_info: Any) -> None: ...
 
@@ -112,6 +115,13 @@ class SyncFace:
         batches = Batches(handoff, pump, self, self._length_watch())
         self._batches = weakref.ref(batches)
         return batches
+
+    def _length_watch(self) -> _options.LengthWatch | None:
+        """What counts the batches of an iterable dataset's next iterator (None for a
+        map-style dataset, whose length is its sampler's)."""
+        if self.sampling is not None:
+            return None
+        return _options.LengthWatch(self._reported_len, self.num_workers, self.dataset)
 
     def _close_batches(self) -> None:
         """Stop the pump of the current sync iterator, if any."""
