@@ -219,9 +219,8 @@ class DataLoader(SyncFace):
         return BuiltinBatchSampler(self.sampler, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``),
-        read from ``len(dataset)`` each time, as torch's. As torch's, an iterable dataset
-        that then gives more batches than this warns (see :class:`~.options.LengthWatch`)."""
+        """Batches per epoch, from ``len(dataset)`` each time, as torch's (an iterable
+        dataset giving more than this then warns: :class:`~.options.LengthWatch`)."""
         n = self._per_epoch()
         if self.sampling is None:
             self._reported_len = n
@@ -261,8 +260,8 @@ class DataLoader(SyncFace):
         """Where the loader is, as a small picklable dict: ``epoch``, ``batches`` (handed
         out of it so far), ``seed``, ``sampler`` (a user sampler's ``state_dict()``, if it
         has one), and ``shards`` (an iterable dataset's per-worker states, where its
-        dataset or iterator has ``state_dict()``). Taken inside an epoch, it points at the next batch of it; taken
-        after, at the start of the next epoch."""
+        dataset or iterator has ``state_dict()``). Taken inside an epoch, it points at the
+        next batch of it; taken after, at the start of the next epoch."""
         current, handed = self._position()
         later: Iterable[int] = ()
         if current is not None and not (
@@ -308,11 +307,8 @@ class DataLoader(SyncFace):
         except TypeError:  # an iterable dataset with no len
             per_epoch = None
         epoch, batches, seed, later = _options.checked_state(state, per_epoch)
-        self._close_batches()  # an epoch in progress is left: ``state`` is where we are now
-        if self._portal is not None:
-            self._portal.call(self._abandon)  # (its cancel scopes are the private loop's)
-        else:
-            self._abandon()
+        self._close_batches()  # an epoch in progress is left (on its loop): ``state`` rules
+        self._abandon() if self._portal is None else self._portal.call(self._abandon)
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
