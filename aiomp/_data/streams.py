@@ -123,7 +123,7 @@ class StreamEpoch:
         self.ready: dict[tuple[int, int], tuple[bool, Any, Any]] = {}
         self.next_j = list(self.first)  # the next batch of each shard to hand out
         self.turn = 0 if resume is None else int(resume.get("turn", 0)) % n
-        self.handed_count = 0
+        self.handed_count = sum(self.first)  # the epoch's items handed out, resumed ones too
         self.done = False
         self.failures: dict[int, BaseException] = {}
         self.scopes = [anyio.CancelScope() for _ in range(n)]

@@ -60,7 +60,10 @@ def test_a_stateful_iterable_dataset_resumes_mid_epoch(num_workers: int, kind: t
     try:
         second.load_state_dict(state)
         assert second.state_dict() == state
-        got += list(second)
+        it = iter(second)
+        got.append(next(it))
+        assert second.state_dict()["batches"] == 8  # the epoch's count, resumed ones too
+        got += list(it)
     finally:
         second.close()
     assert _values(got) == _values(expected) and len(got) == 15
@@ -108,8 +111,13 @@ async def test_async_for_resumes_a_stateful_iterable_dataset() -> None:
                 states.append(loader.state_dict())
         async with _loader(Positional([4, 4]), 2) as resumed:
             resumed.load_state_dict(states[4])
-            rest = [tuple(s) async for s in resumed]
+            rest = []
+            async for sample in resumed:
+                rest.append(tuple(sample))
+                if len(rest) == 1:  # the same state as the first run's at the same batch
+                    assert resumed.state_dict() == states[5]
     assert got[:5] + rest == got
+    assert states[4]["batches"] == 5
 
 
 def test_a_dataset_keeping_no_state_replays_its_epoch() -> None:
