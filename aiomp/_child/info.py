@@ -15,24 +15,42 @@ import os
 class WorkerInfo:
     """torch's ``WorkerInfo`` names: ``id`` (the worker's slot ``0..n-1``, or a spawned
     child's rank), ``num_workers``, ``seed`` and ``dataset`` (a DataLoader's: the seed of
-    the batch being built and the loader's dataset; None elsewhere), plus ``pid``."""
+    the batch being built and the loader's dataset; None elsewhere), plus ``pid``.
+
+    Read-only, as torch's: assigning an attribute raises RuntimeError (only aiomp's own
+    worker code moves ``seed``, ``id`` and ``dataset``, through :func:`update`)."""
 
     __slots__ = ("dataset", "id", "num_workers", "pid", "seed")
+
+    id: int
+    num_workers: int
+    seed: int | None
+    dataset: object
+    pid: int
 
     def __init__(
         self, id: int, num_workers: int, seed: int | None = None, dataset: object = None
     ) -> None:
-        self.id = id
-        self.num_workers = num_workers
-        self.seed = seed
-        self.dataset = dataset
-        self.pid = os.getpid()
+        update(self, id=id, num_workers=num_workers, seed=seed, dataset=dataset, pid=os.getpid())
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise RuntimeError(f"Cannot assign attributes to {type(self).__name__} objects")
+
+    def __delattr__(self, name: str) -> None:
+        raise RuntimeError(f"Cannot delete attributes of {type(self).__name__} objects")
 
     def __repr__(self) -> str:
         return (
             f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, seed={self.seed}, "
             f"pid={self.pid})"
         )
+
+
+def update(info: WorkerInfo, **fields: object) -> None:
+    """Set ``fields`` of ``info`` (aiomp's worker code: a DataLoader worker moves ``seed``
+    per batch, and ``id`` and ``dataset`` per shard of an iterable dataset)."""
+    for name, value in fields.items():
+        object.__setattr__(info, name, value)
 
 
 _info: WorkerInfo | None = None

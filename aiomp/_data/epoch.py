@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import anyio
 
 from .._errors import QueueClosed
+from . import options as _options
 from .feeds import Feeds, Host
 
 
@@ -97,7 +98,7 @@ class MapEpoch:
         self.handed_out.add(self.last_k)
         self._request()
         if not ok:
-            raise value
+            raise _options.user_error(value)
         return self.loader.pinned(value)
 
     async def _receive(self) -> None:

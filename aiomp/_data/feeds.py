@@ -40,6 +40,7 @@ from .._loop import is_cancellation
 from .._pool.tasks import fn_info
 from .._pool.workers import never_ahead
 from .._queue.queue import Empty, Queue
+from . import options as _options
 from . import worker as _worker
 from .sampling import derive
 
@@ -215,7 +216,9 @@ class Feeds:
         assert late is not None
         slot = late[1]
         k, indices = self.owed[slot].popleft()
-        exc = TimeoutError(
+        assert self.timeout is not None
+        exc = _options.timed_out(self.timeout)  # torch's RuntimeError too, with its text
+        exc.add_note(
             f"aiomp.DataLoader: batch {k} was not built within {self.timeout} s; its worker "
             "was terminated and replaced (its stack: the 'aiomp' logger's INFO line)"
         )

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import concurrent.futures
     from collections.abc import Callable
 
+    from .options import LengthWatch
     from .streams import StreamEpoch
 
 
@@ -154,11 +155,16 @@ class Batches:
     pump."""
 
     def __init__(
-        self, handoff: Handoff, pump: concurrent.futures.Future[None], owner: object
+        self,
+        handoff: Handoff,
+        pump: concurrent.futures.Future[None],
+        owner: object,
+        watch: LengthWatch | None = None,
     ) -> None:
         self.handoff = handoff
         self.pump: concurrent.futures.Future[None] | None = pump
         self.owner: object = owner  # the loader: alive while its iterator is
+        self.watch = watch  # an iterable dataset's batches, counted as they are handed out
 
     def __iter__(self) -> Batches:
         return self
@@ -172,6 +178,8 @@ class Batches:
             raise StopIteration
         if kind is Kind.ERROR:
             raise value
+        if self.watch is not None:
+            self.watch.step()
         return value
 
     def close(self) -> None:

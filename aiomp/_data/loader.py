@@ -26,7 +26,7 @@ from .sampling import (
     batch_count,
     is_map_style,
 )
-from .streams import StreamEpoch
+from .streams import Position, StreamEpoch, checked_shards, shards_at
 from .syncface import SyncFace
 from .worker import Builder
 from .worker import init as _init_worker
@@ -109,34 +109,22 @@ class DataLoader(SyncFace):
         env: Any = None,
     ) -> None:
         num_workers = _options.workers(num_workers)
+        timeout = _options.timeout_of(timeout)
+        prefetch = _options.prefetch(prefetch_factor, num_workers)
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
         self.map_style = is_map_style(dataset)
+        _options.check_sampling(
+            self.map_style, batch_size, shuffle, sampler, batch_sampler, drop_last
+        )
         if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError(
-                    "batch_sampler option is mutually exclusive with batch_size, shuffle, "
-                    "sampler, and drop_last"
-                )
             batch_size, drop_last = None, False
-        elif batch_size is None and drop_last:
-            raise ValueError(
-                "batch_size=None option disables auto-batching and is mutually exclusive "
-                "with drop_last"
-            )
-        if sampler is not None and shuffle:
-            raise ValueError("sampler option is mutually exclusive with shuffle")
-        if not self.map_style and (sampler is not None or batch_sampler is not None or shuffle):
-            raise ValueError(
-                "DataLoader with IterableDataset: expected unspecified sampler, batch_sampler "
-                "and shuffle options"
-            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_workers = num_workers
-        self.prefetch_factor = _options.prefetch(prefetch_factor, num_workers)
-        self.timeout = _options.timeout_of(timeout)
+        self.prefetch_factor = prefetch
+        self.timeout = timeout
         self.max_retries = _options.retries(max_retries)
         self.in_order = in_order
         self.persistent_workers = persistent_workers  # workers persist anyway (see docs)
@@ -176,6 +164,9 @@ class DataLoader(SyncFace):
         self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
         self._current: MapEpoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
+        #: An iterable dataset's shards' start (streams.Position): from a state dict, or
+        #: the states their datasets ended the last epoch in.
+        self._resume: Position | None = None
         #: Batch requests running (of any epoch): leaving with some terminates workers.
         self.in_flight = 0
         self._drained: anyio.Event | None = None  # set when in_flight comes back to 0
@@ -184,6 +175,7 @@ class DataLoader(SyncFace):
         self._handoff: Handoff | None = None  # the sync face's current epoch, if any
         self._batches: weakref.ref[Batches] | None = None  # its iterator (which holds us)
         self._entered = False  # num_workers=0: ``with`` / ``async with`` entered
+        self._reported_len: int | None = None  # ``len(self)`` last asked (iterable dataset)
         self._initialized = True
 
     #: What torch refuses to have assigned once the loader is made.
@@ -227,8 +219,14 @@ class DataLoader(SyncFace):
         return BuiltinBatchSampler(self.sampler, self.batch_size, self.drop_last)
 
     def __len__(self) -> int:
-        """Batches per epoch (a map-style dataset, or an iterable one with ``__len__``),
-        read from ``len(dataset)`` each time, as torch's."""
+        """Batches per epoch, from ``len(dataset)`` each time, as torch's (an iterable
+        dataset giving more than this then warns: :class:`~.options.LengthWatch`)."""
+        n = self._per_epoch()
+        if self.sampling is None:
+            self._reported_len = n
+        return n
+
+    def _per_epoch(self) -> int:
         if self.sampling is not None:
             return len(self.sampling)
         n = len(self.dataset)
@@ -255,13 +253,15 @@ class DataLoader(SyncFace):
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``async for`` / ``for`` iterate ``epoch`` (from its start)."""
         self._next_epoch, self._skip, self._later = int(epoch), 0, ()
+        self._resume = None
         self._handoff = None
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader is, as a small picklable dict: ``epoch``, ``batches`` (handed
-        out of it so far), ``seed``, and ``sampler`` (a user sampler's ``state_dict()``,
-        if it has one). Taken inside an epoch, it points at the next batch of it; taken
-        after, at the start of the next epoch."""
+        out of it so far), ``seed``, ``sampler`` (a user sampler's ``state_dict()``, if it
+        has one), and ``shards`` (an iterable dataset's per-worker states, where its
+        dataset or iterator has ``state_dict()``). Taken inside an epoch, it points at the
+        next batch of it; taken after, at the start of the next epoch."""
         current, handed = self._position()
         later: Iterable[int] = ()
         if current is not None and not (
@@ -275,6 +275,9 @@ class DataLoader(SyncFace):
         state: dict[str, Any] = {"epoch": epoch, "batches": batches, "seed": self.seed}
         if later:  # in_order=False: batches handed out past ``batches``
             state["later"] = sorted(later)
+        shards = shards_at(current, handed.prefix, self._resume, self._handoff is not None)
+        if shards is not None:
+            state["shards"] = shards
         user = None if self.sampling is None else self.sampling.user_sampler()
         if user is not None and hasattr(user, "state_dict"):
             state["sampler"] = user.state_dict()
@@ -295,16 +298,23 @@ class DataLoader(SyncFace):
         for`` / ``for`` starts at its next batch, with its seed, whatever ``num_workers``.
         The skipped batches are not built (their sample indices are skipped in the
         sampler's order; a user sampler with ``load_state_dict`` is restored instead and
-        iterated from where it was). An iterable-style dataset restarts the stored epoch
-        from its start (its iterators' positions live in the workers that ran them)."""
-        epoch, batches, seed, later = _options.checked_state(state, _options.length(self))
-        self._abandon()  # an epoch in progress is left: ``state`` is where we are now
-        self._close_batches()
+        iterated from where it was). An iterable-style dataset whose dataset (or iterator)
+        has ``load_state_dict`` resumes each worker's share at its next batch, as
+        torchdata's ``StatefulDataLoader`` (with the same ``num_workers``); one with none
+        replays the stored epoch from its start (docs/decisions/0085-loader-torch-compat.md)."""
+        try:
+            per_epoch: int | None = self._per_epoch()
+        except TypeError:  # an iterable dataset with no len
+            per_epoch = None
+        epoch, batches, seed, later = _options.checked_state(state, per_epoch)
+        self._close_batches()  # an epoch in progress is left (on its loop): ``state`` rules
+        self._abandon() if self._portal is None else self._portal.call(self._abandon)
         self.seed = seed
         self._handoff = None
         self._next_epoch = epoch
         self._skip = batches  # an iterable dataset replays the epoch (see above)
         self._later = later
+        self._resume = checked_shards(state.get("shards"), max(self.num_workers, 1))
         user = None if self.sampling is None else self.sampling.user_sampler()
         if "sampler" in state and user is not None and hasattr(user, "load_state_dict"):
             user.load_state_dict(state["sampler"])
@@ -316,6 +326,7 @@ class DataLoader(SyncFace):
         cancellation nothing is left running. ``num_workers=0``: nothing to start."""
         if self.num_workers == 0:
             return self
+        _options.check_worker_count(self.num_workers)
         method = self._start_method or _options.safe_start_method(self.dataset)
         self._pool = pool = self._new_pool(start_method=method)
         try:
@@ -369,27 +380,32 @@ class DataLoader(SyncFace):
         """The next epoch (or the one :meth:`set_epoch` named), as an async iterator."""
         if self._host is None and self.num_workers:
             raise RuntimeError("use `async with loader:` (or `with loader:`) before iterating")
-        return self._open_epoch()
+        epoch = self._open_epoch()
+        if isinstance(epoch, StreamEpoch):
+            epoch.watch = self._length_watch()
+        return epoch
 
     def _open_epoch(self) -> MapEpoch | StreamEpoch | LocalEpoch:
         self._abandon()
         epoch, skip, later = self._next_epoch, self._skip, self._later
         self._next_epoch, self._skip, self._later = epoch + 1, 0, ()
+        resume, self._resume = self._resume, None
         batches = None
         if self.sampling is not None:
             from_sampler, self._skip_sampler = self._skip_sampler, False
             batches = self.sampling.batches(self.seed, epoch, 0 if from_sampler else skip)
         current: MapEpoch | StreamEpoch | LocalEpoch
         if batches is None:
-            skip = 0  # an iterable dataset's epoch is replayed from its start
+            skip = 0  # an iterable dataset's epoch resumes by its shards' states, or replays
         # The epoch (and its tasks) hold the loader weakly: a loader dropped by its user
         # is collected at once, and stops its workers (see SyncFace.__del__).
         owner = cast("DataLoader", weakref.proxy(self))
         if self.num_workers == 0:
-            current = LocalEpoch(owner, epoch, skip, self._builder, batches)
+            current = LocalEpoch(owner, epoch, skip, self._builder, batches, resume)
+            current.watch = self._length_watch()
             current.keep = self  # held by the consumer: the loader lives while it iterates
         elif batches is None:
-            current = StreamEpoch(owner, epoch)
+            current = StreamEpoch(owner, epoch, resume)
         else:
             current = MapEpoch(owner, epoch, skip, batches, later)
         self._current = current
@@ -415,6 +431,8 @@ class DataLoader(SyncFace):
         """Called by ``epoch`` at its end."""
         if self._current is epoch:
             self._current = None
+        if isinstance(epoch, (StreamEpoch, LocalEpoch)):  # (not a map-style's with workers)
+            self._resume = epoch.carried()  # the next epoch starts from its datasets' states
 
 
 #: How long leaving the loader waits for batches still being built before it stops their

@@ -8,10 +8,13 @@ worker starts.
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
+import os
 import secrets
 import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
@@ -34,6 +37,42 @@ def workers(num_workers: object) -> int:
     return n
 
 
+def check_sampling(
+    map_style: bool,
+    batch_size: int | None,
+    shuffle: bool | None,
+    sampler: object,
+    batch_sampler: object,
+    drop_last: bool,
+) -> None:
+    """torch's checks of the sampling arguments, in torch's order and words (the first
+    that fails is the one torch names)."""
+    if not map_style:
+        given = (
+            ("shuffle", shuffle, shuffle not in (None, False)),
+            ("sampler", sampler, sampler is not None),
+            ("batch_sampler", batch_sampler, batch_sampler is not None),
+        )
+        for name, value, bad in given:
+            if bad:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified {name} option, "
+                    f"but got {name}={value!r}"
+                )
+    if sampler is not None and shuffle:
+        raise ValueError("sampler option is mutually exclusive with shuffle")
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler option is mutually exclusive with batch_size, shuffle, "
+                "sampler, and drop_last"
+            )
+    elif batch_size is None and drop_last:
+        raise ValueError(
+            "batch_size=None option disables auto-batching and is mutually exclusive with drop_last"
+        )
+
+
 def prefetch(prefetch_factor: object, num_workers: int) -> int:
     """torch's rule: ``None`` is 2 with workers; any other value needs workers."""
     if num_workers == 0:
@@ -54,6 +93,49 @@ def timeout_of(timeout: float | None) -> float | None:
     if timeout < 0:
         raise ValueError("timeout option should be non-negative")
     return float(timeout) or None
+
+
+class LoaderTimeout(TimeoutError, RuntimeError):
+    """No batch within the loader's ``timeout``: a ``TimeoutError`` (aiomp's, as
+    ``anyio.fail_after`` and ``Pool.apply(timeout=)`` raise) that is also torch's
+    ``RuntimeError`` with torch's text, so ``except RuntimeError`` code written for torch's
+    loader catches it (docs/decisions/0085-loader-torch-compat.md)."""
+
+
+def timed_out(timeout: float, cause: BaseException | None = None) -> LoaderTimeout:
+    """The error of a batch not built within ``timeout`` seconds (``cause``: the wait's
+    own error), with torch's message."""
+    err = LoaderTimeout(f"DataLoader timed out after {timeout:g} seconds")
+    err.__cause__ = cause
+    return err
+
+
+def user_error(exc: BaseException) -> BaseException:
+    """What a batch's failure raises to the consumer: ``exc``, except where the workers'
+    initializer raised (``worker_init_fn``, or the dataset that cannot be rebuilt in a
+    worker): that exception itself, as torch raises it (the pool's ``BrokenPoolError``
+    wraps it twice), with a note; the worker's traceback is its ``__cause__``."""
+    from .._errors import BrokenPoolError, BrokenWorkerError
+
+    if not isinstance(exc, BrokenPoolError):
+        return exc
+    worker = exc.__cause__
+    if not isinstance(worker, BrokenWorkerError) or not isinstance(worker.__cause__, Exception):
+        return exc
+    # A copy: the pool keeps the original, which the tracebacks of each raise would
+    # otherwise grow on, holding the consumer's frames (and the loader) alive.
+    try:
+        raised = copy.copy(worker.__cause__)
+    except Exception:  # noqa: BLE001 - an exception that cannot be copied: the pool's
+        return exc
+    raised.__cause__ = worker.__cause__.__cause__  # the worker's traceback
+    raised.__notes__ = [
+        *getattr(worker.__cause__, "__notes__", ()),
+        "aiomp.DataLoader: raised by the workers' initializer (worker_init_fn, or the "
+        f"dataset's unpickling) in worker {worker.error_index}: the loader's workers cannot "
+        "start",
+    ]
+    return raised
 
 
 def start_method_of(context: object, start_method: str | None, num_workers: int) -> str | None:
@@ -110,6 +192,52 @@ def safe_start_method(dataset: object) -> str:
     return "forkserver"
 
 
+def check_worker_count(num_workers: int) -> None:
+    """torch's warning (a ``UserWarning``, in torch's words) where the loader will start
+    more workers than the CPUs this process may run on."""
+    cpus = len(os.sched_getaffinity(0))
+    if num_workers > cpus:
+        warnings.warn(
+            f"This DataLoader will create {num_workers} worker processes in total. Our "
+            f"suggested max number of worker in current system is {cpus}, which is smaller "
+            "than what this DataLoader is going to create. Please be aware that excessive "
+            "worker creation might get DataLoader running slow or even freeze, lower the "
+            "worker number to avoid potential slowness/freeze if necessary.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+class LengthWatch:
+    """torch's warning where an iterable dataset gives more batches than ``len(loader)``
+    said, once the loader's length was asked (an iterable dataset not split by
+    ``get_worker_info()`` gives its samples once per worker). Counts the batches one
+    iterator hands out, in the consumer's thread."""
+
+    def __init__(self, reported: int | None, num_workers: int, dataset: object) -> None:
+        self.reported = reported  # ``len(loader)`` when last asked (None: never)
+        self.num_workers = num_workers
+        self.dataset = dataset
+        self.handed = 0
+
+    def step(self) -> None:
+        """One batch is handed out: warn if it is past the length reported."""
+        self.handed += 1
+        if self.reported is None or self.handed <= self.reported:
+            return
+        msg = (
+            f"Length of IterableDataset {self.dataset} was reported to be {self.reported} "
+            f"(when accessing len(dataloader)), but {self.handed} samples have been fetched. "
+        )
+        if self.num_workers > 0:
+            msg += (
+                "For multiprocessing data-loading, this could be caused by not properly "
+                "configuring the IterableDataset replica at each worker (split it by "
+                "get_worker_info())."
+            )
+        warnings.warn(msg, UserWarning, stacklevel=3)
+
+
 def seed_of(seed: int | None, generator: Any) -> int:
     """The loader's seed: ``seed``; else drawn from torch's ``generator``, or from torch's
     global RNG where this program uses torch (so ``torch.manual_seed(0)`` makes the
@@ -143,14 +271,6 @@ def pin_memory_of(pin_memory: bool, device: str) -> str | None:
     if torch is None or not torch.cuda.is_available():
         return None
     return device or "cuda"
-
-
-def length(loader: object) -> int | None:
-    """``len(loader)``, or None where it is unknown (an iterable dataset with no len)."""
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def checked_state(state: object, per_epoch: int | None) -> tuple[int, int, int, tuple[int, ...]]:

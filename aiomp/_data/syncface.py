@@ -22,6 +22,7 @@ from anyio.from_thread import start_blocking_portal
 
 from .._loop import running_asyncio_loop, trio_running
 from .._process.checks import waiting_for_start
+from . import options as _options
 from .handoff import OPEN, Batches, Handoff, opened
 from .local import LocalEpoch
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from anyio.from_thread import BlockingPortal
 
     from .epoch import MapEpoch
+    from .sampling import Sampling
     from .streams import StreamEpoch
 
 
@@ -41,6 +43,9 @@ class SyncFace:
     _portal_cm: Any
     _handoff: Handoff | None
     _batches: weakref.ref[Batches] | None
+    sampling: Sampling | None
+    dataset: Any
+    _reported_len: int | None
 
     if TYPE_CHECKING:  # the loader's, used here
 
@@ -83,7 +88,11 @@ class SyncFace:
         try:
             portal.call(self.__aexit__, *exc_info)
         finally:
-            cm.__exit__(None, None, None)  # the loop has stopped: so has the pump
+            # Stop the private loop, cancelling what is left on it (a pump whose iterator
+            # was collected in a cycle before the loader), never waiting for it: given an
+            # exception, the portal's context manager cancels its remaining tasks.
+            stop = _Stop()
+            cm.__exit__(_Stop, stop, None)
             if self._handoff is not None:
                 self._handoff.items.clear()  # batches nobody will take
 
@@ -107,9 +116,16 @@ class SyncFace:
         pump = portal.start_task_soon(handoff.pump, _opener(weakref.ref(self)))
         # The iterator holds the loader (``for b in DataLoader(...)`` keeps it alive), the
         # loader holds the iterator weakly: dropping both collects the loader at once.
-        batches = Batches(handoff, pump, self)
+        batches = Batches(handoff, pump, self, self._length_watch())
         self._batches = weakref.ref(batches)
         return batches
+
+    def _length_watch(self) -> _options.LengthWatch | None:
+        """What counts the batches of an iterable dataset's next iterator (None for a
+        map-style dataset, whose length is its sampler's)."""
+        if self.sampling is not None:
+            return None
+        return _options.LengthWatch(self._reported_len, self.num_workers, self.dataset)
 
     def _close_batches(self) -> None:
         """Stop the pump of the current sync iterator, if any."""
@@ -148,3 +164,8 @@ def _opener(ref: weakref.ref[SyncFace]) -> Callable[[], MapEpoch | StreamEpoch]:
         return loader._workers_epoch()
 
     return open_epoch
+
+
+class _Stop(Exception):
+    """Thrown into the private loop's context manager as the loader leaves, so that it
+    cancels its remaining tasks (it returns without raising it)."""

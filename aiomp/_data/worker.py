@@ -15,8 +15,9 @@ from __future__ import annotations
 import enum
 import itertools
 import os
+import secrets
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._child import info as _info
@@ -54,8 +55,8 @@ class Builder:
 class ShardMark(enum.Enum):
     """What a shard's queue carries besides batches (never taken for a batch index)."""
 
-    END = "end"  # (shard, END, None): put by :func:`stream` after the shard's batches
-    FAILED = "failed"  # (shard, FAILED, None): the shard's task failed (put by the loader)
+    END = "end"  # (shard, END, None, state): put by :func:`stream` after its batches
+    FAILED = "failed"  # (shard, FAILED, None, None): its task failed (put by the loader)
 
 
 class _State:
@@ -65,6 +66,7 @@ class _State:
     info: _info.WorkerInfo | None = None
     pristine: Any = None  # an iterable dataset as it came, for the shards of other slots
     copies: dict[int, Any] = {}  # noqa: RUF012 - one per worker process
+    ends: dict[int, str] = {}  # noqa: RUF012 - shard -> the origin of its copy's last end
 
 
 _state = _State()
@@ -132,7 +134,7 @@ def _seed(seed: int) -> None:
     """Seed the RNGs a sample may use, and point torch's worker record at ours."""
     info = _state.info
     assert info is not None
-    info.seed = seed
+    _info.update(info, seed=seed)
     reseed(seed)
     # torch's get_worker_info() returns this module global: ours has the same names.
     twi = sys.modules.get("torch.utils.data._utils.worker")
@@ -159,41 +161,106 @@ def build(indices: list[Any], seed: int) -> Any:
 
 
 def stream(
-    epoch: int, shard: int, seed: int, batch_size: int, drop_last: bool, queue: Any, skip: int = 0
+    epoch: int,
+    seed: int,
+    batch_size: int,
+    drop_last: bool,
+    queue: Any,
+    start: tuple[int, int, Any],
+    skip: int = 0,
 ) -> None:
-    """Put the batches of shard ``shard`` of an iterable dataset's ``epoch`` on ``queue``
-    as ``(shard, j, batch)``, then ``(shard, ShardMark.END, None)``; the first ``skip``
-    batches are drawn from the iterator but neither collated nor put (a replay after a
+    """Put the batches of one shard of an iterable dataset's ``epoch`` on ``queue`` as
+    ``(shard, j, batch, state)``, then ``(shard, ShardMark.END, None, state)``. ``start`` is
+    ``(shard, first, resume)``: the shard's batches start at ``j = first``, its dataset
+    (and iterator) restored from ``resume`` (:func:`restore`); ``state`` is their state
+    after batch ``j`` (:func:`snapshot`; None where they keep none). Batches before
+    ``skip`` are drawn from the iterator but neither collated nor put (a replay after a
     dead worker).
 
-    While it runs, this worker's ``get_worker_info().id`` is ``shard``: whichever worker
-    the Pool gives the task, the dataset's own sharding by worker id gives shard ``shard``.
+    While it runs, this worker's ``get_worker_info().id`` is the shard: whichever worker
+    the Pool gives the task, the dataset's own sharding by worker id gives that shard.
     Batch ``j`` is drawn with the RNGs seeded from ``(seed, epoch, shard, j)``, so a replay
     draws the same batches. A closed queue (the consumer left the epoch) ends it quietly.
     """
     from .._errors import QueueClosed
     from .sampling import derive
 
+    shard, first, resume = start
     info = _state.info
     assert info is not None
-    own, info.id = info.id, shard
-    info.dataset = dataset = _shard_dataset(shard, own)
+    own = info.id
+    dataset = _shard_dataset(shard, own)
+    _info.update(info, id=shard, dataset=dataset)
     try:
-        _seed(derive(seed, epoch, shard, 0))
+        _seed(derive(seed, epoch, shard, first))
         samples = iter(dataset)
-        for j in itertools.count():
+        restore(dataset, samples, resume, first > 0, _state.ends.get(shard))
+        for j in itertools.count(first):
             _seed(derive(seed, epoch, shard, j))
-            batch = list(itertools.islice(samples, batch_size))
+            batch = take(samples, batch_size)
             if not batch or (len(batch) < batch_size and drop_last):
                 break
             if j >= skip:
-                queue.sync.put((shard, j, _state.builder.chunk(batch)))
+                queue.sync.put((shard, j, _state.builder.chunk(batch), snapshot(dataset, samples)))
             del batch
-        queue.sync.put((shard, ShardMark.END, None))
+        state = ended(dataset, samples, _state.ends, shard)
+        queue.sync.put((shard, ShardMark.END, None, state))
     except QueueClosed:
         pass
     finally:
-        info.id, info.dataset = own, _state.builder.dataset
+        _info.update(info, id=own, dataset=_state.builder.dataset)
+
+
+def take(iterator: Iterator[Any], n: int) -> list[Any]:
+    """The next ``n`` samples of ``iterator`` (fewer at its end), by ``next()`` alone, as
+    torch's fetcher draws them: ``islice`` would call ``iter()`` on it again, which
+    restarts a dataset that is its own iterator."""
+    batch = []
+    for _ in range(n):
+        try:
+            batch.append(next(iterator))
+        except StopIteration:
+            break
+    return batch
+
+
+def snapshot(dataset: Any, iterator: Any) -> dict[str, Any] | None:
+    """The state of an iterable dataset and of its iterator, as torchdata's
+    ``StatefulDataLoader`` keeps them: each one's ``state_dict()`` where it has one (the
+    iterator's only where it is not the dataset); None where neither has."""
+    of_dataset = getattr(dataset, "state_dict", None)
+    of_iterator = None if iterator is dataset else getattr(iterator, "state_dict", None)
+    if not callable(of_dataset) and not callable(of_iterator):
+        return None
+    return {
+        "dataset": of_dataset() if callable(of_dataset) else None,
+        "iterator": of_iterator() if callable(of_iterator) else None,
+    }
+
+
+def ended(dataset: Any, iterator: Any, ends: dict[Any, str], key: Any) -> dict[str, Any] | None:
+    """:func:`snapshot` at the end of a shard's epoch, marked with a new ``origin`` kept
+    in ``ends[key]``: the copy that ended in it need not load it again."""
+    state = snapshot(dataset, iterator)
+    if state is not None:
+        state["origin"] = ends[key] = secrets.token_hex(8)
+    return state
+
+
+def restore(
+    dataset: Any, iterator: Any, state: Any, mid_epoch: bool, origin: str | None = None
+) -> None:
+    """Load ``state`` (from :func:`snapshot`) into a dataset whose iterator was just made
+    and not yet drawn from (a generator's body has not run): the dataset's part, and the
+    iterator's where resuming ``mid_epoch`` (a new epoch starts a new iterator). A state
+    this very copy ended its last epoch in (``origin``) is not loaded: the copy goes on
+    as torch's persistent workers' datasets do; another worker's copy loads it."""
+    if not state or (origin is not None and state.get("origin") == origin):
+        return
+    if state.get("dataset") is not None:
+        dataset.load_state_dict(state["dataset"])
+    if mid_epoch and state.get("iterator") is not None and iterator is not dataset:
+        iterator.load_state_dict(state["iterator"])
 
 
 def _shard_dataset(shard: int, own: int) -> Any:

@@ -91,6 +91,8 @@ class Registry:
         """The exporter of a block died: retire the block, or release its lease."""
         if segment.inherited:
             return  # its leases and pool are the parent's (we share its descriptions)
+        if _lease is None:  # a block held by a module global, dropped as the interpreter
+            return  # clears the modules: the kernel drops an exiting process's leases
         with self.lock:
             self.info.pop(exporter_id, None)
             key = (segment.key, index)

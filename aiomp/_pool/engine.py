@@ -239,6 +239,12 @@ class Engine:
                             await h.dead.wait()
                 except BaseException as exc:  # noqa: BLE001 - returned once all are reaped
                     interrupted = exc
+                # Every task is done: one still exiting is slow (a loaded machine, a heavy
+                # interpreter's teardown), not a survivor of a failure. It is terminated
+                # quietly, as torch's DataLoader terminates its workers after its 5 s join
+                # (issue 39 bug 9: a normal exit under load printed a SIGTERM warning).
+                for h in list(self.handles):
+                    h.expect_kill()
             self.state = CLOSED
             self.sched.terminate(RuntimeError("the pool was terminated before the task started"))
             if self._supervisor is not None:

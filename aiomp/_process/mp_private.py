@@ -97,11 +97,18 @@ def forget_child(process: multiprocessing.process.BaseProcess) -> None:
     multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
 
 
+#: The exit status of a child reaped by someone else (its status is lost).
+LOST_STATUS = 255
+
+
 def reap(process: multiprocessing.process.BaseProcess) -> tuple[int | None, int | None]:
     """Reap our own child ``process`` if it has exited: ``(exit status, peak RSS in
     bytes)``; ``(None, None)`` while it runs. The status is stored where ``Popen.poll``
     finds it, so ``process.exitcode`` agrees. Reaped already (by ``Popen.poll``): its
-    status, and no RSS."""
+    status, and no RSS. Reaped by someone else (``os.waitpid`` in the program, as torch's
+    tests do with psutil): it has exited, its status is lost: :data:`LOST_STATUS`, as
+    multiprocessing reads a fork server's lost status (issue 39 bug 2: waiting for a
+    status nobody would give hung the pool's replacement of the worker)."""
     import os
 
     popen = process._popen  # type: ignore[attr-defined]
@@ -109,8 +116,9 @@ def reap(process: multiprocessing.process.BaseProcess) -> tuple[int | None, int 
         return popen.returncode, None
     try:
         pid, status, usage = os.wait4(popen.pid, os.WNOHANG)
-    except ChildProcessError:
-        return process.exitcode, None
+    except ChildProcessError:  # our own child, not ours to reap: someone else reaped it
+        popen.returncode = LOST_STATUS
+        return LOST_STATUS, None
     if pid == 0:
         return None, None
     popen.returncode = os.waitstatus_to_exitcode(status)

@@ -56,6 +56,21 @@ def test_a_forgotten_child_is_reaped_with_its_peak_rss_by_its_owner_alone() -> N
         proc.close()
 
 
+def test_a_child_reaped_by_someone_else_reads_as_exited_with_its_status_lost() -> None:
+    """Issue 39 bug 2: a program that reaps one of our children itself (torch's tests
+    kill a DataLoader worker and wait for it with psutil) leaves no status to read: the
+    child reads as exited (LOST_STATUS), not as running forever."""
+    proc = multiprocessing.get_context("fork").Process(target=os._exit, args=(7,))
+    proc.start()
+    mp_private.forget_child(proc)
+    try:
+        os.waitpid(proc.pid, 0)  # the program reaps it
+        assert mp_private.reap(proc) == (mp_private.LOST_STATUS, None)
+        assert proc.exitcode == mp_private.LOST_STATUS
+    finally:
+        proc.close()
+
+
 def test_a_reaped_process_closes_its_sentinel_and_keeps_its_status() -> None:
     proc = multiprocessing.get_context("spawn").Process(target=int)
     proc.start()
