@@ -26,9 +26,9 @@ from .sampling import (
     batch_count,
     is_map_style,
 )
-from .streams import Position, StreamEpoch, checked_shards, shards_at
+from .streams import StreamEpoch, checked_shards, shards_at
 from .syncface import SyncFace
-from .worker import Builder
+from .worker import Builder, Position
 from .worker import init as _init_worker
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class DataLoader(SyncFace):
         self._later: tuple[int, ...] = ()  # and those past them (in_order=False)
         self._current: MapEpoch | StreamEpoch | LocalEpoch | None = None
         self._skip_sampler = False  # resumed by the user sampler's own state
-        #: An iterable dataset's shards' start (streams.Position): from a state dict, or
+        #: An iterable dataset's shards' start (worker.Position): from a state dict, or
         #: the states their datasets ended the last epoch in.
         self._resume: Position | None = None
         #: Batch requests running (of any epoch): leaving with some terminates workers.

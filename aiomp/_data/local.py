@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from .epoch import Owner
-from .worker import Builder, ended, restore, snapshot, take
+from .worker import Builder, Position, ended, restore, snapshot, take
 
 #: id(dataset) -> the origin of the state its last epoch here ended in (see worker.ended).
 ENDS: dict[int, str] = {}
 
 if TYPE_CHECKING:
     from .options import LengthWatch
-    from .streams import Position
 
 
 class LocalEpoch:

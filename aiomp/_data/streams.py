@@ -38,12 +38,7 @@ from . import options as _options
 from . import worker as _worker
 from .epoch import Owner, receive
 from .feeds import broken
-from .worker import ShardMark
-
-#: Where an iterable dataset's epoch is: ``{"turn": shard, "shards": [{"batches": j,
-#: "state": its dataset's state or None, "ended": bool}, ...]}`` (JSON-able where the
-#: dataset's states are).
-Position = dict[str, Any]
+from .worker import Position, ShardMark
 
 
 def resumable(position: Position | None) -> bool:

@@ -52,6 +52,12 @@ class Builder:
         return self.collate(samples) if self.auto else self.collate(samples[0])
 
 
+#: Where an iterable dataset's epoch is: ``{"turn": shard, "shards": [{"batches": j,
+#: "state": its dataset's state or None, "ended": bool}, ...]}`` (JSON-able where the
+#: dataset's states are).
+Position = dict[str, Any]
+
+
 class ShardMark(enum.Enum):
     """What a shard's queue carries besides batches (never taken for a batch index)."""
 

@@ -9,7 +9,7 @@ pre-faulted, so a block costs no page fault when it is filled.
 
 Small blocks (up to :data:`LARGEST_SMALL`, powers of two from :data:`SMALLEST`) share
 slabs: the first slab of a block size holds :data:`FIRST_SLAB_BLOCKS` blocks, each next
-one twice as many, up to :data:`SLAB` bytes (a process that sends a few small arrays, a
+one four times as many, up to :data:`SLAB` bytes (a process that sends a few small arrays, a
 data loader's worker sending labels, maps and pre-faults little); a larger array has a
 segment of its own, rounded up to :data:`LARGE_ROUND`. A block is reused once its
 creator's own views are gone (it is *retired*) and the kernel reports no lease on it, nor,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     import weakref
 
 SLAB = 8 << 20
-FIRST_SLAB_BLOCKS = 4
+FIRST_SLAB_BLOCKS = 8
 SMALLEST = 64 << 10
 LARGEST_SMALL = 1 << 20
 LARGE_ROUND = 2 << 20
@@ -51,8 +51,9 @@ _MAX_RETIRED_CHECKS = 64
 
 def slab_bytes(block_size: int, slabs: int) -> int:
     """The bytes of blocks in a new slab of ``block_size`` blocks when ``slabs`` of them
-    are held already: doubling from :data:`FIRST_SLAB_BLOCKS` blocks up to :data:`SLAB`."""
-    return min(SLAB, block_size * FIRST_SLAB_BLOCKS << min(slabs, 16))
+    are held already: from :data:`FIRST_SLAB_BLOCKS` blocks, four times as many each time,
+    up to :data:`SLAB` (a busy sender reaches full slabs in two steps, so few fds)."""
+    return min(SLAB, block_size * FIRST_SLAB_BLOCKS << 2 * min(slabs, 8))
 
 
 def block_size_for(nbytes: int) -> int:
