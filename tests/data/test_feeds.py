@@ -119,6 +119,9 @@ async def test_a_batch_past_its_deadline_times_out_and_its_feed_is_replaced() ->
 
 
 @pytest.mark.anyio
+# One loop: the deadline is the feeds' own (the loop-specific waits are pinned by
+# test_faults' hung-worker tests on every loop), and each run costs 15 s.
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_a_worker_s_start_does_not_count_against_the_timeout(tmp_path: Path) -> None:
     """``timeout=`` counts from the moment a worker has the batch: workers whose start
     (``worker_init_fn``) takes twice the timeout time nothing out, the first epoch's and
