@@ -126,16 +126,9 @@ class WritesWorkerInfo:
         return "assigned"
 
 
-class SlowExit:
+class SlowExit(Slow):
     """A map-style dataset whose samples leave a non-daemon thread running for
     ``seconds``: its worker, asked to exit, is slow to (past the 5 s grace)."""
-
-    def __init__(self, n: int, seconds: float) -> None:
-        self.n = n
-        self.seconds = seconds
-
-    def __len__(self) -> int:
-        return self.n
 
     def __getitem__(self, i: int) -> int:
         import threading
