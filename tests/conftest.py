@@ -71,8 +71,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 #: Tests that must share one pytest-xdist worker (``-n 2 --dist loadgroup``): the Ray tests
-#: share one local Ray cluster; mypy and ruff share their caches.
+#: share one local Ray cluster (the contract suite over Ray actors, before them, its own
+#: local Ray instance: one ``ray.init`` in all, not one per worker); mypy and ruff share
+#: their caches.
 _XDIST_GROUPS = {
+    "tests/contract/test_worker_kinds_ray.py": "ray",
     "tests/ray/": "ray",
     "tests/meta/test_lint.py": "tools",
     "tests/meta/test_typing.py": "tools",
@@ -94,6 +97,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for prefix, group in _XDIST_GROUPS.items():
             if path.startswith(prefix):
                 item.add_marker(pytest.mark.xdist_group(group))
+                _group_id(config, item, group)
+
+
+def _group_id(config: pytest.Config, item: pytest.Item, group: str) -> None:
+    """The ``@group`` suffix of the test id in a loadgroup worker, which the scheduler groups
+    by: pytest-xdist 3.8 writes it to ``item._nodeid``, which pytest 9 no longer reads (the id
+    is ``item._id``), so the groups' tests were spread over the workers and each worker
+    started its own Ray instances."""
+    if not config.getoption("loadgroup", False) or "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(params=["file_descriptor", "file_system"])

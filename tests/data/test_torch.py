@@ -43,6 +43,9 @@ async def test_torch_samplers_and_batch_samplers() -> None:
     assert len(got) == 3 and len(set(list(itertools.chain.from_iterable(got)))) == 9
 
 
+# One loop: the sharding is the workers' own (torch's get_worker_info() in the child); the
+# loader on each loop is pinned by the tests above.
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_an_iterable_dataset_shards_by_torch_get_worker_info() -> None:
     with anyio.fail_after(90):
         async with aiomp.DataLoader(TorchRange(10), 2, num_workers=2, start_method=FS) as loader:
@@ -51,6 +54,9 @@ async def test_an_iterable_dataset_shards_by_torch_get_worker_info() -> None:
     assert got[0] == [0, 2] and got[1] == [1, 3]  # round-robin over the shards, as torch
 
 
+# One loop: the seeding happens in the workers, per batch, whatever loop awaits them (the
+# loader on each loop is pinned by the tests above); three loops cost 9 s.
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("asyncio", {}), id="asyncio")])
 async def test_torch_rng_seeded_per_batch_whatever_num_workers() -> None:
     draws = []
     for workers in (1, 2):
