@@ -8,12 +8,10 @@ last user of an abandoned name removes it). Segments are allocated in full up fr
 pre-faulted, so a block costs no page fault when it is filled.
 
 Small blocks (up to :data:`LARGEST_SMALL`, powers of two from :data:`SMALLEST`) share
-slabs: the first slab of a block size holds :data:`FIRST_SLAB_BLOCKS` blocks, each next
-one four times as many, up to :data:`SLAB` bytes (a process that sends a few small arrays, a
-data loader's worker sending labels, maps and pre-faults little); a larger array has a
-segment of its own, rounded up to :data:`LARGE_ROUND`. A block is reused once its
-creator's own views are gone (it is *retired*) and the kernel reports no lease on it, nor,
-under ``file_system``, a reference in flight.
+:data:`SLAB`-byte segments; a larger array has a segment of its own, rounded up to
+:data:`LARGE_ROUND`. A block is reused once its creator's own views are gone (it is
+*retired*) and the kernel reports no lease on it, nor, under ``file_system``, a reference
+in flight.
 
 A *child* module.
 """
@@ -37,7 +35,6 @@ if TYPE_CHECKING:
     import weakref
 
 SLAB = 8 << 20
-FIRST_SLAB_BLOCKS = 8
 SMALLEST = 64 << 10
 LARGEST_SMALL = 1 << 20
 LARGE_ROUND = 2 << 20
@@ -47,13 +44,6 @@ POOL_LIMIT = 1 << 30
 #: past that the oldest is given away.
 IDLE_SEGMENTS = 32
 _MAX_RETIRED_CHECKS = 64
-
-
-def slab_bytes(block_size: int, slabs: int) -> int:
-    """The bytes of blocks in a new slab of ``block_size`` blocks when ``slabs`` of them
-    are held already: from :data:`FIRST_SLAB_BLOCKS` blocks, four times as many each time,
-    up to :data:`SLAB` (a busy sender reaches full slabs in two steps, so few fds)."""
-    return min(SLAB, block_size * FIRST_SLAB_BLOCKS << 2 * min(slabs, 8))
 
 
 def block_size_for(nbytes: int) -> int:
@@ -175,8 +165,7 @@ class SegmentPool:
         first_segment()
         self.trim(POOL_LIMIT)
         named, bs = key
-        held = len(self.segments.get(key, ()))
-        size = HEADER + (slab_bytes(bs, held) if bs <= LARGEST_SMALL else bs)
+        size = HEADER + (SLAB if bs <= LARGEST_SMALL else bs)
         name = None
         if named:
             name = f"{PREFIX}{os.getpid()}-{os.urandom(8).hex()}"

@@ -332,24 +332,3 @@ async def test_same_segment_is_mapped_once_and_views_stay_views() -> None:
         "mappings": len(segments),
     }
     assert a[10] == -1.0, "the child's write through its view"
-
-
-def test_small_slabs_start_small_and_double() -> None:
-    """A process that shares one small array maps a slab of a few blocks, not 8 MiB
-    (a data loader's worker sending labels kept 8 MiB pre-faulted: PSS 1.13x torch's);
-    each next slab of that block size is four times larger, up to SLAB."""
-    from aiomp._memory import allocator as al
-
-    small = al.SMALLEST
-    assert al.slab_bytes(small, 0) == al.FIRST_SLAB_BLOCKS * small
-    assert al.slab_bytes(small, 1) == 4 * al.FIRST_SLAB_BLOCKS * small
-    assert al.slab_bytes(small, 40) == al.SLAB
-    assert al.slab_bytes(al.LARGEST_SMALL, 3) == al.SLAB
-    from aiomp._memory.registry import REGISTRY
-    from aiomp._memory.segment import HEADER
-
-    shared = aiomp.share_memory(np.arange(10))
-    slabs = REGISTRY.pool.segments[(False, small)]
-    assert slabs[0].size == HEADER + al.slab_bytes(small, 0), [s.size for s in slabs]
-    assert [s.size for s in slabs] == sorted(s.size for s in slabs)
-    del shared
