@@ -102,7 +102,7 @@ class Slow:
         return self.n
 
     def __getitem__(self, i: int) -> int:
-        time.sleep(self.seconds)
+        time.sleep(self.seconds)  # handshake-free: a slow sample is what the dataset is
         return i
 
 
